@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Launch megatron_async_rl on one node with torchrun.
+#
+# Usage: launch/torchrun.sh RECIPE.yaml [entry-point args...]
+#   e.g. launch/torchrun.sh yaml_configs/tiny.yaml --set scheduler.generate_ahead_steps=2 \
+#            -- --tensor-model-parallel-size 2 --lr 1e-6
+# Everything after RECIPE (including `--` and the Megatron flags after it) reaches
+# `python -m megatron_async_rl.train` verbatim.
+#
+# Environment knobs (default in brackets):
+#   NPROC_PER_NODE      ranks on this node [GPUs listed by `nvidia-smi -L`; 4 when there are
+#                       none (CPU/gloo). nvidia-smi ignores CUDA_VISIBLE_DEVICES: set this when
+#                       you restrict the devices]
+#   MASTER_ADDR         rendezvous address [127.0.0.1]
+#   MASTER_PORT         rendezvous port [29500]
+#   PYTHON              interpreter [<repo>/.venv/bin/python if present, else python3]; it runs
+#                       `-m torch.distributed.run`, so that environment's torch is the one used
+#   RUN_DIR             passed as `--run-dir RUN_DIR` before your args [unset: not passed]
+#   OMP_NUM_THREADS     [1 when no GPU is found, else left as is]; threads per rank, so CPU
+#                       ranks do not oversubscribe the cores
+#   TORCHRUN_EXTRA_ARGS extra torchrun flags, split on whitespace, placed after the ones above
+#                       (e.g. "--max-restarts 2 --redirects 3") [empty]
+#   DRY_RUN=1           print the exact command on one line and exit 0 without running it
+# The repository root is prepended to PYTHONPATH so the package imports from any directory.
+# Errors in the arguments or knobs print the name, the value and the rule, and exit 2.
+set -euo pipefail
+
+die() {
+    printf 'torchrun.sh: %s\n' "$1" >&2
+    printf 'usage: launch/torchrun.sh RECIPE.yaml [args...]; knobs: see its header\n' >&2
+    exit 2
+}
+
+repo_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+(($# >= 1)) || die "missing argument RECIPE: the recipe YAML must be the first argument"
+recipe=$1
+shift
+[[ -f $recipe ]] ||
+    die "argument RECIPE='$recipe' is not a file: pass a recipe YAML first (--config is added)"
+
+num_gpus=0
+if command -v nvidia-smi >/dev/null 2>&1 && gpu_listing=$(nvidia-smi -L 2>/dev/null); then
+    num_gpus=$(grep -c '^GPU ' <<<"$gpu_listing" || true)
+fi
+
+if ((num_gpus > 0)); then
+    nproc_per_node=${NPROC_PER_NODE:-$num_gpus}
+else
+    nproc_per_node=${NPROC_PER_NODE:-4}
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+fi
+[[ $nproc_per_node =~ ^[1-9][0-9]*$ ]] ||
+    die "NPROC_PER_NODE='$nproc_per_node' must be a positive integer (ranks on this node)"
+
+master_addr=${MASTER_ADDR:-127.0.0.1}
+master_port=${MASTER_PORT:-29500}
+if ! [[ $master_port =~ ^[1-9][0-9]{0,4}$ ]] || ((master_port > 65535)); then
+    die "MASTER_PORT='$master_port' must be an integer in 1..65535"
+fi
+
+if [[ -z ${PYTHON:-} && -x $repo_dir/.venv/bin/python ]]; then
+    python=$repo_dir/.venv/bin/python
+else
+    python=${PYTHON:-python3}
+fi
+command -v "$python" >/dev/null 2>&1 || die "PYTHON='$python' is not an executable command"
+
+read -r -a torchrun_extra <<<"${TORCHRUN_EXTRA_ARGS:-}"
+run_dir_args=()
+[[ -z ${RUN_DIR:-} ]] || run_dir_args=(--run-dir "$RUN_DIR")
+
+cmd=(
+    "$python" -m torch.distributed.run
+    --nnodes 1 --nproc-per-node "$nproc_per_node"
+    --master-addr "$master_addr" --master-port "$master_port"
+    "${torchrun_extra[@]}"
+    -m megatron_async_rl.train --config "$recipe" "${run_dir_args[@]}" "$@"
+)
+
+if [[ ${DRY_RUN:-0} == 1 ]]; then
+    printf -v line '%q ' "${cmd[@]}"
+    printf '%s\n' "${line% }"
+    exit 0
+fi
+
+export PYTHONPATH="$repo_dir${PYTHONPATH:+:$PYTHONPATH}"
+exec "${cmd[@]}"

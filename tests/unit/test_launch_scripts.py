@@ -1,0 +1,274 @@
+"""The command lines that `launch/torchrun.sh` and `launch/slurm.sbatch` build.
+
+Contract checked, mostly through `DRY_RUN=1` (the script prints its command on one line, shell-
+quoted, and exits 0; the line is parsed here with `shlex`):
+
+- torchrun.sh: `PYTHON -m torch.distributed.run --nnodes 1 --nproc-per-node N --master-addr A
+  --master-port P [TORCHRUN_EXTRA_ARGS] -m megatron_async_rl.train --config RECIPE
+  [--run-dir RUN_DIR] ARGS...`, N defaulting to the GPU count, else 4;
+- slurm.sbatch: `srun --kill-on-bad-exit=1 --ntasks=NNODES --ntasks-per-node=1
+  [--cpus-per-task=C] PYTHON -m torch.distributed.run --nnodes NNODES --nproc-per-node G
+  --rdzv-id ID --rdzv-backend c10d --rdzv-endpoint HOST:PORT [TORCHRUN_EXTRA_ARGS]
+  -m megatron_async_rl.train --config RECIPE [--run-dir RUN_DIR] ARGS...`, with HOST the first
+  host of the job's node list and ID the job id;
+- ARGS, including `--` and the Megatron flags after it, pass through verbatim;
+- without DRY_RUN the scripts exec exactly the printed command (recorded by fakes);
+- a user's mistake exits 2 with a message naming the argument or variable and its value;
+- the #SBATCH defaults sit before the first command (sbatch ignores any later ones).
+
+Faked: `scontrol`, `nvidia-smi` and `srun` are tiny scripts on PATH; the SLURM_* variables are
+set by hand; PYTHON is a script that records its argv and environment. The real environment's
+knobs and SLURM_* variables are removed so the tests run the same inside a SLURM job.
+"""
+
+import json
+import os
+import re
+import shlex
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN_SH = REPO_ROOT / "launch" / "torchrun.sh"
+SLURM_SBATCH = REPO_ROOT / "launch" / "slurm.sbatch"
+PY = sys.executable
+TRAIN = ["-m", "megatron_async_rl.train", "--config", "recipe.yaml"]
+PASS_THROUGH = [
+    "--set", "x=y", "--set", "name=a b", "--",
+    "--tensor-model-parallel-size", "2", "--lr", "1e-6",
+]  # fmt: skip
+KNOBS = (
+    "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "PYTHON", "RUN_DIR", "OMP_NUM_THREADS",
+    "TORCHRUN_EXTRA_ARGS", "DRY_RUN", "GPUS_PER_NODE", "RDZV_ID", "REPO_DIR",
+)  # fmt: skip
+FAKE_SLURM = {
+    "SLURM_NNODES": "2",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NODELIST": "gpu-[07-08]",
+    "SLURM_GPUS_ON_NODE": "4",
+}
+
+
+def _write_exe(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path) -> Path:
+    """A working directory holding `recipe.yaml` and a `bin/` of fakes that goes first on PATH."""
+    (tmp_path / "recipe.yaml").write_text("scheduler: {generate_ahead_steps: 1}\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # Only the exact node list of FAKE_SLURM expands, so a wrong argument fails the test.
+    _write_exe(
+        bin_dir / "scontrol",
+        '#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu-[07-08]" ] || exit 1\n'
+        "printf 'gpu-07\\ngpu-08\\n'\n",
+    )
+    _write_exe(bin_dir / "nvidia-smi", "#!/bin/sh\nexit 9\n")  # a host without a GPU
+    return tmp_path
+
+
+def _run(sandbox: Path, script: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in KNOBS and not k.startswith("SLURM_")}
+    base["PATH"] = f"{sandbox / 'bin'}{os.pathsep}{base['PATH']}"
+    return subprocess.run(
+        [str(script), *args],
+        check=False,
+        cwd=sandbox,
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def _dry_argv(sandbox: Path, script: Path, *args: str, **env: str) -> list[str]:
+    result = _run(sandbox, script, *args, DRY_RUN="1", **env)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert result.stdout.count("\n") == 1, result.stdout
+    return shlex.split(result.stdout)
+
+
+def _torchrun(nproc: str, addr: str = "127.0.0.1", port: str = "29500") -> list[str]:
+    return [
+        PY, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", nproc,
+        "--master-addr", addr, "--master-port", port,
+    ]  # fmt: skip
+
+
+def _srun(nnodes: str, nproc: str, rdzv_id: str, endpoint: str, cpus: str = "") -> list[str]:
+    return [
+        "srun", "--kill-on-bad-exit=1", f"--ntasks={nnodes}", "--ntasks-per-node=1",
+        *([f"--cpus-per-task={cpus}"] if cpus else []),
+        PY, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", nproc,
+        "--rdzv-id", rdzv_id, "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+    ]  # fmt: skip
+
+
+def test_torchrun_defaults_on_a_host_without_gpu(sandbox):
+    argv = _dry_argv(sandbox, TORCHRUN_SH, "recipe.yaml")
+    venv_python = REPO_ROOT / ".venv" / "bin" / "python"
+    default_python = str(venv_python) if os.access(venv_python, os.X_OK) else "python3"
+    assert argv == [default_python, *_torchrun("4")[1:], *TRAIN]
+
+
+def test_torchrun_nproc_defaults_to_the_gpu_count(sandbox):
+    _write_exe(
+        sandbox / "bin" / "nvidia-smi",
+        "#!/bin/sh\necho 'GPU 0: H200 (UUID: GPU-a)'\n"
+        "echo '  MIG 1g.18gb     Device  0: (UUID: MIG-b)'\necho 'GPU 1: H200 (UUID: GPU-c)'\n",
+    )
+    assert _dry_argv(sandbox, TORCHRUN_SH, "recipe.yaml", PYTHON=PY) == [*_torchrun("2"), *TRAIN]
+
+
+def test_torchrun_knobs(sandbox):
+    argv = _dry_argv(
+        sandbox,
+        TORCHRUN_SH,
+        "recipe.yaml",
+        *PASS_THROUGH,
+        PYTHON=PY,
+        NPROC_PER_NODE="3",
+        MASTER_ADDR="10.1.2.3",
+        MASTER_PORT="29601",
+        RUN_DIR="runs/my run",
+        TORCHRUN_EXTRA_ARGS=" --max-restarts 2  --redirects 3 ",
+    )
+    assert argv == [
+        *_torchrun("3", "10.1.2.3", "29601"), "--max-restarts", "2", "--redirects", "3",
+        *TRAIN, "--run-dir", "runs/my run", *PASS_THROUGH,
+    ]  # fmt: skip
+
+
+def test_slurm_rendezvous_from_the_job_environment(sandbox):
+    argv = _dry_argv(
+        sandbox, SLURM_SBATCH, "recipe.yaml", PYTHON=PY, SLURM_CPUS_PER_TASK="16", **FAKE_SLURM
+    )
+    assert argv == [*_srun("2", "4", "4242", "gpu-07:29500", cpus="16"), *TRAIN]
+
+
+def test_slurm_knobs_override_the_job_environment(sandbox):
+    env = {k: v for k, v in FAKE_SLURM.items() if k != "SLURM_JOB_NODELIST"}  # scontrol unused
+    argv = _dry_argv(
+        sandbox,
+        SLURM_SBATCH,
+        "recipe.yaml",
+        *PASS_THROUGH,
+        **env,
+        PYTHON=PY,
+        GPUS_PER_NODE="8",
+        MASTER_ADDR="head.example",
+        MASTER_PORT="29700",
+        RDZV_ID="my-rdzv",
+        RUN_DIR="/scratch/run 1",
+        TORCHRUN_EXTRA_ARGS="--max-restarts 1",
+    )
+    assert argv == [
+        *_srun("2", "8", "my-rdzv", "head.example:29700"), "--max-restarts", "1",
+        *TRAIN, "--run-dir", "/scratch/run 1", *PASS_THROUGH,
+    ]  # fmt: skip
+
+
+def test_slurm_defaults_gpus_and_python_from_the_submit_dir(sandbox):
+    (sandbox / ".venv" / "bin").mkdir(parents=True)
+    venv_python = _write_exe(sandbox / ".venv" / "bin" / "python", "#!/bin/sh\n")
+    env = {k: v for k, v in FAKE_SLURM.items() if k != "SLURM_GPUS_ON_NODE"}
+    argv = _dry_argv(sandbox, SLURM_SBATCH, "recipe.yaml", SLURM_SUBMIT_DIR=str(sandbox), **env)
+    expected = [str(venv_python) if a == PY else a for a in _srun("2", "8", "4242", "gpu-07:29500")]
+    assert argv == [*expected, *TRAIN]
+
+
+@pytest.mark.parametrize("script", [TORCHRUN_SH, SLURM_SBATCH], ids=["torchrun", "slurm"])
+def test_args_pass_through_verbatim(sandbox, script):
+    args = [*PASS_THROUGH, "", "it's", "*", "$HOME"]
+    argv = _dry_argv(sandbox, script, "recipe.yaml", *args, PYTHON=PY, **FAKE_SLURM)
+    assert argv[-len(TRAIN) - len(args) :] == [*TRAIN, *args]
+
+
+@pytest.mark.parametrize("script", [TORCHRUN_SH, SLURM_SBATCH], ids=["torchrun", "slurm"])
+def test_exec_runs_the_printed_command(sandbox, script):
+    """PYTHON (and for SLURM, srun) are fakes recording argv and environment as JSON."""
+    record = sandbox / "record.json"
+    recorder = (
+        f"#!{PY}\nimport json, os, pathlib, sys\n"
+        f"pathlib.Path({str(record)!r}).write_text("
+        "json.dumps({'argv': sys.argv[1:], 'env': dict(os.environ)}))\n"
+    )
+    fake_python = _write_exe(sandbox / "fake-python", recorder)
+    _write_exe(sandbox / "bin" / "srun", recorder)
+    env = {"PYTHON": str(fake_python), "SLURM_SUBMIT_DIR": str(REPO_ROOT), **FAKE_SLURM}
+    printed = _dry_argv(sandbox, script, "recipe.yaml", *PASS_THROUGH, **env)
+
+    result = _run(sandbox, script, "recipe.yaml", *PASS_THROUGH, **env)
+    assert result.returncode == 0, result.stderr
+    recorded = json.loads(record.read_text())
+    assert recorded["argv"] == printed[1:]
+    assert recorded["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(REPO_ROOT)
+    if script == TORCHRUN_SH:  # no GPU: one thread per rank unless the user chose
+        assert recorded["env"]["OMP_NUM_THREADS"] == "1"
+
+
+def test_torchrun_keeps_a_chosen_omp_num_threads(sandbox):
+    record = sandbox / "record.json"
+    fake_python = _write_exe(
+        sandbox / "fake-python",
+        f"#!/bin/sh\nprintf '%s' \"$OMP_NUM_THREADS\" > {shlex.quote(str(record))}\n",
+    )
+    result = _run(sandbox, TORCHRUN_SH, "recipe.yaml", PYTHON=str(fake_python), OMP_NUM_THREADS="6")
+    assert result.returncode == 0, result.stderr
+    assert record.read_text() == "6"
+
+
+ERRORS = [
+    (TORCHRUN_SH, [], {}, r"missing argument RECIPE"),
+    (TORCHRUN_SH, ["absent.yaml"], {}, r"RECIPE='absent\.yaml' is not a file"),
+    (TORCHRUN_SH, ["recipe.yaml"], {"NPROC_PER_NODE": "0"}, r"NPROC_PER_NODE='0'.*positive"),
+    (TORCHRUN_SH, ["recipe.yaml"], {"NPROC_PER_NODE": "two"}, r"NPROC_PER_NODE='two'.*positive"),
+    (TORCHRUN_SH, ["recipe.yaml"], {"NPROC_PER_NODE": "1.5"}, r"NPROC_PER_NODE='1\.5'"),
+    (TORCHRUN_SH, ["recipe.yaml"], {"MASTER_PORT": "70000"}, r"MASTER_PORT='70000'.*1\.\.65535"),
+    (TORCHRUN_SH, ["recipe.yaml"], {"PYTHON": "no-such-python"}, r"PYTHON='no-such-python'"),
+    (SLURM_SBATCH, [], FAKE_SLURM, r"missing argument RECIPE"),
+    (SLURM_SBATCH, ["absent.yaml"], FAKE_SLURM, r"RECIPE='absent\.yaml' is not a file"),
+    (SLURM_SBATCH, ["recipe.yaml"], {}, r"SLURM_NNODES is not set"),
+    (SLURM_SBATCH, ["recipe.yaml"], {**FAKE_SLURM, "SLURM_NNODES": "0"}, r"SLURM_NNODES='0'"),
+    (SLURM_SBATCH, ["recipe.yaml"], {**FAKE_SLURM, "GPUS_PER_NODE": "x"}, r"GPUS_PER_NODE='x'"),
+    (SLURM_SBATCH, ["recipe.yaml"], {**FAKE_SLURM, "MASTER_PORT": "0"}, r"MASTER_PORT='0'"),
+    (
+        SLURM_SBATCH,
+        ["recipe.yaml"],
+        {**FAKE_SLURM, "SLURM_JOB_NODELIST": "other[1-2]"},
+        r"scontrol show hostnames failed for SLURM_JOB_NODELIST='other\[1-2\]'",
+    ),
+    (
+        SLURM_SBATCH,
+        ["recipe.yaml"],
+        {k: v for k, v in FAKE_SLURM.items() if k != "SLURM_JOB_ID"},
+        r"RDZV_ID is empty and SLURM_JOB_ID is not set",
+    ),
+]
+
+
+@pytest.mark.parametrize("script, args, env, message", ERRORS)
+def test_user_errors_exit_2_naming_the_culprit(sandbox, script, args, env, message):
+    result = _run(sandbox, script, *args, **{"DRY_RUN": "1", "PYTHON": PY, **env})
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert re.search(message, result.stderr), result.stderr
+
+
+def test_sbatch_directives_are_read_by_sbatch():
+    """sbatch stops reading #SBATCH at the first command, so every directive must come first."""
+    lines = SLURM_SBATCH.read_text().splitlines()
+    first_command = next(i for i, line in enumerate(lines[1:], 1) if not line.startswith("#"))
+    directives = [line for line in lines if line.startswith("#SBATCH")]
+    assert all(lines.index(d) < first_command for d in directives)
+    for option in ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=8", "--output=%x-%j.out"):
+        assert f"#SBATCH {option}" in directives
