@@ -1,0 +1,94 @@
+"""Platform detection and process-group start: CPU + gloo or CUDA + NCCL, chosen, never edited.
+
+Owned here: deciding the device and collective backend from the recipe (`platform.device`,
+`platform.backend`, each `auto` by default) and what this machine has; starting
+`torch.distributed`; installing the megatron-core CPU compatibility layer on CPU. Called by the
+entry point and by the distributed tests, before any group or model is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """Where tensors live and how ranks talk."""
+
+    device_type: str  # "cpu" or "cuda"
+    backend: str  # "gloo" or "nccl"
+
+    @property
+    def use_cuda(self) -> bool:
+        return self.device_type == "cuda"
+
+    def device(self) -> torch.device:
+        if self.use_cuda:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def detect_platform(device: str = "auto", backend: str = "auto") -> Platform:
+    """Resolve `auto` choices; raise ValueError when the recipe asks for what is not here."""
+    has_cuda = torch.cuda.is_available()
+    if device == "auto":
+        device = "cuda" if has_cuda else "cpu"
+    if device == "cuda" and not has_cuda:
+        raise ValueError(
+            "platform.device = cuda: no CUDA device is visible to this process "
+            "(torch.cuda.is_available() is False); use platform.device=cpu or auto"
+        )
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" else "gloo"
+    if backend == "nccl" and device != "cuda":
+        raise ValueError(f"platform.backend = nccl: NCCL needs platform.device=cuda, got {device}")
+    return Platform(device_type=device, backend=backend)
+
+
+def init_distributed(
+    platform: Platform,
+    *,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    timeout_s: float = 600.0,
+) -> tuple[int, int]:
+    """Start the default process group (env:// under torchrun) and prepare this process.
+
+    Returns (rank, world_size). On CPU, installs the Megatron compatibility layer and pins torch
+    to a thread count that does not oversubscribe the cores shared by the local ranks.
+    """
+    if platform.use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)}
+    if init_method is not None:
+        kwargs.update(init_method=init_method, rank=rank, world_size=world_size)
+    dist.init_process_group(backend=platform.backend, **kwargs)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    setup_process(platform)
+    return rank, world_size
+
+
+def setup_process(platform: Platform) -> None:
+    """Per-process Megatron state that is not a process group (idempotent)."""
+    from megatron.core import parallel_state
+
+    if not platform.use_cuda:
+        from megatron_async_rl.compat import megatron_cpu
+
+        megatron_cpu.install()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    # Local DotProductAttention reads this rank-local buffer (facts: leak 1); not a group.
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
