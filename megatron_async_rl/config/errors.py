@@ -1,0 +1,101 @@
+"""One error type for every mistake a user can make in a recipe, a `--set` or a Megatron flag.
+
+`ConfigError` carries the key (a dotted recipe path such as `roles.groups[1].num_ranks`, or a
+Megatron flag such as `--hidden-size`), the value received, the rule it broke and an optional hint,
+and renders them on one line. `exit_on_config_error` is what entry points wrap their config step
+in: a user sees `error: <message>` and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+_MAX_VALUE_CHARS = 80
+
+
+class _NoValue:
+    """Marks an error about a key that has no value (missing key, missing flag value)."""
+
+    def __repr__(self) -> str:
+        return "<no value>"
+
+
+NO_VALUE: Any = _NoValue()
+
+
+def _render_value(value: Any) -> str:
+    text = repr(value) if isinstance(value, str) else str(value)
+    text = " ".join(text.split())  # keep the message on one line
+    if len(text) > _MAX_VALUE_CHARS:
+        text = text[: _MAX_VALUE_CHARS - 3] + "..."
+    return text
+
+
+class ConfigError(ValueError):
+    """A user's configuration mistake: key, value received, rule broken, and how to fix it."""
+
+    def __init__(self, key: str, value: Any, rule: str, hint: str | None = None):
+        self.key = key
+        self.value = value
+        self.rule = rule
+        self.hint = hint
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        where = self.key if self.value is NO_VALUE else f"{self.key} = {_render_value(self.value)}"
+        text = f"config error: {where}: {self.rule}"
+        if self.hint:
+            text += f"; hint: {self.hint}"
+        return " ".join(text.split())
+
+    def __reduce__(self):
+        # ValueError pickles as cls(*args); rebuild from the fields instead (errors may cross
+        # process boundaries in spawned workers).
+        return (ConfigError, (self.key, self.value, self.rule, self.hint))
+
+    def with_prefix(self, prefix: str) -> ConfigError:
+        """The same error with its key placed under `prefix` (a dotted recipe path)."""
+        if not prefix or self.key.startswith("--"):
+            return self
+        sep = "" if self.key.startswith("[") else "."
+        return ConfigError(f"{prefix}{sep}{self.key}", self.value, self.rule, self.hint)
+
+
+def suggest(name: str, candidates: list[str], prefix: str = "") -> str | None:
+    """A "did you mean ...?" hint for a misspelt key, or the list of valid keys."""
+    matches = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    if matches:
+        return f"did you mean {prefix}{matches[0]}?"
+    if len(candidates) <= 12:
+        return "valid keys: " + ", ".join(candidates)
+    return None
+
+
+def yaml_error_to_config_error(err: yaml.YAMLError, path: str) -> ConfigError:
+    """Convert a PyYAML error into a ConfigError naming the file, line and column."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    problem = getattr(err, "problem", None) or str(err)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return ConfigError(
+        "--config", str(path), f"malformed YAML{where}: {problem}", "fix the YAML syntax there"
+    )
+
+
+def exit_on_config_error(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Call `fn`; on a ConfigError (or a YAML error) print one `error:` line and exit with 2."""
+    try:
+        return fn(*args, **kwargs)
+    except ConfigError as err:
+        message = str(err)
+    except yaml.YAMLError as err:
+        message = str(yaml_error_to_config_error(err, "<yaml>"))
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    sys.exit(2)

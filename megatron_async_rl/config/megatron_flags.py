@@ -1,0 +1,564 @@
+"""Megatron-LM-style flags, derived from megatron-core's config dataclasses.
+
+megatron-core's PyPI package has no `megatron.training` argument parser, so the flags are built
+here. Most come from walking the fields of `TransformerConfig` (which inherits
+`ModelParallelConfig`), `OptimizerConfig` and `DistributedDataParallelConfig`: every field typed
+int, float, str, bool, `Optional` of those or a `Literal` of strings becomes `--field-name` with
+its type and default (a field typed "X or a list of X" takes one X). A bool that defaults to
+False is a `store_true` flag (`--sequence-parallel`); one that defaults to True gets a `--no-`
+negative (`--no-async-tensor-model-parallel-allreduce`), as Megatron-LM does. Fields of other
+types (callables, dtypes, enums, lists) are skipped. Megatron-LM's own names that differ from the
+dataclasses come from the two documented tables below.
+
+Values are keyed by `dest` (argparse's name, underscores): `tensor_model_parallel_size: 2`. The
+same rules serve the flags after `--` (`parse_megatron_flags`) and the recipe's `megatron:`
+sections (`normalize_megatron_section`). Cross-field rules live in `check_args`, and
+`*_kwargs` turn a resolved dict into constructor kwargs for megatron-core.
+
+Importing megatron-core takes seconds, so the derived table is cached in memory and on disk
+(`$MEGATRON_ASYNC_RL_CACHE_DIR`, default `~/.cache/megatron_async_rl`), keyed by the
+megatron-core version and this file's hash; a config error is then reported without that import.
+Callers: `config.recipe` (recipes), `models.builder` and `roles` (the `*_kwargs` helpers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from megatron_async_rl.config.errors import NO_VALUE, ConfigError, suggest
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "MEGATRON_ASYNC_RL_CACHE_DIR"
+
+_SCALAR_TYPES = {int: "int", float: "float", str: "str", bool: "bool"}
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    """One Megatron argument: its dest name, value type and default."""
+
+    dest: str
+    type: Literal["int", "float", "str", "bool"]
+    default: Any
+    choices: tuple[str, ...] | None = None
+    """Allowed values for a str argument (from a `Literal` annotation or Megatron-LM's choices)."""
+    nullable: bool = False
+    """Whether null (None) is a legal value, e.g. `--num-query-groups` unset."""
+    source: str = "Megatron-LM"
+    """The megatron-core dataclass the argument was derived from, or Megatron-LM for aliases."""
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    """One command-line flag and the dest it writes."""
+
+    flag: str
+    dest: str
+    const: bool | None = None
+    """None: the flag takes a value. True/False: a bare flag storing that value."""
+
+
+# Dataclass fields Megatron-LM exposes under another name: dropped from the derived table, the
+# alias below carries the Megatron-LM spelling and the *_kwargs functions translate it back.
+RENAMED = {"num_moe_experts": "num_experts", "layernorm_epsilon": "norm_epsilon"}
+
+# TransformerConfig uses 0 to mean "not set" for these; Megatron-LM uses None (unset). Keeping
+# None lets the model's HF config fill them and lets checks tell "unset" from a bad value.
+_UNSET_DEFAULTS = ("num_layers", "hidden_size", "num_attention_heads")
+
+# Megatron-LM arguments that are not megatron-core dataclass fields (or are, under another name).
+# Each gets `--dest-with-dashes` (a bare flag when it is a bool).
+_MEGATRON_LM_ARGS = (
+    # SwiGLU MLP: gated_linear_unit=True and activation_func=silu in TransformerConfig.
+    ArgSpec("swiglu", "bool", False),
+    # Megatron-LM reads --num-query-groups only when this is set; otherwise attention is MHA.
+    ArgSpec("group_query_attention", "bool", False),
+    # TransformerConfig.num_moe_experts; None means a dense model.
+    ArgSpec("num_experts", "int", None, nullable=True),
+    # GPTModel(share_embeddings_and_output_weights=not untie_embeddings_and_output_weights).
+    ArgSpec("untie_embeddings_and_output_weights", "bool", False),
+    # GPTModel(position_embedding_type=...); Megatron-LM's default is learned_absolute.
+    ArgSpec(
+        "position_embedding_type", "str", "learned_absolute", ("learned_absolute", "rope", "none")
+    ),
+    # GPTModel(rotary_base=...): RoPE theta.
+    ArgSpec("rotary_base", "int", 10000),
+    # GPTModel(rotary_percent=...): fraction of each head's dims that RoPE rotates.
+    ArgSpec("rotary_percent", "float", 1.0),
+    # TransformerConfig.layernorm_epsilon (LayerNorm and RMSNorm).
+    ArgSpec("norm_epsilon", "float", 1e-5),
+    # Training sequence length in tokens.
+    ArgSpec("seq_length", "int", None, nullable=True),
+    # GPTModel(max_sequence_length=...); falls back to seq_length when unset.
+    ArgSpec("max_position_embeddings", "int", None, nullable=True),
+    # Samples per micro-batch per data-parallel rank.
+    ArgSpec("micro_batch_size", "int", None, nullable=True),
+    # Samples per optimizer step over all data-parallel ranks.
+    ArgSpec("global_batch_size", "int", None, nullable=True),
+    # Optimizer steps to run.
+    ArgSpec("train_iters", "int", None, nullable=True),
+    # Learning-rate schedule after warm-up (Megatron-LM's OptimizerParamScheduler styles).
+    ArgSpec(
+        "lr_decay_style",
+        "str",
+        "linear",
+        ("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+    ),
+    # Linear warm-up steps from 0 to lr.
+    ArgSpec("lr_warmup_iters", "int", 0),
+    # Megatron's RNG seed (model init, dropout).
+    ArgSpec("seed", "int", 1234),
+    # Megatron checkpoint directory to load from.
+    ArgSpec("load", "str", None, nullable=True),
+    # Megatron checkpoint directory to save to.
+    ArgSpec("save", "str", None, nullable=True),
+    # Vocabulary size; None means "from the tokenizer / HF config".
+    ArgSpec("vocab_size", "int", None, nullable=True),
+    # Pad the vocabulary to a multiple of this times the TP size, as Megatron-LM does.
+    ArgSpec("make_vocab_size_divisible_by", "int", 128),
+)
+
+# Megatron-LM flags that write a dataclass field under a different (negated) name.
+_MEGATRON_LM_FLAGS = (
+    # store_false on TransformerConfig.add_bias_linear.
+    FlagSpec("--disable-bias-linear", "add_bias_linear", False),
+    # Megatron-LM turns these fusions on by default and offers only the negative. The dataclass
+    # defaults them to False (they need CUDA kernels), so here the flags only restate that.
+    FlagSpec("--no-masked-softmax-fusion", "masked_softmax_fusion", False),
+    FlagSpec("--no-bias-dropout-fusion", "bias_dropout_fusion", False),
+    FlagSpec("--no-bias-gelu-fusion", "bias_activation_fusion", False),
+    FlagSpec("--no-bias-swiglu-fusion", "bias_activation_fusion", False),
+    FlagSpec("--no-rope-fusion", "apply_rope_fusion", False),
+    FlagSpec("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion", False),
+    FlagSpec("--no-persist-layer-norm", "persist_layer_norm", False),
+)
+
+
+def _annotation_kind(annotation: Any) -> tuple[str, tuple[str, ...] | None, bool] | None:
+    """(type, choices, nullable) for a supported annotation, else None."""
+    if annotation in _SCALAR_TYPES:
+        return _SCALAR_TYPES[annotation], None, False
+    origin = typing.get_origin(annotation)
+    members = typing.get_args(annotation)
+    if origin is Literal and members and all(isinstance(m, str) for m in members):
+        return "str", tuple(members), False
+    if origin in (typing.Union, types.UnionType):
+        # Optional[X], and "X or a list of X" (e.g. moe_aux_loss_coeff), which Megatron-LM's
+        # flags take as a single X.
+        rest = [m for m in members if m is not type(None)]
+        lists = [m for m in rest if typing.get_origin(m) is list]
+        scalars = [m for m in rest if m not in lists]
+        inner = _annotation_kind(scalars[0]) if len(scalars) == 1 else None
+        if inner is None or any(typing.get_args(m) != (scalars[0],) for m in lists):
+            return None
+        return inner[0], inner[1], type(None) in members
+    return None
+
+
+def _derive_specs() -> list[ArgSpec]:
+    """Walk megatron-core's config dataclasses (imports megatron-core, ~5 s)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import TransformerConfig
+
+    specs: dict[str, ArgSpec] = {}
+    for cls in (TransformerConfig, OptimizerConfig, DistributedDataParallelConfig):
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            name = field.name
+            if name.startswith("_") or name in specs or name in RENAMED or not field.init:
+                continue  # first class wins: fields shared by several configs are one flag
+            kind = _annotation_kind(hints[name])
+            if kind is None or field.default_factory is not dataclasses.MISSING:
+                continue
+            type_name, choices, nullable = kind
+            default = None if field.default is dataclasses.MISSING else field.default
+            if name in _UNSET_DEFAULTS:
+                default = None
+            if type_name == "float" and isinstance(default, int) and not isinstance(default, bool):
+                default = float(default)
+            specs[name] = ArgSpec(
+                name, type_name, default, choices, nullable or default is None, cls.__name__
+            )
+    return list(specs.values())
+
+
+def _cache_path() -> Path | None:
+    try:
+        version = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    try:
+        root = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "megatron_async_rl"
+    except RuntimeError:  # no home directory: run without the disk cache
+        return None
+    return Path(root) / f"megatron_flags-{version}-{digest}.json"
+
+
+def _load_derived_specs() -> list[ArgSpec]:
+    path = _cache_path()
+    if path is not None and path.is_file():
+        try:
+            rows = json.loads(path.read_text())
+            return [
+                ArgSpec(**{**row, "choices": row["choices"] and tuple(row["choices"])})
+                for row in rows
+            ]
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            logger.debug("ignoring unreadable flag cache %s: %s", path, err)
+    specs = _derive_specs()
+    if path is not None:
+        try:  # write then rename: several ranks may race to fill the cache
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps([dataclasses.asdict(s) for s in specs]))
+            os.replace(tmp, path)
+        except OSError as err:
+            logger.debug("cannot write flag cache %s: %s", path, err)
+    return specs
+
+
+def warm_flag_cache() -> Path | None:
+    """Derive the flag table and write its disk cache (e.g. before launching many ranks)."""
+    _load_derived_specs()
+    path = _cache_path()
+    return path if path is not None and path.is_file() else None
+
+
+@functools.cache
+def flag_table() -> tuple[dict[str, ArgSpec], dict[str, FlagSpec]]:
+    """(dest -> ArgSpec, flag -> FlagSpec) for every known Megatron argument."""
+    specs = {s.dest: s for s in _load_derived_specs()}
+    specs.update({s.dest: s for s in _MEGATRON_LM_ARGS})
+    flags: dict[str, FlagSpec] = {}
+    for spec in specs.values():
+        stem = spec.dest.replace("_", "-")
+        if spec.type != "bool":
+            flags[f"--{stem}"] = FlagSpec(f"--{stem}", spec.dest)
+        elif spec.default is True:
+            flags[f"--no-{stem}"] = FlagSpec(f"--no-{stem}", spec.dest, False)
+        else:
+            flags[f"--{stem}"] = FlagSpec(f"--{stem}", spec.dest, True)
+    flags.update({f.flag: f for f in _MEGATRON_LM_FLAGS})
+    return specs, flags
+
+
+def defaults() -> dict[str, Any]:
+    """The default of every known Megatron argument, keyed by dest."""
+    return {dest: spec.default for dest, spec in flag_table()[0].items()}
+
+
+def _coerce(spec: ArgSpec, value: Any, key: str) -> Any:
+    """Check and convert one value; strings (CLI, or YAML's `1e-5`) are parsed."""
+    expected = spec.type + (" or null" if spec.nullable else "")
+    if value is None:
+        if spec.nullable:
+            return None
+        raise ConfigError(key, value, f"must not be null (expected {spec.type})")
+    if spec.type == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(key, value, "expected a bool", "write true or false")
+        return value
+    if isinstance(value, (bool, list, dict)):
+        raise ConfigError(key, value, f"expected {expected}")
+    try:
+        if spec.type == "int":
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError  # 2.0 is accepted (HF configs store rope_theta as a float)
+            converted: Any = int(value)
+        elif spec.type == "float":
+            converted = float(value)
+        else:
+            converted = str(value)
+    except ValueError:
+        raise ConfigError(key, value, f"expected {expected}") from None
+    if spec.choices is not None and converted not in spec.choices:
+        raise ConfigError(key, value, f"must be one of {', '.join(spec.choices)}")
+    check_range(spec.dest, converted, key)
+    return converted
+
+
+def _unknown(
+    key: str, candidates: list[str], display: str, kind: str, value: Any = NO_VALUE
+) -> ConfigError:
+    stem = key.lstrip("-").replace("-", "_")
+    if stem in RENAMED:
+        renamed = RENAMED[stem]
+        spelt = "--" + renamed.replace("_", "-") if kind == "flag" else renamed
+        hint = f"Megatron-LM spells it {spelt}"
+    else:
+        hint = suggest(key, candidates)
+    return ConfigError(display, value, f"unknown Megatron {kind}", hint)
+
+
+def parse_megatron_flags(argv: list[str]) -> dict[str, Any]:
+    """Parse the Megatron flags given after `--` into dest -> typed value."""
+    specs, flags = flag_table()
+    parsed: dict[str, Any] = {}
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        index += 1
+        if not token.startswith("--") or token == "--":
+            raise ConfigError(
+                "megatron flags", token, "expected a --flag", "Megatron flags look like --lr 1e-6"
+            )
+        name, has_inline, inline = token.partition("=")
+        flag = flags.get(name)
+        if flag is None:
+            raise _unknown(name, list(flags), name, "flag")
+        spec = specs[flag.dest]
+        if flag.const is not None:
+            if has_inline:
+                raise ConfigError(name, inline, "this flag takes no value", f"write {name} alone")
+            parsed[flag.dest] = flag.const
+            continue
+        if has_inline:
+            value = inline
+        elif index < len(argv) and not argv[index].startswith("--"):
+            value = argv[index]
+            index += 1
+        else:
+            raise ConfigError(name, NO_VALUE, f"missing value (expected {spec.type})")
+        parsed[flag.dest] = _coerce(spec, value, name)
+    return parsed
+
+
+def normalize_megatron_section(section: dict | None, key_prefix: str) -> dict[str, Any]:
+    """Validate a recipe's `megatron:` mapping into dest -> typed value.
+
+    Keys may use dashes or underscores and may be a dest (`add_bias_linear: false`), a Megatron
+    flag name (`disable_bias_linear: true`) or a `no_` negative of a bool (`no_bf16: true`).
+    """
+    if section is None:
+        return {}
+    if not isinstance(section, dict):
+        raise ConfigError(key_prefix, section, "must be a mapping of Megatron argument -> value")
+    specs, flags = flag_table()
+    out: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for raw_key, value in section.items():
+        key = f"{key_prefix}.{raw_key}"
+        name = str(raw_key).lstrip("-").replace("-", "_")
+        flag = flags.get("--" + name.replace("_", "-"))
+        if name in specs:
+            dest, typed = name, _coerce(specs[name], value, key)
+        elif flag is not None and flag.const is not None:
+            if not isinstance(value, bool):
+                raise ConfigError(key, value, "expected a bool", "write true or false")
+            dest, typed = flag.dest, flag.const if value else not flag.const
+        elif name.startswith("no_") and getattr(specs.get(name[3:]), "type", None) == "bool":
+            if not isinstance(value, bool):
+                raise ConfigError(key, value, "expected a bool", "write true or false")
+            dest, typed = name[3:], not value
+        else:
+            names = list(specs) + [f.flag[2:].replace("-", "_") for f in flags.values()]
+            raise _unknown(name, names, key, "argument", value)
+        if dest in origin:
+            raise ConfigError(key, value, f"sets {dest} again (already set by {origin[dest]})")
+        origin[dest] = key
+        out[dest] = typed
+    return out
+
+
+def _with_defaults(args: dict[str, Any]) -> dict[str, Any]:
+    return {**defaults(), **args}
+
+
+def _accepted(cls: type, args: dict[str, Any]) -> dict[str, Any]:
+    """The entries of args that `cls` takes; None is dropped where the field's default is not."""
+    kwargs = {}
+    for field in dataclasses.fields(cls):
+        if field.init and field.name in args:
+            value = args[field.name]
+            if value is None and field.default is not None:
+                continue
+            kwargs[field.name] = value
+    return kwargs
+
+
+def _params_dtype(args: dict[str, Any]) -> Any:
+    import torch
+
+    return torch.bfloat16 if args["bf16"] else torch.float16 if args["fp16"] else torch.float32
+
+
+def transformer_config_kwargs(args: dict[str, Any]) -> dict[str, Any]:
+    """kwargs for `megatron.core.transformer.TransformerConfig`, aliases translated."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+
+    args = _with_defaults(args)
+    kwargs = _accepted(TransformerConfig, args)
+    kwargs["layernorm_epsilon"] = args["norm_epsilon"]
+    if args["num_experts"] is not None:
+        kwargs["num_moe_experts"] = args["num_experts"]
+    if args["swiglu"]:
+        kwargs["gated_linear_unit"] = True
+        kwargs["activation_func"] = torch.nn.functional.silu
+    if not args["group_query_attention"]:
+        kwargs["num_query_groups"] = None  # Megatron-LM ignores --num-query-groups without GQA
+    kwargs["params_dtype"] = kwargs["pipeline_dtype"] = _params_dtype(args)
+    return kwargs
+
+
+def optimizer_config_kwargs(args: dict[str, Any]) -> dict[str, Any]:
+    """kwargs for `megatron.core.optimizer.OptimizerConfig`."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    args = _with_defaults(args)
+    kwargs = _accepted(OptimizerConfig, args)
+    kwargs["params_dtype"] = _params_dtype(args)
+    return kwargs
+
+
+def ddp_config_kwargs(args: dict[str, Any]) -> dict[str, Any]:
+    """kwargs for `megatron.core.distributed.DistributedDataParallelConfig`."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return _accepted(DistributedDataParallelConfig, _with_defaults(args))
+
+
+def gpt_model_kwargs(args: dict[str, Any]) -> dict[str, Any]:
+    """The GPTModel constructor arguments that come from Megatron flags (vocab_size may be None)."""
+    args = _with_defaults(args)
+    return {
+        "position_embedding_type": args["position_embedding_type"],
+        "rotary_base": args["rotary_base"],
+        "rotary_percent": args["rotary_percent"],
+        "share_embeddings_and_output_weights": not args["untie_embeddings_and_output_weights"],
+        "max_sequence_length": args["max_position_embeddings"] or args["seq_length"],
+        "vocab_size": args["vocab_size"],
+    }
+
+
+# Single-value ranges, applied wherever a value enters (flags and every `megatron:` section).
+_AT_LEAST_ONE = frozenset(
+    ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels")
+    + ("num_query_groups", "num_experts", "moe_router_topk", "moe_ffn_hidden_size")
+    + ("micro_batch_size", "global_batch_size", "seq_length", "max_position_embeddings")
+    + ("vocab_size", "make_vocab_size_divisible_by", "rotary_base", "train_iters")
+)
+_NON_NEGATIVE = frozenset(
+    ("lr", "min_lr", "decoupled_lr", "decoupled_min_lr", "weight_decay", "clip_grad")
+    + ("lr_warmup_iters",)
+)
+_POSITIVE = frozenset(["adam_eps", "norm_epsilon", "init_method_std"])
+_PROBABILITY = frozenset(["hidden_dropout", "attention_dropout"])
+_BETA = frozenset(["adam_beta1", "adam_beta2"])
+
+
+def check_range(dest: str, value: Any, key: str) -> None:
+    """Raise ConfigError (naming `key`) when a single value is out of its legal range."""
+    if value is None or isinstance(value, (bool, str)):
+        return
+    if (dest in _AT_LEAST_ONE or dest.endswith("_parallel_size")) and value < 1:
+        raise ConfigError(key, value, "must be >= 1")
+    if dest in _NON_NEGATIVE and value < 0:
+        raise ConfigError(key, value, "must be >= 0")
+    if dest in _POSITIVE and value <= 0:
+        raise ConfigError(key, value, "must be > 0")
+    if dest == "rotary_percent" and not 0 < value <= 1:
+        raise ConfigError(key, value, "must be in (0, 1]")
+    if dest in _PROBABILITY and not 0 <= value <= 1:
+        raise ConfigError(key, value, "must be in [0, 1]")
+    if dest in _BETA and not 0 <= value < 1:
+        raise ConfigError(key, value, "must be in [0, 1)")
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
+
+
+def check_args(args: dict[str, Any], role: str | None = None) -> None:
+    """Cross-field rules on one role's resolved args, as Megatron-LM and megatron-core apply them.
+
+    Errors name the flag to change; `role` (train, logp, ref) is added to the rule for context.
+    """
+    a = _with_defaults(args)
+    tp, ep, experts = (
+        a["tensor_model_parallel_size"],
+        a["expert_model_parallel_size"],
+        a["num_experts"],
+    )
+    hidden, heads, groups = a["hidden_size"], a["num_attention_heads"], a["num_query_groups"]
+    gqa, topk, lr, min_lr = a["group_query_attention"], a["moe_router_topk"], a["lr"], a["min_lr"]
+    by_tp = f"must be divisible by --tensor-model-parallel-size = {tp}"
+    # (broken, flag, value, rule, hint); the first broken rule is reported.
+    rules = (
+        (a["bf16"] and a["fp16"], "--fp16", True, "cannot be combined with --bf16", None),
+        (
+            hidden and heads and a["kv_channels"] is None and hidden % heads,
+            "--hidden-size",
+            hidden,
+            f"must be divisible by --num-attention-heads = {heads}",
+            "or set --kv-channels explicitly",
+        ),
+        (heads and heads % tp, "--num-attention-heads", heads, by_tp, None),
+        (gqa and groups is None, "--num-query-groups", None, "needs a value with GQA", None),
+        (
+            gqa and groups and heads and heads % groups,
+            "--num-query-groups",
+            groups,
+            f"must divide --num-attention-heads = {heads}",
+            None,
+        ),
+        (gqa and groups and groups % tp, "--num-query-groups", groups, by_tp, None),
+        (
+            experts is None and ep > 1,
+            "--expert-model-parallel-size",
+            ep,
+            "needs --num-experts",
+            None,
+        ),
+        (
+            experts and experts % ep,
+            "--num-experts",
+            experts,
+            f"must be divisible by --expert-model-parallel-size = {ep}",
+            None,
+        ),
+        (
+            experts and topk > experts,
+            "--moe-router-topk",
+            topk,
+            f"must be <= {experts} experts",
+            None,
+        ),
+        (
+            experts and tp > 1 and not a["sequence_parallel"],
+            "--sequence-parallel",
+            False,
+            f"MoE with --tensor-model-parallel-size = {tp} needs sequence parallelism",
+            "add --sequence-parallel",
+        ),
+        (
+            lr is not None and min_lr is not None and min_lr > lr,
+            "--min-lr",
+            min_lr,
+            f"must be <= --lr = {lr}",
+            None,
+        ),
+    )
+    where = f" (resolved for role {role})" if role else ""
+    for broken, flag, value, rule, hint in rules:
+        if broken:
+            raise ConfigError(flag, value, rule + where, hint)
+    if groups is not None and not gqa:
+        _warn_once(f"--num-query-groups {groups} is ignored without --group-query-attention{where}")
+    if a["sequence_parallel"] and tp == 1:
+        _warn_once(f"--sequence-parallel is ignored with --tensor-model-parallel-size 1{where}")

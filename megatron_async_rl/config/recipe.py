@@ -1,0 +1,351 @@
+"""Recipe loading: YAML file -> `--set` overrides -> Megatron flags -> `ResolvedConfig`.
+
+Precedence, lowest first: defaults < recipe < `--set a.b=c` < Megatron flags after `--`. Inside
+Megatron args: defaults < the architecture read from `model.hf_path` (its config.json) < shared
+`megatron:` < `roles.<role>.megatron:` < flags (which apply to every Megatron role;
+`build_config` folds them into each role's overrides so that the written `config.resolved.yaml`
+reproduces the same config on its own).
+
+A recipe is our tree plus Megatron sections:
+
+    run_dir: runs/tiny            # RunConfig fields (schema.py)
+    platform: {device: cpu}
+    model: {hf_path: runs/tiny-llama}
+    roles:
+      groups:                     # rank windows, in rank order
+        - {roles: [train], num_ranks: 2}
+        - {roles: [logp, ref], num_ranks: 2}
+      train:
+        megatron: {tensor_model_parallel_size: 2}
+    megatron: {lr: 1.0e-5}        # shared by train, logp and ref
+
+Every mistake raises `ConfigError` naming the dotted key; entry points wrap `resolve` in
+`errors.exit_on_config_error`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import textwrap
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_async_rl.config import megatron_flags
+from megatron_async_rl.config.errors import (
+    NO_VALUE,
+    ConfigError,
+    suggest,
+    yaml_error_to_config_error,
+)
+from megatron_async_rl.config.schema import (
+    MEGATRON_ROLES,
+    ROLES,
+    ResolvedConfig,
+    RoleGroupSpec,
+    RolesConfig,
+    RunConfig,
+)
+
+RESOLVED_NAME = "config.resolved.yaml"
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if isinstance(key, typing.Hashable):
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_recipe(path: str | Path) -> dict:
+    """Read a recipe file into a plain tree (dicts, lists, scalars)."""
+    recipe = Path(path)
+    if not recipe.is_file():
+        rule = "is a directory, not a recipe file" if recipe.is_dir() else "recipe file not found"
+        raise ConfigError("--config", str(path), rule, f"relative paths start at {Path.cwd()}")
+    try:
+        tree = yaml.load(recipe.read_text(), Loader=_StrictLoader)
+    except yaml.YAMLError as err:
+        raise yaml_error_to_config_error(err, str(path)) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError("--config", str(path), f"cannot read the file: {err}") from None
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise ConfigError("--config", str(path), "a recipe must be a YAML mapping at the top")
+    return tree
+
+
+_SET_HINT = "write --set a.b.c=value, e.g. --set roles.groups[0].num_ranks=2"
+_PART = re.compile(r"^([A-Za-z_][\w-]*)((?:\[\d+\])*)$")
+
+
+def _split_path(text: str, where: str) -> list[str | int]:
+    parts: list[str | int] = []
+    for piece in text.split("."):
+        if piece.isdigit():
+            parts.append(int(piece))
+            continue
+        match = _PART.match(piece)
+        if match is None:
+            raise ConfigError("--set", where, f"bad key path component {piece!r}", _SET_HINT)
+        parts.append(match.group(1))
+        parts.extend(int(i) for i in re.findall(r"\[(\d+)\]", match.group(2)))
+    return parts
+
+
+def _check_set_path(parts: list[str | int], where: str) -> None:
+    """Reject a `--set` path that names no field of the recipe schema."""
+    node: Any = RunConfig
+    dotted = ""
+    for part in parts:
+        if node == "free":  # a megatron: mapping; its keys are checked by build_config
+            return
+        if node == "leaf":
+            raise ConfigError("--set", where, f"{dotted} is a value, not a mapping", _SET_HINT)
+        if isinstance(node, tuple):  # list of dataclasses: expects an index
+            if not isinstance(part, int):
+                raise ConfigError("--set", where, f"{dotted} is a list: index it", _SET_HINT)
+            node, dotted = node[1], f"{dotted}[{part}]"
+            continue
+        children = _children(node)
+        if part not in children:
+            prefix = f"{dotted}." if dotted else ""
+            hint = suggest(str(part), list(children), prefix)
+            raise ConfigError("--set", where, f"unknown key {prefix}{part}", hint)
+        node, dotted = children[part], f"{dotted}.{part}" if dotted else str(part)
+
+
+def _children(node: Any) -> dict[str, Any]:
+    """The YAML-shaped schema under `node`: name -> dataclass, (list, cls), 'free' or 'leaf'."""
+    if node == "role":
+        return {"megatron": "free"}
+    if node is RolesConfig:
+        return {"groups": ("list", RoleGroupSpec), **{role: "role" for role in ROLES}}
+    hints = typing.get_type_hints(node)
+    out = {}
+    for field in dataclasses.fields(node):
+        kind = hints[field.name]
+        if dataclasses.is_dataclass(kind):
+            out[field.name] = kind
+        elif typing.get_origin(kind) is dict:
+            out[field.name] = "free"
+        else:
+            out[field.name] = "leaf"
+    return out
+
+
+def apply_overrides(tree: dict, sets: list[str]) -> None:
+    """Apply `--set a.b.c=value` overrides to a recipe tree in place (value parsed as YAML)."""
+    for text in sets:
+        path_text, has_eq, value_text = text.partition("=")
+        if not has_eq or not path_text.strip():
+            raise ConfigError("--set", text, "expected KEY.PATH=VALUE", _SET_HINT)
+        parts = _split_path(path_text.strip(), text)
+        _check_set_path(parts, text)
+        try:
+            value = yaml.safe_load(value_text)
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or "malformed YAML"
+            raise ConfigError("--set", text, f"value is not valid YAML: {problem}") from None
+        node: Any = tree
+        for depth, part in enumerate(parts):
+            last = depth == len(parts) - 1
+            if isinstance(part, int):
+                if not isinstance(node, list) or part >= len(node):
+                    size = len(node) if isinstance(node, list) else 0
+                    raise ConfigError("--set", text, f"index {part} is out of range ({size} items)")
+            elif not isinstance(node, dict):
+                raise ConfigError("--set", text, f"cannot set {part!r} inside {node!r}")
+            if last:
+                node[part] = value
+            else:
+                if isinstance(node, dict) and node.get(part) is None:
+                    node[part] = {}
+                node = node[part]
+
+
+def _join(key: str, name: Any) -> str:
+    return f"{key}.{name}" if key else str(name)
+
+
+def _reject_unknown(data: dict, names: list[str], key: str) -> None:
+    for name, value in data.items():
+        if name not in names:
+            hint = suggest(str(name), names, f"{key}." if key else "")
+            raise ConfigError(_join(key, name), value, "unknown key", hint)
+
+
+def _build(cls: type, data: Any, key: str) -> Any:
+    """Build dataclass `cls` from a YAML mapping, rejecting unknown and missing keys."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(key, data, "must be a mapping")
+    children = _children(cls)
+    _reject_unknown(data, list(children), key)
+    kwargs: dict[str, Any] = {}
+    if cls is RolesConfig:
+        groups = data.get("groups", NO_VALUE)
+        if groups is NO_VALUE:
+            raise ConfigError(_join(key, "groups"), NO_VALUE, "missing required key")
+        if not isinstance(groups, list):
+            raise ConfigError(_join(key, "groups"), groups, "must be a list of role groups")
+        kwargs["groups"] = [
+            _build(RoleGroupSpec, item, f"{key}.groups[{i}]") for i, item in enumerate(groups)
+        ]
+        kwargs["megatron"] = {}
+        for role in ROLES:
+            if data.get(role) is not None:
+                section = data[role]
+                if not isinstance(section, dict):
+                    raise ConfigError(_join(key, role), section, "must be a mapping")
+                _reject_unknown(section, ["megatron"], _join(key, role))
+                kwargs["megatron"][role] = section.get("megatron") or {}
+    else:
+        for field in dataclasses.fields(cls):
+            value = data.get(field.name, NO_VALUE)
+            if value is NO_VALUE:
+                required = field.default is dataclasses.MISSING
+                if required and field.default_factory is dataclasses.MISSING:
+                    raise ConfigError(_join(key, field.name), NO_VALUE, "missing required key")
+                continue
+            kind = children[field.name]
+            if dataclasses.is_dataclass(kind):
+                value = _build(kind, value, _join(key, field.name))
+            kwargs[field.name] = value
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        raise err.with_prefix(key) from None
+
+
+def _check_hf_path(hf_path: str | None) -> None:
+    if hf_path is None:
+        return
+    path = Path(hf_path)
+    hint = f"relative paths start at {Path.cwd()}"
+    if not path.is_dir():
+        raise ConfigError("model.hf_path", hf_path, "directory not found", hint)
+    if not (path / "config.json").is_file():
+        raise ConfigError("model.hf_path", hf_path, "has no config.json (not a HF model dir)")
+    if not any(path.glob("*.safetensors")):
+        raise ConfigError("model.hf_path", hf_path, "has no *.safetensors weights")
+
+
+def hf_architecture(hf_path: str | None) -> dict[str, Any]:
+    """The Megatron args (dest -> value) describing the model in `hf_path`'s config.json."""
+    if hf_path is None:
+        return {}
+    _check_hf_path(hf_path)
+    from megatron_async_rl.models.hf_config import megatron_args_from_hf
+
+    try:
+        hf_config = json.loads((Path(hf_path) / "config.json").read_text())
+        args = megatron_args_from_hf(hf_config)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+        # unreadable or malformed JSON, or an architecture megatron_args_from_hf cannot map
+        raise ConfigError("model.hf_path", hf_path, f"config.json: {err}") from None
+    return megatron_flags.normalize_megatron_section(args, "model.hf_path:config.json")
+
+
+def build_config(tree: dict, megatron_argv: list[str]) -> ResolvedConfig:
+    """Validate a recipe tree and the flags after `--` into a ResolvedConfig.
+
+    Each Megatron role's args: defaults < the architecture in `model.hf_path` < `megatron:` <
+    `roles.<role>.megatron:` < flags.
+    """
+    run = _build(RunConfig, tree, "")
+    flags = megatron_flags.parse_megatron_flags(list(megatron_argv))
+    overrides = {
+        role: {**run.roles.megatron.get(role, {}), **flags}
+        for role in MEGATRON_ROLES
+        if run.roles.megatron.get(role) or flags
+    }
+    architecture = hf_architecture(run.model.hf_path)
+    resolved = {}
+    for role in MEGATRON_ROLES:
+        args = {
+            **megatron_flags.defaults(),
+            **architecture,
+            **run.megatron,
+            **overrides.get(role, {}),
+        }
+        megatron_flags.check_args(args, role)
+        resolved[role] = args
+    fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(RunConfig)}
+    fields["roles"] = RolesConfig(groups=run.roles.groups, megatron=overrides)
+    return ResolvedConfig(**fields, role_megatron_args=resolved)
+
+
+def resolve(
+    config_path: str | Path,
+    sets: list[str],
+    megatron_argv: list[str],
+    run_dir_override: str | None = None,
+) -> ResolvedConfig:
+    """Load, override and validate a recipe: the one call an entry point makes."""
+    tree = load_recipe(config_path)
+    apply_overrides(tree, list(sets or []))
+    if run_dir_override is not None:
+        tree["run_dir"] = run_dir_override
+    return build_config(tree, list(megatron_argv or []))
+
+
+def to_tree(cfg: RunConfig) -> dict:
+    """The recipe tree of a config (what `load_recipe` would return for it)."""
+    roles: dict[str, Any] = {
+        "groups": [
+            {k: v for k, v in dataclasses.asdict(g).items() if v is not None}
+            for g in cfg.roles.groups
+        ]
+    }
+    roles.update({role: {"megatron": dict(s)} for role, s in cfg.roles.megatron.items() if s})
+    return {
+        "run_dir": cfg.run_dir,
+        "seed": cfg.seed,
+        "platform": dataclasses.asdict(cfg.platform),
+        "model": dataclasses.asdict(cfg.model),
+        "roles": roles,
+        "smoke": dataclasses.asdict(cfg.smoke),
+        "megatron": dict(cfg.megatron),
+    }
+
+
+def write_resolved(cfg: ResolvedConfig, path: str | Path) -> Path:
+    """Write `cfg` as a recipe that `load_recipe` + `build_config(tree, [])` reads back equal."""
+    path = Path(path)
+    defaults = megatron_flags.defaults()
+    lines = [
+        "# Resolved config: recipe + --set + Megatron flags (folded into roles.<role>.megatron).",
+        "# Run it again with --config <this file>. Effective Megatron args that differ from",
+        "# their defaults, per role:",
+    ]
+    for role, args in cfg.role_megatron_args.items():
+        changed = ", ".join(f"{k}={v}" for k, v in sorted(args.items()) if defaults.get(k) != v)
+        lines += textwrap.wrap(
+            f"{role}: {changed or '(all defaults)'}",
+            96,
+            initial_indent="#   ",
+            subsequent_indent="#     ",
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n" + yaml.safe_dump(to_tree(cfg), sort_keys=False))
+    return path

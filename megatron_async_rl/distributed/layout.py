@@ -1,0 +1,230 @@
+"""The pure rank layout: (world size, role groups, per-role parallelism) -> rank windows.
+
+Each `roles.groups` entry becomes a `RoleWindow`, a contiguous range of global ranks laid out in
+recipe order from rank 0. Roles listed together share the window's ranks. Each Megatron role's
+process groups are later built over its window (`HyperCommGrid(..., rank_offset=window.offset)`)
+by the group builder; this module only decides and checks the numbers, so it imports neither
+`torch.distributed` nor megatron and is unit-tested alone.
+
+    world 4, groups [train x2, logp x1, ref x1], train TP=2:
+
+    rank:    0      1      2      3
+    window:  [train     ]  [logp] [ref]
+             TP=2 DP=1     DP=1   DP=1
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.config.schema import MEGATRON_ROLES, RoleGroupSpec
+
+_TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """One Megatron role's model-parallel sizes; data parallelism fills the rest of its window."""
+
+    tp: int
+    pp: int
+    ep: int = 1
+    cp: int = 1
+    etp: int = 1
+    """Expert tensor parallel size. Megatron defaults it to tp (see `from_megatron_args`)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "ep", "cp", "etp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(name, value, "parallel sizes must be integers >= 1")
+
+    @classmethod
+    def from_megatron_args(cls, args: dict) -> Parallelism:
+        """From resolved Megatron args (dest names), as megatron-core reads them."""
+        tp = args.get("tensor_model_parallel_size", 1)
+        return cls(
+            tp=tp,
+            pp=args.get("pipeline_model_parallel_size", 1),
+            ep=args.get("expert_model_parallel_size", 1),
+            cp=args.get("context_parallel_size", 1),
+            etp=args.get("expert_tensor_parallel_size") or tp,
+        )
+
+    @property
+    def model_size(self) -> int:
+        """Ranks holding one model replica: tp * pp * cp."""
+        return self.tp * self.pp * self.cp
+
+    def dp_for(self, size: int) -> int:
+        """Data-parallel size on a window of `size` ranks."""
+        if size % self.model_size:
+            raise ValueError(f"window size {size} is not a multiple of tp*pp*cp={self.model_size}")
+        return size // self.model_size
+
+
+@dataclass(frozen=True)
+class RoleWindow:
+    """A contiguous range of global ranks shared by `roles`."""
+
+    roles: tuple[str, ...]
+    offset: int
+    size: int
+
+    @property
+    def ranks(self) -> range:
+        """The global ranks of this window."""
+        return range(self.offset, self.offset + self.size)
+
+
+@dataclass(frozen=True)
+class RoleLayout:
+    """Where every role runs. `parallelism` covers each placed Megatron role."""
+
+    world_size: int
+    windows: tuple[RoleWindow, ...]
+    parallelism: dict[str, Parallelism]
+
+    def window_of(self, role: str) -> RoleWindow:
+        """The window `role` runs on."""
+        for window in self.windows:
+            if role in window.roles:
+                return window
+        raise ValueError(f"role {role!r} is not placed in this layout")
+
+    def roles_of_rank(self, rank: int) -> tuple[str, ...]:
+        """The roles global rank `rank` runs."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
+        return next(w.roles for w in self.windows if rank in w.ranks)
+
+    def rank_in_role(self, role: str, rank: int) -> int:
+        """`rank`'s index inside `role`'s window (0 .. size-1)."""
+        window = self.window_of(role)
+        if rank not in window.ranks:
+            raise ValueError(f"rank {rank} is not in role {role!r} (ranks {_span(window)})")
+        return rank - window.offset
+
+    def dp_of(self, role: str) -> int:
+        """Data-parallel size of a Megatron role."""
+        return self.parallelism[role].dp_for(self.window_of(role).size)
+
+    def describe(self) -> str:
+        """A small table of windows and each Megatron role's sizes, for logs."""
+        rows = [("ranks", "role", "tp", "pp", "cp", "ep", "etp", "dp")]
+        for window in self.windows:
+            for role in window.roles:
+                par = self.parallelism.get(role)
+                sizes = (
+                    (par.tp, par.pp, par.cp, par.ep, par.etp, self.dp_of(role))
+                    if par
+                    else ("-",) * 6
+                )
+                rows.append((_span(window), role, *map(str, sizes)))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        return f"role layout over {self.world_size} ranks:\n" + "\n".join(lines)
+
+
+def _span(window: RoleWindow) -> str:
+    last = window.offset + window.size - 1
+    return str(window.offset) if window.size == 1 else f"{window.offset}-{last}"
+
+
+def _window_sizes(world_size: int, groups: list[RoleGroupSpec]) -> list[int]:
+    """Rank counts per group: explicit counts, then ratios sharing what the counts leave."""
+    counted = sum(g.num_ranks for g in groups if g.num_ranks is not None)
+    ratio_groups = [i for i, g in enumerate(groups) if g.ratio is not None]
+    if not ratio_groups:
+        if counted != world_size:
+            last = len(groups) - 1
+            raise ConfigError(
+                f"roles.groups[{last}].num_ranks",
+                groups[last].num_ranks,
+                f"rank counts must sum to the world size {world_size} (got {counted})",
+                "change num_ranks, use ratio, or launch with a matching --nproc-per-node",
+            )
+        return [g.num_ranks for g in groups]
+    ratios = [groups[i].ratio for i in ratio_groups]
+    if abs(sum(ratios) - 1.0) > _TOLERANCE:
+        raise ConfigError(
+            "roles.groups[*].ratio",
+            ratios,
+            f"ratios must sum to 1 (got {sum(ratios):g})",
+            "ratios share the ranks that num_ranks groups leave",
+        )
+    remainder = world_size - counted
+    if remainder < len(ratio_groups):
+        raise ConfigError(
+            "roles.groups[*].num_ranks",
+            counted,
+            f"rank counts leave {remainder} of {world_size} ranks for {len(ratio_groups)} "
+            "ratio groups (each needs >= 1)",
+        )
+    sizes = [g.num_ranks for g in groups]
+    for index in ratio_groups:
+        exact = groups[index].ratio * remainder
+        if abs(exact - round(exact)) > _TOLERANCE or round(exact) < 1:
+            raise ConfigError(
+                f"roles.groups[{index}].ratio",
+                groups[index].ratio,
+                f"ratio * {remainder} ranks = {exact:g} is not a whole number >= 1 of ranks",
+                "pick a ratio that splits the ranks evenly or use num_ranks",
+            )
+        sizes[index] = round(exact)
+    return sizes
+
+
+def _check_parallelism(role: str, par: Parallelism, window: RoleWindow, index: int) -> None:
+    where = f"the {window.size}-rank window of roles.groups[{index}] (ranks {_span(window)})"
+    key = f"roles.{role}.megatron"
+    if window.size % par.model_size:
+        if par.pp == par.cp == 1:
+            key, value = f"{key}.tensor_model_parallel_size", par.tp
+        else:
+            value = f"tp={par.tp} pp={par.pp} cp={par.cp}"
+        raise ConfigError(
+            key,
+            value,
+            f"tp*pp*cp = {par.model_size} must divide {where}",
+            f"use sizes whose product divides {window.size}, or resize the group",
+        )
+    # Same rule as megatron-core 0.16 `parallel_state.initialize_model_parallel`: the expert
+    # grid etp*ep*pp must divide the (here: window) world size, i.e. (dp*tp*cp) % (ep*etp) == 0.
+    expert_size = par.etp * par.ep * par.pp
+    if window.size % expert_size:
+        raise ConfigError(
+            f"{key}.expert_model_parallel_size",
+            f"ep={par.ep} etp={par.etp} pp={par.pp}",
+            f"expert grid ep*etp*pp = {expert_size} must divide {where}",
+        )
+
+
+def plan_layout(
+    world_size: int, groups: list[RoleGroupSpec], parallelism: dict[str, Parallelism]
+) -> RoleLayout:
+    """Lay the role groups out over `world_size` ranks and check every Megatron role fits.
+
+    A placed Megatron role missing from `parallelism` gets Parallelism(tp=1, pp=1).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError("world_size", world_size, "must be an integer >= 1")
+    if not groups:
+        raise ConfigError("roles.groups", groups, "must list at least one group")
+    sizes = _window_sizes(world_size, groups)
+    windows, offset = [], 0
+    for group, size in zip(groups, sizes):
+        windows.append(RoleWindow(tuple(group.roles), offset, size))
+        offset += size
+    assert offset == world_size, (offset, world_size)
+    placed = {role: i for i, w in enumerate(windows) for role in w.roles}
+    for role, par in parallelism.items():
+        if role not in placed:
+            raise ConfigError(f"roles.{role}", par, "has parallel sizes but is not placed")
+    for role in MEGATRON_ROLES:
+        if role in placed:
+            par = parallelism.get(role, Parallelism(1, 1))
+            _check_parallelism(role, par, windows[placed[role]], placed[role])
+    resolved = {r: parallelism.get(r, Parallelism(1, 1)) for r in MEGATRON_ROLES if r in placed}
+    return RoleLayout(world_size, tuple(windows), resolved)

@@ -1,0 +1,140 @@
+"""Build a Megatron GPT model (one pipeline stage) for a role from resolved Megatron args.
+
+Owned here: TransformerConfig from Megatron flags + the role's parallel layout, the layer spec
+(Transformer Engine on a GPU when importable, local otherwise), the padded vocabulary, and the
+`GPTModel` itself with the role's `ProcessGroupCollection`. Called by `roles.megatron_role`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from megatron_async_rl.config import megatron_flags
+from megatron_async_rl.distributed.layout import Parallelism
+from megatron_async_rl.distributed.platform import Platform
+from megatron_async_rl.models import name_map
+
+logger = logging.getLogger(__name__)
+
+# Fused kernels that need CUDA (or Apex/TE); turned off on CPU, left as the user set on GPU.
+_CPU_OFF = (
+    "gradient_accumulation_fusion",
+    "masked_softmax_fusion",
+    "bias_activation_fusion",
+    "bias_dropout_fusion",
+    "apply_rope_fusion",
+    "persist_layer_norm",
+    "moe_grouped_gemm",
+    "moe_permute_fusion",
+    "cross_entropy_loss_fusion",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What a role's model is, independent of which stage this rank holds."""
+
+    vocab_size: int  # the tokenizer's vocabulary
+    padded_vocab_size: int  # divisible by make_vocab_size_divisible_by * tp
+    max_sequence_length: int
+    gpt_kwargs: dict
+    use_te: bool
+
+
+def te_available(platform: Platform) -> bool:
+    if not platform.use_cuda:
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_transformer_config(args: dict[str, Any], par: Parallelism, platform: Platform):
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs = megatron_flags.transformer_config_kwargs(args)
+    kwargs.update(
+        tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp,
+        expert_model_parallel_size=par.ep,
+        expert_tensor_parallel_size=par.etp,
+        context_parallel_size=par.cp,
+    )
+    if args.get("bf16"):
+        kwargs.update(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+    else:
+        kwargs.setdefault("params_dtype", torch.float32)
+        kwargs["pipeline_dtype"] = kwargs["params_dtype"]
+    if not platform.use_cuda:
+        kwargs["use_cpu_initialization"] = True
+        for name in _CPU_OFF:
+            kwargs[name] = False
+    return TransformerConfig(**kwargs)
+
+
+def model_spec(args: dict[str, Any], par: Parallelism, platform: Platform) -> ModelSpec:
+    gpt = megatron_flags.gpt_model_kwargs(args)
+    vocab = gpt.pop("vocab_size", None) or args.get("vocab_size")
+    if not vocab:
+        raise ValueError(
+            "--vocab-size: the vocabulary size is unknown; set model.hf_path (its config.json "
+            "gives it) or pass --vocab-size"
+        )
+    divisible_by = int(args.get("make_vocab_size_divisible_by") or 128)
+    return ModelSpec(
+        vocab_size=int(vocab),
+        padded_vocab_size=name_map.padded_vocab_size(int(vocab), divisible_by, par.tp),
+        max_sequence_length=int(gpt.pop("max_sequence_length")),
+        gpt_kwargs=gpt,
+        use_te=te_available(platform),
+    )
+
+
+def layer_spec(config, spec: ModelSpec):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    common = dict(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+        qk_layernorm=config.qk_layernorm,
+    )
+    if spec.use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**common)
+    return gpt_layer_specs.get_gpt_layer_local_spec(**common, normalization=config.normalization)
+
+
+def build_gpt_model(config, spec: ModelSpec, pg_collection, seed: int):
+    """The GPTModel stage held by this rank (pre/post process from the PP rank)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    pp_rank = torch.distributed.get_rank(pg_collection.pp)
+    pp_size = torch.distributed.get_world_size(pg_collection.pp)
+    # torch.cuda.manual_seed is a no-op on CPU torch: seed the CPU generator as well, the same on
+    # every rank of the role, so use_cpu_initialization splits one master weight consistently.
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(
+        seed,
+        tp_rank=torch.distributed.get_rank(pg_collection.tp),
+        ep_rank=torch.distributed.get_rank(pg_collection.ep),
+        etp_rank=torch.distributed.get_rank(pg_collection.expt_tp),
+        force_reset_rng=True,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(config, spec),
+        vocab_size=spec.padded_vocab_size,
+        max_sequence_length=spec.max_sequence_length,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp_size - 1,
+        parallel_output=True,
+        pg_collection=pg_collection,
+        **spec.gpt_kwargs,
+    )
+    return model

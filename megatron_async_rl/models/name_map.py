@@ -1,0 +1,436 @@
+"""Names and layouts between Megatron-core GPT (0.16.1) and HF llama/qwen2/qwen3/qwen3_moe.
+
+The single source of truth for: which HF tensors a Megatron parameter becomes (and back), how a
+full Megatron tensor is split across tensor-parallel ranks (and gathered back), and how stage-local
+layer / expert indices map to global ones. Called by HF loading and export (`hf_to_megatron`,
+`megatron_to_hf`), sharded loading (`stage_state_dict`) and weight sync (`shard_spec`, `unshard`,
+`megatron_param_to_hf`, `to_global_name`). Pure torch: no `torch.distributed`, no megatron.
+
+Megatron layouts (read from megatron-core 0.16.1, logits-checked by the lead):
+- `linear_qkv` rows are interleaved per query group g: `[q heads of g (nq/ng of them); k_g; v_g]`
+  (`Attention.get_query_key_value_tensors` views `[.., ng, (nq/ng + 2) * d]`), and query head
+  `g * nq/ng + i` uses kv head g, the same grouping as HF `repeat_kv`. TP splits the rows evenly,
+  i.e. whole query groups when ng >= tp; when ng < tp Megatron all-gathers inside attention, and
+  the stored slice is still an even row block, so stride 1 is right in both cases.
+- SwiGLU `linear_fc1` is `[gate; up]` (`glu` takes `chunk(2)[0]` as gate). A column-parallel
+  rank holds `[gate_r; up_r]`: partition stride 2, so a plain concat of shards is wrong.
+- `linear_proj` / `linear_fc2` split dim 1; embedding and `output_layer` dim 0 over the padded
+  vocab (`pad_vocab`); norms and the router are replicated. Experts use the expert-TP size.
+- With the Transformer Engine spec the pre-attention norm is `linear_qkv.layer_norm_weight` and,
+  for a dense MLP, the pre-MLP norm is `linear_fc1.layer_norm_weight`; MoE keeps
+  `pre_mlp_layernorm`. Both spellings are parsed; `ModelDims.te_fused_norms` picks the one
+  produced. Experts are SequentialMLP's `experts.local_experts.{j}` (`moe_grouped_gemm=False`);
+  TE grouped-GEMM names (`experts.linear_fc1.weight{j}`) are not handled yet.
+HF experts are named per expert (`mlp.experts.{j}.gate_proj.weight`): the hub format on disk,
+which transformers 5.12.1 fuses on load into `gate_up_proj` (E, 2F, H) = [gate; up] and SGLang
+loads as is.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Shapes and switches that decide names and layouts; `head_dim` is Megatron `kv_channels`."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tied_embeddings: bool
+    add_qkv_bias: bool
+    qk_layernorm: bool
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    te_fused_norms: bool = False
+    padded_vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_query_groups={self.num_query_groups}"
+            )
+        if (self.num_experts is None) != (self.moe_ffn_hidden_size is None):
+            raise ValueError("num_experts and moe_ffn_hidden_size must be set together")
+        if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:
+            raise ValueError(
+                f"padded_vocab_size={self.padded_vocab_size} < vocab_size={self.vocab_size}"
+            )
+
+    @classmethod
+    def from_megatron_args(cls, args: Mapping[str, Any] | Any) -> ModelDims:
+        """From a Megatron args dict or Namespace (e.g. `hf_config.megatron_args_from_hf`)."""
+        a = args if isinstance(args, Mapping) else vars(args)
+        heads = int(a["num_attention_heads"])
+        num_experts = a.get("num_experts") or None
+        return cls(
+            num_layers=int(a["num_layers"]),
+            hidden_size=int(a["hidden_size"]),
+            num_attention_heads=heads,
+            num_query_groups=int(
+                a["num_query_groups"] if a.get("group_query_attention") else heads
+            ),
+            head_dim=int(a.get("kv_channels") or a["hidden_size"] // heads),
+            ffn_hidden_size=int(a["ffn_hidden_size"]),
+            vocab_size=int(a["vocab_size"]),
+            tied_embeddings=not a.get("untie_embeddings_and_output_weights", False),
+            add_qkv_bias=bool(a.get("add_qkv_bias", False)),
+            qk_layernorm=bool(a.get("qk_layernorm", False)),
+            num_experts=num_experts,
+            moe_ffn_hidden_size=a.get("moe_ffn_hidden_size") if num_experts else None,
+            te_fused_norms=a.get("transformer_impl") == "transformer_engine",
+            padded_vocab_size=a.get("padded_vocab_size"),
+        )
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one (global-named) Megatron parameter is split over tensor-parallel ranks.
+
+    `partition_dim` None means replicated. `stride` 2 means each rank holds `[gate_r; up_r]`.
+    `layer` / `expert` are the global layer and expert indices (None outside layers / experts);
+    for experts the TP group is the expert-TP group.
+    """
+
+    partition_dim: int | None
+    stride: int = 1
+    is_vocab: bool = False
+    layer: int | None = None
+    expert: int | None = None
+
+    @property
+    def is_expert(self) -> bool:
+        return self.expert is not None
+
+
+# Megatron layer-suffix -> (HF suffixes under `model.layers.{i}.`, kind, partition dim, stride).
+# Kinds: copy (same tensor), qkv (per-group interleave), glu ([gate; up]), vocab (padded rows).
+_QKV = tuple(f"self_attn.{x}_proj.weight" for x in "qkv")
+_LAYER_TABLE: dict[str, tuple[tuple[str, ...], str, int | None, int]] = {
+    "input_layernorm.weight": (("input_layernorm.weight",), "copy", None, 1),
+    "self_attention.linear_qkv.layer_norm_weight": (("input_layernorm.weight",), "copy", None, 1),
+    "self_attention.linear_qkv.weight": (_QKV, "qkv", 0, 1),
+    "self_attention.linear_qkv.bias": (tuple(n[:-6] + "bias" for n in _QKV), "qkv", 0, 1),
+    "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), "copy", None, 1),
+    "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), "copy", None, 1),
+    "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), "copy", 1, 1),
+    "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), "copy", None, 1),
+    "mlp.linear_fc1.layer_norm_weight": (("post_attention_layernorm.weight",), "copy", None, 1),
+    "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "glu", 0, 2),
+    "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "copy", 1, 1),
+    "mlp.router.weight": (("mlp.gate.weight",), "copy", None, 1),
+    "linear_fc1": (("gate_proj.weight", "up_proj.weight"), "glu", 0, 2),  # expert j
+    "linear_fc2": (("down_proj.weight",), "copy", 1, 1),  # expert j
+}
+_GLOBAL_TABLE = {
+    "embedding.word_embeddings.weight": (("model.embed_tokens.weight",), "vocab", 0, 1),
+    "output_layer.weight": (("lm_head.weight",), "vocab", 0, 1),
+    "decoder.final_layernorm.weight": (("model.norm.weight",), "copy", None, 1),
+}
+# Valid only for dense MLP layers, only for MoE layers, or behind a ModelDims switch.
+_DENSE_ONLY = {"mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"}
+_SWITCHES = {
+    "self_attention.linear_qkv.bias": "add_qkv_bias",
+    "self_attention.q_layernorm.weight": "qk_layernorm",
+    "self_attention.k_layernorm.weight": "qk_layernorm",
+}
+
+
+def _rule(name: str, dims: ModelDims) -> tuple[tuple[str, ...], str, ShardSpec]:
+    """(HF names, kind, shard spec) of a global-named Megatron parameter."""
+    m = _LAYER_RE.match(name)
+    if not m:
+        if name not in _GLOBAL_TABLE:
+            raise ValueError(f"unknown Megatron parameter {name!r}")
+        hf, kind, dim, _ = _GLOBAL_TABLE[name]
+        if name == "output_layer.weight" and dims.tied_embeddings:
+            hf = ()  # the last PP stage's copy of the tied embedding: HF has no tensor for it
+        return hf, kind, ShardSpec(dim, is_vocab=kind == "vocab")
+    layer, suffix = int(m.group(1)), m.group(2)
+    if layer >= dims.num_layers:
+        raise ValueError(f"{name}: layer {layer} outside num_layers={dims.num_layers}")
+    moe, expert, prefix = dims.num_experts is not None, None, f"model.layers.{layer}."
+    e = _EXPERT_RE.match(suffix)
+    if e and moe:
+        expert, suffix = int(e.group(1)), e.group(2)
+        prefix = f"{prefix}mlp.experts.{expert}."
+        if expert >= dims.num_experts:
+            raise ValueError(f"{name}: expert {expert} outside num_experts={dims.num_experts}")
+    if (
+        suffix not in _LAYER_TABLE
+        or (suffix in _DENSE_ONLY and moe)
+        or (suffix == "mlp.router.weight" and not moe)
+        or (suffix.startswith("linear_fc") and expert is None)
+        or (suffix in _SWITCHES and not getattr(dims, _SWITCHES[suffix]))
+    ):
+        raise ValueError(f"unknown Megatron parameter {name!r} for {dims}")
+    hf, kind, dim, stride = _LAYER_TABLE[suffix]
+    return tuple(prefix + n for n in hf), kind, ShardSpec(dim, stride, False, layer, expert)
+
+
+def shard_spec(megatron_name: str, dims: ModelDims) -> ShardSpec:
+    """The TP split of a parameter named with global layer and expert indices."""
+    return _rule(megatron_name, dims)[2]
+
+
+def hf_names_for(megatron_name: str, dims: ModelDims) -> tuple[str, ...]:
+    """The HF tensors one Megatron parameter becomes, in `megatron_param_to_hf` order."""
+    return _rule(megatron_name, dims)[0]
+
+
+def _layer_param_names(dims: ModelDims, layer: int, experts: range) -> list[str]:
+    te, moe = dims.te_fused_norms, dims.num_experts is not None
+    suffixes = [
+        "self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight",
+        "self_attention.linear_qkv.weight",
+        *(["self_attention.linear_qkv.bias"] if dims.add_qkv_bias else []),
+        *(
+            ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+            if dims.qk_layernorm
+            else []
+        ),
+        "self_attention.linear_proj.weight",
+        "mlp.linear_fc1.layer_norm_weight" if te and not moe else "pre_mlp_layernorm.weight",
+    ]
+    if not moe:
+        suffixes += ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    else:
+        suffixes.append("mlp.router.weight")
+        for j in experts:
+            suffixes += [f"mlp.experts.local_experts.{j}.linear_fc{k}.weight" for k in (1, 2)]
+    return [f"decoder.layers.{layer}.{s}" for s in suffixes]
+
+
+def stage_param_names(
+    dims: ModelDims,
+    *,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+) -> list[str]:
+    """Global names of the parameters one (pp_rank, ep_rank) holds; all of them by default."""
+    first = layer_offset(pp_rank, pp_size, dims.num_layers)
+    num_local = dims.num_layers // pp_size
+    experts = range(0)
+    if dims.num_experts is not None:
+        e0 = expert_offset(ep_rank, ep_size, dims.num_experts)
+        experts = range(e0, e0 + dims.num_experts // ep_size)
+    names = ["embedding.word_embeddings.weight"] if pp_rank == 0 else []
+    for layer in range(first, first + num_local):
+        names += _layer_param_names(dims, layer, experts)
+    if pp_rank == pp_size - 1:
+        names.append("decoder.final_layernorm.weight")
+        if not dims.tied_embeddings or pp_size > 1:
+            names.append("output_layer.weight")
+    return names
+
+
+def layer_offset(pp_rank: int, pp_size: int, num_layers: int) -> int:
+    """Global index of a pipeline stage's first layer (even splits only)."""
+    if num_layers % pp_size:
+        raise ValueError(f"num_layers={num_layers} is not divisible by pp_size={pp_size}")
+    return pp_rank * (num_layers // pp_size)
+
+
+def expert_offset(ep_rank: int, ep_size: int, num_experts: int) -> int:
+    """Global index of an expert-parallel rank's local expert 0."""
+    if num_experts % ep_size:
+        raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
+    return ep_rank * (num_experts // ep_size)
+
+
+def _shift(name: str, layer_delta: int, expert_delta: int) -> str:
+    m = _LAYER_RE.match(name)
+    if not m:
+        return name
+    suffix = re.sub(
+        r"^(mlp\.experts\.local_experts\.)(\d+)",
+        lambda e: f"{e[1]}{int(e[2]) + expert_delta}",
+        m[2],
+    )
+    return f"decoder.layers.{int(m.group(1)) + layer_delta}.{suffix}"
+
+
+def to_global_name(local_name: str, *, layer_offset: int = 0, expert_offset: int = 0) -> str:
+    """A rank's state-dict name (stage-local layer, EP-local expert) -> the global name."""
+    return _shift(local_name, layer_offset, expert_offset)
+
+
+def to_local_name(global_name: str, *, layer_offset: int = 0, expert_offset: int = 0) -> str:
+    """Inverse of `to_global_name`."""
+    return _shift(global_name, -layer_offset, -expert_offset)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """Megatron's padding rule: round up to a multiple of `divisible_by * tp_size`."""
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def pad_vocab(tensor: Tensor, padded_size: int) -> Tensor:
+    """Appends zero rows up to `padded_size`. Logits of padded rows must be masked by callers."""
+    if padded_size < tensor.shape[0]:
+        raise ValueError(f"padded_size={padded_size} < vocab rows {tensor.shape[0]}")
+    if padded_size == tensor.shape[0]:
+        return tensor
+    pad = tensor.new_zeros((padded_size - tensor.shape[0], *tensor.shape[1:]))
+    return torch.cat([tensor, pad])
+
+
+def unpad_vocab(tensor: Tensor, vocab_size: int) -> Tensor:
+    return tensor if tensor.shape[0] == vocab_size else tensor[:vocab_size].clone()
+
+
+def megatron_param_to_hf(name: str, tensor: Tensor, dims: ModelDims) -> list[tuple[str, Tensor]]:
+    """One full (gathered, global-named) Megatron tensor -> its HF tensors, each owning storage.
+
+    Owning matters: a view keeps (and pickles / IPC-shares) the whole fused storage.
+    """
+    hf, kind, _ = _rule(name, dims)
+    if kind == "copy":
+        return [(hf[0], tensor)]
+    if kind == "vocab":
+        return [(n, unpad_vocab(tensor, dims.vocab_size)) for n in hf]
+    if kind == "glu":
+        gate, up = tensor.chunk(2, dim=0)
+        return [(hf[0], gate.clone()), (hf[1], up.clone())]
+    ng, d = dims.num_query_groups, dims.head_dim
+    per_group = dims.num_attention_heads // ng
+    grouped = tensor.reshape(ng, per_group + 2, d, *tensor.shape[1:])
+    rest = tuple(tensor.shape[1:])
+    q = grouped[:, :per_group].reshape(ng * per_group * d, *rest).clone()
+    k = grouped[:, per_group].reshape(ng * d, *rest).clone()
+    v = grouped[:, per_group + 1].reshape(ng * d, *rest).clone()
+    return list(zip(hf, (q, k, v), strict=True))
+
+
+def hf_to_megatron_param(name: str, hf_tensors: list[Tensor], dims: ModelDims) -> Tensor:
+    """The inverse of `megatron_param_to_hf`, from the tensors named by `hf_names_for`."""
+    kind = _rule(name, dims)[1]
+    if kind == "copy":
+        return hf_tensors[0]
+    if kind == "vocab":
+        return pad_vocab(hf_tensors[0], dims.padded_vocab_size or dims.vocab_size)
+    if kind == "glu":
+        return torch.cat(hf_tensors, dim=0)
+    q, k, v = hf_tensors
+    ng, d = dims.num_query_groups, dims.head_dim
+    rest = tuple(q.shape[1:])
+    parts = [
+        q.reshape(ng, dims.num_attention_heads // ng, d, *rest),
+        k.reshape(ng, 1, d, *rest),
+        v.reshape(ng, 1, d, *rest),
+    ]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def hf_to_megatron(hf_sd: Mapping[str, Tensor], dims: ModelDims) -> dict[str, Tensor]:
+    """A full HF state dict in hub layout -> the full (TP=PP=EP=1, global-named) Megatron one.
+
+    Hub layout is what `hf_checkpoint.load_hf_state_dict` returns; a transformers 5 module's
+    own `state_dict()` fuses MoE experts: pass it through `hf_checkpoint.to_hub_layout` first.
+    """
+    out, used = {}, set()
+    for name in stage_param_names(dims):
+        sources = hf_names_for(name, dims)
+        missing = [s for s in sources if s not in hf_sd]
+        if missing:
+            raise ValueError(f"HF state dict lacks {missing} needed for Megatron {name!r}")
+        out[name] = hf_to_megatron_param(name, [hf_sd[s] for s in sources], dims)
+        used.update(sources)
+    # A tied checkpoint may still carry lm_head; old ones carry rotary buffers.
+    ignorable = {"lm_head.weight"} if dims.tied_embeddings else set()
+    extra = sorted(
+        k for k in hf_sd if k not in used | ignorable and not k.endswith("rotary_emb.inv_freq")
+    )
+    if extra:
+        raise ValueError(f"HF state dict has tensors with no Megatron counterpart: {extra[:8]}")
+    return out
+
+
+def megatron_to_hf(mc_sd: Mapping[str, Tensor], dims: ModelDims) -> dict[str, Tensor]:
+    """A full global-named Megatron state dict -> HF state dict (`_extra_state` ignored)."""
+    out: dict[str, Tensor] = {}
+    for name, tensor in mc_sd.items():
+        if not name.endswith("._extra_state"):
+            out.update(megatron_param_to_hf(name, tensor, dims))
+    expected = {hf for name in stage_param_names(dims) for hf in hf_names_for(name, dims)}
+    missing = sorted(expected - out.keys())
+    if missing:
+        raise ValueError(f"Megatron state dict lacks the sources of HF tensors {missing[:8]}")
+    return out
+
+
+def shard_for_rank(full: Tensor, spec: ShardSpec, tp_rank: int, tp_size: int) -> Tensor:
+    """Exactly the slice TP rank `tp_rank` holds (expert-TP rank for experts)."""
+    if spec.partition_dim is None or tp_size == 1:
+        return full
+    dim, size = spec.partition_dim, full.shape[spec.partition_dim]
+    if size % (tp_size * spec.stride):
+        hint = " (pad the vocab with pad_vocab first)" if spec.is_vocab else ""
+        raise ValueError(
+            f"dim {dim} of size {size} does not split into tp_size={tp_size} x "
+            f"stride={spec.stride}{hint}"
+        )
+    parts = [c.chunk(tp_size, dim=dim)[tp_rank] for c in full.chunk(spec.stride, dim=dim)]
+    return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0].contiguous()
+
+
+def unshard(shards: list[Tensor], spec: ShardSpec) -> Tensor:
+    """Inverse of `shard_for_rank` over all ranks (shards in TP-rank order)."""
+    if spec.partition_dim is None or len(shards) == 1:
+        return shards[0]
+    dim = spec.partition_dim
+    pieces = [s.chunk(spec.stride, dim=dim) for s in shards]
+    return torch.cat([p[k] for k in range(spec.stride) for p in pieces], dim=dim)
+
+
+def stage_state_dict(
+    full_sd: Mapping[str, Tensor],
+    dims: ModelDims,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    etp_rank: int | None = None,
+    etp_size: int | None = None,
+) -> dict[str, Tensor]:
+    """What one rank loads: local names, its TP (or expert-TP) slices, from a full state dict.
+
+    The tied `output_layer.weight` of the last stage (PP>1) is read from the embedding. Expert-TP
+    defaults to TP, as megatron-core's `expert_tensor_parallel_size` does.
+    """
+    etp_rank, etp_size = (tp_rank, tp_size) if etp_size is None else (etp_rank or 0, etp_size)
+    l0 = layer_offset(pp_rank, pp_size, dims.num_layers)
+    e0 = expert_offset(ep_rank, ep_size, dims.num_experts) if dims.num_experts else 0
+    out = {}
+    for name in stage_param_names(
+        dims, pp_rank=pp_rank, pp_size=pp_size, ep_rank=ep_rank, ep_size=ep_size
+    ):
+        source = name
+        if name == "output_layer.weight" and dims.tied_embeddings:
+            source = "embedding.word_embeddings.weight"
+        spec = shard_spec(name, dims)
+        rank, size = (etp_rank, etp_size) if spec.is_expert else (tp_rank, tp_size)
+        local = to_local_name(name, layer_offset=l0, expert_offset=e0)
+        out[local] = shard_for_rank(full_sd[source], spec, rank, size)
+    return out

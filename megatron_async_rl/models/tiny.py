@@ -1,0 +1,170 @@
+"""Tiny, locally made HF model directories (llama, qwen2, qwen3, qwen3_moe) for tests and CI.
+
+Owns `write_tiny_model` and its command line:
+
+    python -m megatron_async_rl.models.tiny --family llama --out runs/tiny-llama [--seed 0]
+
+The weights come from `transformers` itself (random init under `seed`, fp32, safetensors); the
+tokenizer is built here with `tokenizers` (one token per character of an arithmetic alphabet,
+plus specials and a chat template), so nothing is downloaded. Used by unit, distributed and e2e
+tests and by the CPU recipes. The init is deliberately not the transformers default: a larger
+`initializer_range` and random norm weights and biases make layout mistakes (q/k norms swapped,
+a mis-interleaved bias) change the logits visibly in parity tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import string
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_async_rl.models.hf_config import legacy_compatible
+
+logger = logging.getLogger(__name__)
+
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>")
+CHARACTERS = (
+    string.digits + "+-*/=?.,:;()!'\"%<>" + string.ascii_lowercase + string.ascii_uppercase + " \n"
+)
+# The vocab is filled with reserved tokens up to a multiple of this, so that TP=2/4 split it
+# evenly and every id the model can sample decodes to something.
+VOCAB_MULTIPLE = 16
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<eos>"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_tokenizer() -> Any:
+    """A character-level `PreTrainedTokenizerFast`; its length is a multiple of 16."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = list(SPECIAL_TOKENS) + list(CHARACTERS)
+    num_reserved = -len(tokens) % VOCAB_MULTIPLE
+    reserved = [f"<|reserved_{i}|>" for i in range(num_reserved)]
+    tokens += reserved
+    vocab = {token: i for i, token in enumerate(tokens)}
+    # BPE without merges over single characters: each character is one token, unknown ones <unk>.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIAL_TOKENS) + reserved)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def _config(family: str, vocab_size: int, overrides: dict[str, Any]) -> Any:
+    import transformers
+
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+    }[family]
+    kwargs: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "tie_word_embeddings": False,
+        "initializer_range": 0.1,
+        "pad_token_id": SPECIAL_TOKENS.index("<pad>"),
+        "bos_token_id": SPECIAL_TOKENS.index("<bos>"),
+        "eos_token_id": SPECIAL_TOKENS.index("<eos>"),
+    }
+    if family == "qwen3_moe":
+        kwargs.update(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+        )
+    unknown = sorted(k for k in overrides if k not in kwargs and not hasattr(cls(), k))
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} field(s) in overrides: {unknown}")
+    kwargs.update(overrides)
+    kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+    return cls(**kwargs)
+
+
+def write_tiny_model(out_dir: str | Path, family: str, seed: int = 0, **overrides: Any) -> Path:
+    """Writes a tiny `family` model, its tokenizer and config to `out_dir`; returns the path.
+
+    `overrides` are config fields (e.g. `hidden_size=32`, `tie_word_embeddings=True`).
+    """
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r} is not one of {FAMILIES}")
+    out = Path(out_dir)
+    tokenizer = build_tokenizer()
+    config = _config(family, len(tokenizer), overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+            elif name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    _make_loadable_everywhere(out)
+    logger.info("wrote tiny %s model to %s", family, out)
+    return out
+
+
+def _make_loadable_everywhere(out: Path) -> None:
+    """Adds classic config keys and a tokenizer class name older transformers know too.
+
+    transformers 5 writes `rope_parameters`, `num_local_experts` and `TokenizersBackend`; an
+    older transformers (as SGLang may pin) would not read them, silently in the first two cases.
+    """
+    config_path = out / "config.json"
+    config = legacy_compatible(json.loads(config_path.read_text()))
+    config_path.write_text(json.dumps(config, indent=2))
+    tok_path = out / "tokenizer_config.json"
+    tok_config = json.loads(tok_path.read_text())
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_path.write_text(json.dumps(tok_config, indent=2))
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", choices=FAMILIES, required=True)
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden-size", type=int, default=None)
+    parser.add_argument("--num-layers", type=int, default=None)
+    parser.add_argument(
+        "--tie", action=argparse.BooleanOptionalAction, default=False, help="tie embeddings"
+    )
+    args = parser.parse_args(argv)
+    overrides: dict[str, Any] = {"tie_word_embeddings": args.tie}
+    if args.hidden_size is not None:
+        overrides["hidden_size"] = args.hidden_size
+    if args.num_layers is not None:
+        overrides["num_hidden_layers"] = args.num_layers
+    return write_tiny_model(args.out, args.family, seed=args.seed, **overrides)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    main()

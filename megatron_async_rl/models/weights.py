@@ -1,0 +1,127 @@
+"""Move weights between a role's Megatron model stage and HuggingFace safetensors.
+
+Owned here: loading a HF checkpoint into this rank's shard (`load_hf_into_megatron`) and gathering
+a role's sharded model back into one HF state dict (`gather_hf_state_dict`) for export and checks.
+Names and split rules come from `models.name_map` (one source of truth, shared with weight sync).
+Called by `roles.megatron_role` and the export path of the entry point.
+
+The gather here is the simple, whole-model one (every tensor through the role's first rank); the
+planned, bucketed, bounded-memory reshard for weight sync lives in `weight_sync/`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_async_rl.models import hf_checkpoint, name_map
+
+
+def model_dims(args: dict[str, Any], spec) -> name_map.ModelDims:
+    """`ModelDims` of a role's model (`spec` is a `builder.ModelSpec`)."""
+    merged = dict(args)
+    merged.update(
+        vocab_size=spec.vocab_size,
+        padded_vocab_size=spec.padded_vocab_size,
+        transformer_impl="transformer_engine" if spec.use_te else "local",
+    )
+    return name_map.ModelDims.from_megatron_args(merged)
+
+
+def _ranks(pgc) -> dict[str, int]:
+    return {
+        "tp_rank": dist.get_rank(pgc.tp),
+        "tp_size": dist.get_world_size(pgc.tp),
+        "pp_rank": dist.get_rank(pgc.pp),
+        "pp_size": dist.get_world_size(pgc.pp),
+        "ep_rank": dist.get_rank(pgc.ep),
+        "ep_size": dist.get_world_size(pgc.ep),
+        "etp_rank": dist.get_rank(pgc.expt_tp),
+        "etp_size": dist.get_world_size(pgc.expt_tp),
+    }
+
+
+def _own_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in module.state_dict().items() if not k.endswith("._extra_state")}
+
+
+@torch.no_grad()
+def load_hf_into_megatron(module, path: str, args: dict[str, Any], pgc, spec) -> None:
+    """Copy this rank's slice of every parameter of the HF checkpoint at `path` into `module`."""
+    dims = model_dims(args, spec)
+    full = name_map.hf_to_megatron(hf_checkpoint.load_hf_state_dict(path), dims)
+    local = name_map.stage_state_dict(full, dims, **_ranks(pgc))
+    own = _own_tensors(module)
+    missing, unexpected = sorted(own.keys() - local.keys()), sorted(local.keys() - own.keys())
+    if missing or unexpected:
+        raise RuntimeError(
+            f"HF checkpoint {path} does not match the model stage on global rank "
+            f"{dist.get_rank()}: parameters without a source {missing[:6]}, sources without a "
+            f"parameter {unexpected[:6]}"
+        )
+    for name, target in own.items():
+        source = local[name]
+        if source.shape != target.shape:
+            raise RuntimeError(
+                f"HF checkpoint {path}: parameter {name} on global rank {dist.get_rank()} has "
+                f"shape {tuple(target.shape)} but the checkpoint gives {tuple(source.shape)}"
+            )
+        target.copy_(source)
+
+
+@torch.no_grad()
+def gather_megatron_state_dict(module, args: dict[str, Any], pgc, spec):
+    """The full, global-named Megatron state dict on the role's first rank; None elsewhere.
+
+    Collective over the role (every rank of its window must call it).
+    """
+    dims = model_dims(args, spec)
+    ranks = _ranks(pgc)
+    l0 = name_map.layer_offset(ranks["pp_rank"], ranks["pp_size"], dims.num_layers)
+    e0 = (
+        name_map.expert_offset(ranks["ep_rank"], ranks["ep_size"], dims.num_experts)
+        if dims.num_experts
+        else 0
+    )
+    # One copy of each tensor goes to the role's first rank: replicas send nothing. Dense tensors
+    # come from (dp 0, tp 0), expert tensors from (expert-dp 0, expert-tp 0) of each EP rank.
+    dense_sender = dist.get_rank(pgc.dp) == 0 and ranks["tp_rank"] == 0
+    expert_sender = dist.get_rank(pgc.expt_dp) == 0 and ranks["etp_rank"] == 0
+    gathered: dict[str, torch.Tensor] = {}
+    for local_name, tensor in _own_tensors(module).items():
+        name = name_map.to_global_name(local_name, layer_offset=l0, expert_offset=e0)
+        spec_ = name_map.shard_spec(name, dims)
+        group = pgc.expt_tp if spec_.is_expert else pgc.tp
+        if spec_.partition_dim is not None and dist.get_world_size(group) > 1:
+            shards = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(shards, tensor.contiguous(), group=group)
+            tensor = name_map.unshard(shards, spec_)
+        if expert_sender if spec_.is_expert else dense_sender:
+            gathered[name] = tensor.detach().clone()
+    role_group = pgc.intra_dist_opt
+    parts = [None] * dist.get_world_size(role_group)
+    dist.gather_object(
+        gathered,
+        parts if dist.get_rank(role_group) == 0 else None,
+        dst=dist.get_global_rank(role_group, 0),
+        group=role_group,
+    )
+    if dist.get_rank(role_group) != 0:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        if part:
+            merged.update(part)
+    if dims.tied_embeddings:
+        merged.pop("output_layer.weight", None)  # the last stage's copy of the embedding
+    return merged
+
+
+def gather_hf_state_dict(module, args: dict[str, Any], pgc, spec):
+    """`gather_megatron_state_dict` converted to HF names (on the role's first rank)."""
+    merged = gather_megatron_state_dict(module, args, pgc, spec)
+    if merged is None:
+        return None
+    return name_map.megatron_to_hf(merged, model_dims(args, spec))

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create (or update) the virtual environment .venv in the checkout with everything a CPU run and
+# the test suite need. Idempotent: a second run only checks. Knobs:
+#   PYTHON   interpreter that creates the venv [python3]
+#   VENV     where [<repo>/.venv]
+set -euo pipefail
+repo_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${VENV:-$repo_dir/.venv}
+python=${PYTHON:-python3}
+
+if [[ ! -x $venv/bin/python ]]; then
+    "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+stamp=$venv/.megatron_async_rl.stamp
+want=$(cat "$repo_dir/setup.py" "$0" | sha256sum | cut -d' ' -f1)
+if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
+    exit 0
+fi
+# torch first, pinned: this machine's CPU wheel. Asking for a newer torch would pull the CUDA
+# build (several GB); with 2.13.0 installed, megatron-core's "torch>=2.6" installs nothing more.
+"${pip[@]}" install "torch==2.13.0"
+"${pip[@]}" install -e "$repo_dir[test]"
+echo "$want" >"$stamp"

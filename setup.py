@@ -1,0 +1,33 @@
+"""Package definition. GPU-only dependencies are extras, detected at run time, never required."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_async_rl",
+    version="0.1.0",
+    description="Asynchronous RL for LLMs on Megatron-core roles with embedded SGLang engines",
+    packages=find_packages(include=["megatron_async_rl", "megatron_async_rl.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core==0.16.1",
+        "einops>=0.8",
+        "numpy",
+        "pyyaml>=6",
+        "safetensors>=0.4",
+        # sglang 0.5.21 (the generation engine) pins these two; keep them in step.
+        "transformers==5.12.1",
+        "tokenizers==0.22.2",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"],
+        "gpu": ["transformer-engine[pytorch]>=2.9", "apex"],
+        "tensorboard": ["tensorboard"],
+    },
+    entry_points={
+        "console_scripts": [
+            "megatron-async-rl-tiny-model=megatron_async_rl.models.tiny:main",
+        ]
+    },
+)

@@ -1,0 +1,196 @@
+"""The pure rank layout (`distributed/layout.py`): windows, lookups, Megatron's divisibility rules.
+
+Contract: `plan_layout(world_size, groups, parallelism)` lays `roles.groups` out from rank 0 in
+order; counts must sum to the world size, ratios become whole counts (sharing what counts leave);
+every Megatron role needs tp*pp*cp | window size and, as megatron-core 0.16's
+`initialize_model_parallel` requires, etp*ep*pp | window size (equivalently
+(dp*tp*cp) % (ep*etp) == 0, checked here against that formula over a grid of sizes). The module
+imports neither torch.distributed nor megatron (checked in a subprocess). Nothing is faked.
+"""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.config.schema import RoleGroupSpec
+from megatron_async_rl.distributed.layout import Parallelism, RoleWindow, plan_layout
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _groups(*specs):
+    return [RoleGroupSpec(**spec) for spec in specs]
+
+
+def test_brief_example_world_of_four():
+    layout = plan_layout(
+        4,
+        _groups(
+            {"roles": ["train"], "num_ranks": 2},
+            {"roles": ["logp"], "num_ranks": 1},
+            {"roles": ["ref"], "num_ranks": 1},
+        ),
+        {"train": Parallelism(tp=2, pp=1)},
+    )
+    assert layout.windows == (
+        RoleWindow(("train",), 0, 2),
+        RoleWindow(("logp",), 2, 1),
+        RoleWindow(("ref",), 3, 1),
+    )
+    assert layout.window_of("train").ranks == range(0, 2)
+    assert layout.parallelism["logp"] == Parallelism(1, 1)  # defaulted
+    assert [layout.roles_of_rank(r) for r in range(4)] == [
+        ("train",),
+        ("train",),
+        ("logp",),
+        ("ref",),
+    ]
+    assert layout.rank_in_role("train", 1) == 1
+    assert layout.rank_in_role("ref", 3) == 0
+    assert layout.dp_of("train") == 1
+
+
+def test_shared_window_and_generate():
+    layout = plan_layout(
+        4,
+        _groups(
+            {"roles": ["logp", "train"], "num_ranks": 2},
+            {"roles": ["ref"], "num_ranks": 1},
+            {"roles": ["generate"], "num_ranks": 1},
+        ),
+        {"train": Parallelism(1, 1), "logp": Parallelism(2, 1)},
+    )
+    assert layout.roles_of_rank(1) == ("logp", "train")
+    assert layout.window_of("train") is layout.window_of("logp")
+    assert (layout.dp_of("train"), layout.dp_of("logp")) == (2, 1)
+    assert "generate" not in layout.parallelism
+    text = layout.describe()
+    assert "0-1    logp" in text and "3      generate  -" in text
+
+
+def test_ratios_only():
+    layout = plan_layout(
+        8,
+        _groups(
+            {"roles": ["train", "logp"], "ratio": 0.5},
+            {"roles": ["ref"], "ratio": 0.25},
+            {"roles": ["generate"], "ratio": 0.25},
+        ),
+        {},
+    )
+    assert [(w.offset, w.size) for w in layout.windows] == [(0, 4), (4, 2), (6, 2)]
+
+
+def test_counts_and_ratios_share_the_remainder():
+    layout = plan_layout(
+        8,
+        _groups(
+            {"roles": ["train"], "num_ranks": 4},
+            {"roles": ["logp", "ref"], "ratio": 0.5},
+            {"roles": ["generate"], "ratio": 0.5},
+        ),
+        {},
+    )
+    assert [(w.offset, w.size) for w in layout.windows] == [(0, 4), (4, 2), (6, 2)]
+
+
+def test_counts_leave_too_few_ranks_for_ratios():
+    with pytest.raises(ConfigError, match=r"rank counts leave 0 of 4 ranks for 1 ratio groups"):
+        plan_layout(
+            4,
+            _groups(
+                {"roles": ["train", "logp", "ref"], "num_ranks": 4},
+                {"roles": ["generate"], "ratio": 1.0},
+            ),
+            {},
+        )
+
+
+def test_pipeline_and_context_parallel_product_must_divide():
+    groups = _groups({"roles": ["train", "logp", "ref"], "num_ranks": 6})
+    assert plan_layout(6, groups, {"train": Parallelism(tp=1, pp=2, cp=3)}).dp_of("train") == 1
+    with pytest.raises(
+        ConfigError, match=r"roles.train.megatron = 'tp=1 pp=4 cp=1': tp\*pp\*cp = 4"
+    ):
+        plan_layout(6, groups, {"train": Parallelism(tp=1, pp=4)})
+
+
+def _expert_rule(size, tp, pp, cp, ep, etp):
+    """The brief's form of Megatron's rule, written independently of layout.py."""
+    if size % (tp * pp * cp):
+        return False
+    dp = size // (tp * pp * cp)
+    return (dp * tp * cp) % (ep * etp) == 0
+
+
+def test_expert_rule_matches_megatron_formula():
+    groups = _groups({"roles": ["train", "logp", "ref"], "num_ranks": 8})
+    for tp, pp, ep, etp in itertools.product((1, 2, 4), (1, 2), (1, 2, 4, 8), (1, 2, 4)):
+        par = Parallelism(tp=tp, pp=pp, ep=ep, etp=etp)
+        expected = _expert_rule(8, tp, pp, 1, ep, etp)
+        try:
+            plan_layout(8, groups, {"train": par})
+            accepted = True
+        except ConfigError:
+            accepted = False
+        assert accepted == expected, par
+
+
+def test_expert_parallel_defaults_etp_to_tp():
+    par = Parallelism.from_megatron_args(
+        {
+            "tensor_model_parallel_size": 2,
+            "expert_model_parallel_size": 2,
+            "expert_tensor_parallel_size": None,
+        }
+    )
+    assert par == Parallelism(tp=2, pp=1, ep=2, cp=1, etp=2)
+    assert par.dp_for(8) == 4
+    with pytest.raises(ValueError, match="not a multiple"):
+        par.dp_for(3)
+
+
+def test_lookup_errors():
+    layout = plan_layout(
+        2,
+        _groups({"roles": ["train", "logp"], "num_ranks": 1}, {"roles": ["ref"], "num_ranks": 1}),
+        {},
+    )
+    with pytest.raises(ValueError, match="rank 1 is not in role 'train'"):
+        layout.rank_in_role("train", 1)
+    with pytest.raises(ValueError, match="role 'generate' is not placed"):
+        layout.window_of("generate")
+    with pytest.raises(ValueError, match="rank 2 is outside the world of 2 ranks"):
+        layout.roles_of_rank(2)
+
+
+def test_bad_arguments():
+    groups = _groups({"roles": ["train", "logp", "ref"], "num_ranks": 1})
+    with pytest.raises(ConfigError, match=r"world_size = 0: must be an integer >= 1"):
+        plan_layout(0, groups, {})
+    with pytest.raises(
+        ConfigError, match=r"roles.generate = .*has parallel sizes but is not placed"
+    ):
+        plan_layout(1, groups, {"generate": Parallelism(1, 1)})
+    with pytest.raises(ConfigError, match=r"tp = 0: parallel sizes must be integers >= 1"):
+        Parallelism(tp=0, pp=1)
+
+
+def test_layout_is_pure():
+    code = (
+        "import sys, megatron_async_rl.distributed.layout\n"
+        "bad = [m for m in sys.modules if m.startswith(('torch', 'megatron.'))]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        check=True,
+        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
+    )
