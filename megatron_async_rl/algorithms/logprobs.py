@@ -3,8 +3,10 @@
 Owned here: the one function every role uses to turn logits into log-probs (logp, ref, train,
 and the engine-vs-train check). Called by `roles.megatron_role` on the last pipeline stage.
 Megatron's `vocab_parallel_cross_entropy` reads the global TP group (facts: leak 2), so this
-module takes the group as an argument. It is differentiable: all-reduces go through
-`torch.distributed.nn.functional.all_reduce`, whose backward is the matching all-reduce.
+module takes the group as an argument. It is differentiable: sums over the vocab shards go
+through Megatron's `reduce_from_tensor_model_parallel_region` (forward all-reduce, backward
+identity), which is right because every TP rank then computes the same, replicated loss; an
+all-reduce in backward would scale gradients by the TP size.
 
 Shapes: B batch, T positions, V_local = this rank's vocab shard.
 """
@@ -13,13 +15,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 
 
 def _sum(tensor: torch.Tensor, group) -> torch.Tensor:
     if group is None or dist.get_world_size(group) == 1:
         return tensor
-    return dist_fn.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(tensor, group=group)
 
 
 def vocab_parallel_logprobs(

@@ -23,6 +23,12 @@ call sites. They fall in four kinds, each handled by one named patch below:
 Trade-off: these patches are process-global. They are therefore opt-in (`install()`), refused on
 a process that uses CUDA, refused for megatron-core versions they were not measured on, and
 idempotent. `installed()` says whether they are active.
+
+Known casualty: `transformers` 5 must not load a model in a process where this layer is
+installed. With the factories wrapped, its non-persistent RoPE `inv_freq` buffers come out of
+uninitialised memory (logits right at position 0, wrong or NaN after; measured). Reference
+forward passes therefore run in a clean child process (`models/hf_reference.py`), and SGLang
+engines never share a process with this layer.
 """
 
 from __future__ import annotations

@@ -499,7 +499,12 @@ def check_args(args: dict[str, Any], role: str | None = None) -> None:
     gqa, topk, lr, min_lr = a["group_query_attention"], a["moe_router_topk"], a["lr"], a["min_lr"]
     by_tp = f"must be divisible by --tensor-model-parallel-size = {tp}"
     # (broken, flag, value, rule, hint); the first broken rule is reported.
+    arch_hint = "set model.hf_path (its config.json gives the architecture) or pass the flag"
     rules = (
+        (hidden is None, "--hidden-size", None, "is required", arch_hint),
+        (heads is None, "--num-attention-heads", None, "is required", arch_hint),
+        (a["num_layers"] is None, "--num-layers", None, "is required", arch_hint),
+        (role == "train" and lr is None, "--lr", None, "the train role needs a learning rate", None),
         (a["bf16"] and a["fp16"], "--fp16", True, "cannot be combined with --bf16", None),
         (
             hidden and heads and a["kv_channels"] is None and hidden % heads,

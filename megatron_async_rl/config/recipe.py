@@ -237,17 +237,17 @@ def _build(cls: type, data: Any, key: str) -> Any:
         raise err.with_prefix(key) from None
 
 
-def _check_hf_path(hf_path: str | None) -> None:
+def _check_hf_path(hf_path: str | None, key: str = "model.hf_path") -> None:
     if hf_path is None:
         return
     path = Path(hf_path)
     hint = f"relative paths start at {Path.cwd()}"
     if not path.is_dir():
-        raise ConfigError("model.hf_path", hf_path, "directory not found", hint)
+        raise ConfigError(key, hf_path, "directory not found", hint)
     if not (path / "config.json").is_file():
-        raise ConfigError("model.hf_path", hf_path, "has no config.json (not a HF model dir)")
+        raise ConfigError(key, hf_path, "has no config.json (not a HF model dir)")
     if not any(path.glob("*.safetensors")):
-        raise ConfigError("model.hf_path", hf_path, "has no *.safetensors weights")
+        raise ConfigError(key, hf_path, "has no *.safetensors weights")
 
 
 def hf_architecture(hf_path: str | None) -> dict[str, Any]:
@@ -289,6 +289,9 @@ def build_config(tree: dict, megatron_argv: list[str]) -> ResolvedConfig:
             **overrides.get(role, {}),
         }
         megatron_flags.check_args(args, role)
+        # --load names the weights a role starts from: a HuggingFace directory for now
+        # (Megatron distributed checkpoints arrive with resumable checkpointing).
+        _check_hf_path(args.get("load"), key="--load")
         resolved[role] = args
     fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(RunConfig)}
     fields["roles"] = RolesConfig(groups=run.roles.groups, megatron=overrides)

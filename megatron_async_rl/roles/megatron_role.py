@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megatron_async_rl.algorithms.logprobs import vocab_parallel_logprobs
 from megatron_async_rl.config import megatron_flags
-from megatron_async_rl.distributed.groups import RoleGroups
+from megatron_async_rl.distributed.groups import MEGATRON_ROLES, RoleGroups, WorldGroups
 from megatron_async_rl.distributed.layout import Parallelism
 from megatron_async_rl.distributed.platform import Platform
 from megatron_async_rl.models import builder, weights
@@ -182,3 +182,20 @@ class MegatronRole:
 
         outputs = self._forward_only(tokens_BT, micro_batch_size, reduce)
         return None if outputs is None else torch.cat([o["logits"] for o in outputs])
+
+
+def build_local_roles(cfg, groups: WorldGroups, platform: Platform) -> dict[str, MegatronRole]:
+    """Build every Megatron role placed on this rank, in a fixed order (train, logp, ref)."""
+    local = groups.local_roles()
+    roles = {}
+    for name in MEGATRON_ROLES:
+        if name in local:
+            roles[name] = MegatronRole(
+                name,
+                cfg.role_megatron_args[name],
+                groups.layout.parallelism[name],
+                groups.roles[name],
+                platform,
+                seed=int(cfg.role_megatron_args[name].get("seed") or cfg.seed),
+            )
+    return roles

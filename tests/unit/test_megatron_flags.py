@@ -291,9 +291,14 @@ def test_optimizer_ddp_and_gpt_kwargs():
     )
 
 
+ARCH = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "lr": 1e-5}
+
+
 def test_check_args_accepts_a_valid_moe_model():
     mf.check_args(
         {
+            "num_layers": 2,
+            "lr": 1e-5,
             "hidden_size": 64,
             "num_attention_heads": 4,
             "num_experts": 4,
@@ -307,11 +312,11 @@ def test_check_args_accepts_a_valid_moe_model():
         "train",
     )
     with pytest.raises(ConfigError, match=r"--sequence-parallel = False: MoE with"):
-        mf.check_args({"num_experts": 4, "tensor_model_parallel_size": 2}, "train")
+        mf.check_args({**ARCH, "num_experts": 4, "tensor_model_parallel_size": 2}, "train")
     with pytest.raises(ConfigError, match=r"--expert-model-parallel-size = 2: needs --num-experts"):
-        mf.check_args({"expert_model_parallel_size": 2})
+        mf.check_args({**ARCH, "expert_model_parallel_size": 2})
     with pytest.raises(ConfigError, match=r"--min-lr = 0.1: must be <= --lr = 0.01"):
-        mf.check_args({"lr": 0.01, "min_lr": 0.1})
+        mf.check_args({**ARCH, "lr": 0.01, "min_lr": 0.1})
 
 
 def test_disk_cache_round_trip(tmp_path, monkeypatch):

@@ -1,0 +1,65 @@
+"""The command line of `python -m megatron_async_rl.train`.
+
+Owned here: splitting argv into our options and the Megatron-LM flags after `--`. Called by
+`train.main`. A bad option exits with code 2 and one message naming it (argparse's own rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class CommandLine:
+    config: str
+    sets: list[str]
+    run_dir: str | None
+    dry_run: bool
+    world_size: int | None
+    megatron_argv: list[str]
+
+
+def parse_command_line(argv: list[str]) -> CommandLine:
+    """`--config R [--set a.b=c ...] [--run-dir D] [--dry-run [--world-size N]] [-- flags]`."""
+    if "--" in argv:
+        cut = argv.index("--")
+        ours, megatron_argv = argv[:cut], argv[cut + 1 :]
+    else:
+        ours, megatron_argv = argv, []
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_async_rl.train",
+        description="Asynchronous RL on Megatron-core roles. Megatron-LM flags go after `--`.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--config", required=True, help="recipe YAML (see yaml_configs/)")
+    parser.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe key, e.g. --set roles.groups[0].num_ranks=2 (repeatable)",
+    )
+    parser.add_argument("--run-dir", help="where every output of the run goes (recipe: run_dir)")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="resolve the recipe and check the layout for --world-size ranks, then exit",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        help="world size for --dry-run (default: $WORLD_SIZE, else 1)",
+    )
+    args = parser.parse_args(ours)
+    if args.world_size is not None and args.world_size < 1:
+        parser.error(f"argument --world-size: must be >= 1, got {args.world_size}")
+    return CommandLine(
+        config=args.config,
+        sets=args.sets,
+        run_dir=args.run_dir,
+        dry_run=args.dry_run,
+        world_size=args.world_size,
+        megatron_argv=megatron_argv,
+    )

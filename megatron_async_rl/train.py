@@ -1,0 +1,67 @@
+"""Entry point: `torchrun ... -m megatron_async_rl.train --config RECIPE [--set k=v] [-- flags]`.
+
+Resolve the recipe (a bad one exits with code 2 and one line naming the key, the value and the
+rule, before any process group exists), carve the world into role groups, run the job, and close
+the process group on success and on error. The job is the role check (`jobs/role_check.py`):
+every Megatron role loads the checkpoint and scores one batch through its own layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+from megatron_async_rl.cli import parse_command_line
+from megatron_async_rl.config.errors import ConfigError, exit_on_config_error
+from megatron_async_rl.config.recipe import RESOLVED_NAME, resolve, write_resolved
+from megatron_async_rl.observability.logs import leader_print, setup_logging
+
+logger = logging.getLogger("megatron_async_rl.train")
+
+
+def _platform(cfg):
+    from megatron_async_rl.distributed.platform import detect_platform
+
+    try:
+        return detect_platform(cfg.platform.device, cfg.platform.backend)
+    except ValueError as err:
+        raise ConfigError("platform", f"{cfg.platform.device}/{cfg.platform.backend}", str(err))
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging()
+    cli = parse_command_line(sys.argv[1:] if argv is None else argv)
+    cfg = exit_on_config_error(resolve, cli.config, cli.sets, cli.megatron_argv, cli.run_dir)
+    world_size = cli.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    layout = exit_on_config_error(cfg.plan_layout, world_size)
+    if cli.dry_run:
+        leader_print(f"recipe {cli.config}: valid for {world_size} ranks\n{layout.describe()}")
+        return 0
+    platform = exit_on_config_error(_platform, cfg)
+
+    import torch.distributed as dist
+
+    from megatron_async_rl.distributed.groups import build_world_groups
+    from megatron_async_rl.distributed.platform import init_distributed
+    from megatron_async_rl.jobs.role_check import run_role_check
+
+    rank, world_size = init_distributed(platform)
+    try:
+        setup_logging(rank, layout.roles_of_rank(rank))
+        logger.info("layout on %d ranks (%s):\n%s", world_size, platform, layout.describe())
+        groups = build_world_groups(layout, platform.backend)
+        if rank == 0:
+            Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+            write_resolved(cfg, Path(cfg.run_dir) / RESOLVED_NAME)
+        run_role_check(cfg, groups, platform)
+        dist.barrier(group=groups.control)
+        leader_print(f"done: outputs in {cfg.run_dir}", rank)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
