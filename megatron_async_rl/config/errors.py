@@ -9,6 +9,7 @@ in: a user sees `error: <message>` and exit status 2, never a traceback.
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -96,6 +97,8 @@ def exit_on_config_error(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         message = str(err)
     except yaml.YAMLError as err:
         message = str(yaml_error_to_config_error(err, "<yaml>"))
-    sys.stderr.write(f"error: {message}\n")
-    sys.stderr.flush()
+    # Under torchrun every rank resolves the same recipe: one message is enough.
+    if os.environ.get("RANK", "0") == "0":
+        sys.stderr.write(f"error: {message}\n")
+        sys.stderr.flush()
     sys.exit(2)

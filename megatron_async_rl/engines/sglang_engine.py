@@ -149,6 +149,7 @@ class SGLangEngine:
         info = self._wait_ready(start)
         self.host_pid: int = self._proc.pid
         self.engine_child_pids: list[int] = info["child_pids"]
+        self._engine_procs = _processes(self.engine_child_pids)
         self.startup_s = time.monotonic() - start
         self._reader = threading.Thread(target=self._read_replies, daemon=True)
         self._reader.start()
@@ -233,7 +234,8 @@ class SGLangEngine:
             except (EngineDiedError, EngineTimeoutError) as exc:
                 logger.warning("[%s] engine shutdown: %s", self.where, exc)
         self._proc.join(timeout=30)
-        _kill_tree(self._proc.pid)  # whatever is left, e.g. after a timed-out shutdown
+        # Whatever is left, e.g. after a timed-out shutdown or a host that was killed.
+        _kill_tree(self._proc.pid, also=self._engine_procs)
         self._proc.join(timeout=10)
         self._conn.close()
 
@@ -276,6 +278,7 @@ class SGLangEngine:
             if pending is not None:
                 pending.resolve(kind, payload)
         self._proc.join(timeout=10)
+        _kill_tree(None, also=self._engine_procs)  # orphans, if the host was killed outright
         if not self._closed:
             cause = self._death_notice or "the engine host process exited"
             self._death = f"{cause}; host pid {self._proc.pid} exit code {self._proc.exitcode}"
@@ -532,17 +535,47 @@ def _to_result(rid: str, out: dict) -> GenerateResult:
     )
 
 
-def _kill_tree(pid: int | None, include_root: bool = True) -> None:
-    """SIGKILL the descendants of `pid` (and `pid` itself), whichever are left."""
+def _kill_tree(pid: int | None, include_root: bool = True, also: Sequence = ()) -> None:
+    """SIGKILL `pid`'s descendants, `pid` itself and the psutil processes `also`; wait for them.
+
+    `also` covers orphans: engine children whose host already died are no longer its
+    descendants. psutil refuses to signal a pid that was reused by another process.
+    """
     import psutil
 
+    procs = list(also)
     try:
         root = psutil.Process(pid)
-        procs = root.children(recursive=True) + ([root] if include_root else [])
+        procs += root.children(recursive=True) + ([root] if include_root else [])
     except (psutil.NoSuchProcess, TypeError):
-        return
+        pass
     for proc in procs:
         try:
             proc.kill()
         except psutil.NoSuchProcess:
             pass
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline and any(_running(p) for p in procs):
+        time.sleep(0.05)
+
+
+def _processes(pids: Sequence[int]) -> list:
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    return procs
+
+
+def _running(proc) -> bool:
+    """Alive and not a zombie (an orphaned zombie may never be reaped in a container)."""
+    import psutil
+
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

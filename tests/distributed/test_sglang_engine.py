@@ -82,10 +82,16 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def model_dir(tmp_path_factory) -> Path:
+    # Room for long generations: the pause test must still be decoding when it pauses.
+    out = tmp_path_factory.mktemp("sglang") / "llama"
+    return write_tiny_model(out, "llama", max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
     from safetensors.torch import load_file
 
-    model_dir = write_tiny_model(tmp_path_factory.mktemp("sglang") / "llama", "llama")
     engine = SGLangEngine(_config(model_dir), rank_in_role=0, global_rank=5)
     print(f"\nengine startup: {engine.startup_s:.1f} s")
     yield Served(engine, model_dir, load_file(model_dir / "model.safetensors"))
@@ -138,7 +144,10 @@ def test_generate_greedy_with_logprobs_matches_transformers(served):
         assert result.finish_reason in ("length", "stop")
         assert result.token_versions == [served.version] * len(result.output_ids)
         assert all(lp <= 0 for lp in result.output_logprobs)
-    assert served.engine.generate(requests) == results  # greedy is deterministic
+    again = served.engine.generate(requests)  # greedy is deterministic (a prefix-cache hit)
+    assert [r.output_ids for r in again] == [r.output_ids for r in results]
+    for first, second in zip(results, again):
+        torch.testing.assert_close(first.output_logprobs, second.output_logprobs, atol=1e-5, rtol=0)
     diff = _hf_logprob_diff(served, results, requests)
     print(f"log-prob mean abs diff vs transformers: {diff:.2e}")
     assert diff <= 1e-3
@@ -149,7 +158,10 @@ def test_weight_update_is_bit_exact_and_versioned(served):
     print(f"weight update (all {len(served.state)} tensors): {seconds:.3f} s")
     assert served.engine.weight_version() == "v1"
     for name in CHECKED_WEIGHTS:
-        assert torch.equal(served.engine.get_weights_by_name(name), served.state[name]), name
+        sent, got = served.state[name], served.engine.get_weights_by_name(name)
+        # SGLang pads the vocab dimension (embedding, LM head) to a multiple of 64.
+        assert torch.equal(got[: sent.shape[0]], sent), name
+        assert not got[sent.shape[0] :].any(), name
     requests = _greedy(16, "after-v1")
     results = served.engine.generate(requests)
     assert all(r.token_versions == ["v1"] * len(r.output_ids) for r in results)
@@ -169,12 +181,12 @@ def test_misuse_is_rejected(served):
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 def test_pause_update_resume_switches_version_mid_sequence(served, mode):
-    requests = _greedy(150, f"pause-{mode}")
+    requests = _greedy(600, f"pause-{mode}")
     box = {}
     worker = threading.Thread(target=lambda: box.update(out=served.engine.generate(requests)))
     worker.start()
     for version in (f"{mode}-1", f"{mode}-2"):
-        time.sleep(0.7)
+        time.sleep(0.3)
         served.engine.pause(mode)
         if mode == "in_place":
             with pytest.raises(ValueError, match="paused in_place"):
@@ -218,8 +230,8 @@ def test_shutdown_leaves_no_processes(served):
         served.engine.generate(_greedy(4, "after-shutdown"))
 
 
-def test_killed_scheduler_raises_engine_died_error(served):
-    engine = SGLangEngine(_config(served.model_dir), rank_in_role=1, global_rank=7)
+def test_killed_scheduler_raises_engine_died_error(model_dir):
+    engine = SGLangEngine(_config(model_dir), rank_in_role=1, global_rank=7)
     pids = [engine.host_pid, *engine.engine_child_pids]
     scheduler = next(
         pid for pid in engine.engine_child_pids if "scheduler" in psutil.Process(pid).name()
@@ -237,13 +249,6 @@ def test_killed_scheduler_raises_engine_died_error(served):
     with pytest.raises(EngineDiedError, match="cannot call weight_version"):
         engine.weight_version()
     engine.shutdown()
-    time.sleep(1)
-    for pid in pids:
-        try:
-            pr = psutil.Process(pid)
-            print("LEFT", pid, pr.status(), pr.name(), pr.ppid())
-        except psutil.NoSuchProcess:
-            print("GONE", pid)
     assert not any(_alive(pid) for pid in pids)
 
 
