@@ -504,7 +504,13 @@ def check_args(args: dict[str, Any], role: str | None = None) -> None:
         (hidden is None, "--hidden-size", None, "is required", arch_hint),
         (heads is None, "--num-attention-heads", None, "is required", arch_hint),
         (a["num_layers"] is None, "--num-layers", None, "is required", arch_hint),
-        (role == "train" and lr is None, "--lr", None, "the train role needs a learning rate", None),
+        (
+            role == "train" and lr is None,
+            "--lr",
+            None,
+            "the train role needs a learning rate",
+            None,
+        ),
         (a["bf16"] and a["fp16"], "--fp16", True, "cannot be combined with --bf16", None),
         (
             hidden and heads and a["kv_channels"] is None and hidden % heads,

@@ -65,10 +65,10 @@ def run_role_check(cfg: ResolvedConfig, groups: WorldGroups, platform: Platform)
         checkpoint = role.args.get("load") or cfg.model.hf_path
         if checkpoint:
             role.load_hf_checkpoint(checkpoint)
-        tokens = _batch(cfg, role.spec.vocab_size)
+        tokens = _batch(cfg, role.spec.vocab_size).to(platform.device())
         out = role.logprobs(tokens, micro_batch_size=int(role.args.get("micro_batch_size") or 1))
         if out is not None and _is_reporter(role):
-            reports[name] = {"logp": out[0], "entropy_mean": out[1].mean().item()}
+            reports[name] = {"logp": out[0].cpu(), "entropy_mean": out[1].mean().item()}
     save = cfg.role_megatron_args.get("train", {}).get("save")
     if save and "train" in roles:
         exported = roles["train"].gather_hf_state_dict()

@@ -132,7 +132,8 @@ class MegatronRole:
             raise ValueError(
                 f"--micro-batch-size = {micro_batch_size}: must divide the batch size {batch}"
             )
-        positions = torch.arange(seq_len).unsqueeze(0).expand(micro_batch_size, seq_len)
+        positions = torch.arange(seq_len, device=tokens_BT.device)
+        positions = positions.unsqueeze(0).expand(micro_batch_size, seq_len)
 
         def forward_step(data_iterator, model):
             tokens = next(data_iterator)
