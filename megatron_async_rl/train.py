@@ -27,7 +27,8 @@ def _platform(cfg):
     try:
         return detect_platform(cfg.platform.device, cfg.platform.backend)
     except ValueError as err:
-        raise ConfigError("platform", f"{cfg.platform.device}/{cfg.platform.backend}", str(err))
+        where = f"{cfg.platform.device}/{cfg.platform.backend}"
+        raise ConfigError("platform", where, str(err)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
