@@ -86,13 +86,20 @@ class MegatronRole:
                     param.requires_grad_(False)
 
     def _wrap_for_training(self) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         ddp_config = DistributedDataParallelConfig(**megatron_flags.ddp_config_kwargs(self.args))
         self.model = DistributedDataParallel(
             self.config, ddp_config, self.module, pg_collection=self.pgc
         )
+        # Reduces gradients over data-parallel ranks (and tied embeddings over stages) at the
+        # end of each step's backward; the schedule passes our pg_collection to it.
+        self.config.finalize_model_grads_func = finalize_model_grads
         opt_kwargs = megatron_flags.optimizer_config_kwargs(self.args)
         opt_kwargs.setdefault("bf16", bool(self.args.get("bf16")))
         opt_kwargs["use_distributed_optimizer"] = ddp_config.use_distributed_optimizer
@@ -183,6 +190,68 @@ class MegatronRole:
 
         outputs = self._forward_only(tokens_BT, micro_batch_size, reduce)
         return None if outputs is None else torch.cat([o["logits"] for o in outputs])
+
+    # ------------------------------------------------------------------------------------------
+    def train_step(self, micro_batches: list[dict], loss_fn) -> dict:
+        """One optimizer step over `micro_batches` (gradient accumulation); train role only.
+
+        Each micro-batch is a dict with `tokens` [b, T] and whatever `loss_fn` needs.
+        `loss_fn(logp_BT, entropy_BT, micro_batch) -> (loss, metrics)` runs on the last stage
+        with differentiable per-token log-probs; its loss must already be normalised over the
+        WHOLE step (all micro-batches of all data-parallel ranks, e.g. by global token
+        counts), so that summing micro-batch losses over the step gives the step's loss.
+        Megatron's schedule divides each micro-batch loss by the number of micro-batches and
+        DDP averages gradients over data-parallel ranks; both are undone here so gradients are
+        those of that summed loss. Returns metrics: `actor/grad_norm`, `actor/update_ok` and
+        the loss_fn metrics averaged over micro-batches (on the last stage).
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        if self.optimizer is None:
+            raise RuntimeError(f"role {self.role}: train_step needs the train role's optimizer")
+        num_micro = len(micro_batches)
+        mb_size, seq_len = micro_batches[0]["tokens"].shape
+        scale = float(num_micro * dist.get_world_size(self.pgc.dp))
+        positions = torch.arange(seq_len, device=micro_batches[0]["tokens"].device)
+        positions = positions.unsqueeze(0).expand(mb_size, seq_len)
+        tp_group, vocab_size = self.pgc.tp, self.spec.vocab_size
+
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            tokens = batch["tokens"]
+            logits = model(tokens, positions, attention_mask=None)
+
+            def loss_func(logits_BTV):
+                logp, entropy = vocab_parallel_logprobs(
+                    logits_BTV[:, :-1], tokens[:, 1:], tp_group=tp_group, vocab_size=vocab_size
+                )
+                loss, metrics = loss_fn(logp, entropy, batch)
+                return loss * scale, {k: float(v) for k, v in metrics.items()}
+
+            return logits, loss_func
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        forward_backward = get_forward_backward_func(pp_size=self.par.pp, vp_size=None)
+        outputs = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=[self.model],
+            num_microbatches=num_micro,
+            seq_length=seq_len,
+            micro_batch_size=mb_size,
+            forward_only=False,
+            p2p_communicator=P2PCommunicator(pp_group=self.pgc.pp, config=self.config),
+            pg_collection=self.pgc,
+        )
+        update_ok, grad_norm, _ = self.optimizer.step()
+        metrics = {"actor/grad_norm": float(grad_norm or 0.0), "actor/update_ok": float(update_ok)}
+        if outputs:
+            for key in outputs[0]:
+                metrics[key] = sum(o[key] for o in outputs) / len(outputs)
+        return metrics
 
 
 def build_local_roles(cfg, groups: WorldGroups, platform: Platform) -> dict[str, MegatronRole]:
