@@ -1,0 +1,215 @@
+"""Per-step metrics of a run: a JSONL file always, TensorBoard scalars when it is installed.
+
+Owned here: `MetricsWriter` (created by rank 0 only; the driver calls `log(step, metrics)` once
+per step), `read_metrics` (tests, benchmarks, `plots.py`), `StepTimer` (seconds per stage within
+a step) and `summarize` (mean/std/min/max of a list of per-sample values).
+
+Metric keys follow `<area>/<stage_or_role>/<name>[_unit]`. `StepTimer` keys are
+`<prefix>/<stage>_s`, the stage name supplying the middle parts: `timer("generate")` gives
+`timing/generate_s`, `timer("weight_sync/send")` gives `timing/weight_sync/send_s`.
+`summarize(rewards, "reward")` gives `reward/mean`, `reward/std`, `reward/min`, `reward/max`.
+
+`metrics.jsonl` holds one object per line: `step` first, then the keys sorted; non-finite floats
+are written as `null` (warned once per key). Every line is flushed, so a crash loses at most the
+line being written, and `read_metrics` tolerates such a truncated last line. A resumed run
+appends to the same file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+METRICS_NAME = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+
+def _summary_writer_class():
+    """`torch.utils.tensorboard.SummaryWriter`, or None when `tensorboard` is not importable."""
+    try:
+        # Checked by name first: torch's module may already sit in sys.modules.
+        import tensorboard  # noqa: F401
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter
+
+
+class MetricsWriter:
+    """Append one JSON object per step to `<run_dir>/metrics.jsonl`; mirror to TensorBoard.
+
+    `tensorboard=None` uses TensorBoard when the package is importable, `True` asks for it (a
+    warning when it is missing, JSONL still written), `False` never uses it. `enabled=False`
+    makes every call a no-op and creates no file.
+    """
+
+    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool | None = None):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / METRICS_NAME
+        self.enabled = enabled
+        self._file = None
+        self._tb = None
+        self._warned_keys: set[str] = set()
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")
+        if tensorboard is False:
+            return
+        writer_cls = _summary_writer_class()
+        if writer_cls is not None:
+            self._tb = writer_cls(log_dir=str(self.run_dir / TENSORBOARD_DIR))
+        elif tensorboard:
+            logger.warning(
+                "tensorboard=True but the `tensorboard` package is not installed; writing only "
+                "%s (fix: pip install 'megatron_async_rl[tensorboard]')",
+                self.path,
+            )
+
+    def log(self, step: int, metrics: dict[str, float | int]) -> None:
+        """Write the metrics of one step (one JSONL line, flushed; TensorBoard scalars)."""
+        if not self.enabled:
+            return
+        if self._file is None:
+            raise RuntimeError(f"MetricsWriter for {self.path} is closed; log() after close()")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"metrics step must be an int >= 0, got {step!r}")
+        if "step" in metrics:
+            raise ValueError("metrics must not contain the key 'step'; pass it as log(step, ...)")
+        record: dict[str, float | int | None] = {"step": step}
+        for key in sorted(metrics):
+            record[key] = self._clean(key, metrics[key], step)
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and value is not None:
+                    self._tb.add_scalar(key, value, global_step=step)
+            self._tb.flush()
+
+    def _clean(self, key: str, value, step: int) -> float | int | None:
+        if hasattr(value, "item"):  # numpy or 0-d torch scalars
+            value = value.item()
+        if isinstance(value, bool):
+            return int(value)
+        if isinstance(value, int):
+            return value
+        if not isinstance(value, float):
+            raise ValueError(
+                f"metric {key!r} at step {step} must be a number, got {type(value).__name__} "
+                f"{value!r}"
+            )
+        if math.isfinite(value):
+            return value
+        if key not in self._warned_keys:
+            self._warned_keys.add(key)
+            logger.warning(
+                "metric %r is %s at step %d; written as null (warned once per key)",
+                key,
+                value,
+                step,
+            )
+        return None
+
+    def close(self) -> None:
+        """Flush and close the JSONL file and the TensorBoard writer; safe to call twice."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a `metrics.jsonl`, in file order (`null` values come back as None).
+
+    A truncated last line (a crash mid-write) is skipped with a warning; a bad line elsewhere is
+    a ValueError naming the file and the line number.
+    """
+    path = Path(path)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                logger.warning("%s: skipping truncated last line %d (%s)", path, number, err)
+                continue
+            raise ValueError(f"{path}:{number} is not a JSON object: {err}") from None
+    return records
+
+
+class StepTimer:
+    """Accumulate wall seconds per stage name: `with timer("generate"): ...`.
+
+    Entering the same stage twice adds up. `metrics()` returns `<prefix>/<stage>_s` keys and
+    `reset()` starts the next step. With `record_spans=True` every timed block is also kept in
+    `spans` as `dict(stage, rank, start_s, end_s)`, seconds since the timer was made, the input
+    of `plots.plot_stage_timeline`. `clock` is injectable for tests.
+    """
+
+    def __init__(
+        self,
+        rank: int = 0,
+        record_spans: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.rank = rank
+        self.record_spans = record_spans
+        self.spans: list[dict] = []
+        self._clock = clock
+        self._origin = clock()
+        self._seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = self._clock()
+        try:
+            yield
+        finally:
+            end = self._clock()
+            self._seconds[stage] = self._seconds.get(stage, 0.0) + (end - start)
+            if self.record_spans:
+                span_start, span_end = start - self._origin, end - self._origin
+                self.spans.append(
+                    dict(stage=stage, rank=self.rank, start_s=span_start, end_s=span_end)
+                )
+
+    def metrics(self, prefix: str = "timing") -> dict[str, float]:
+        """Seconds per stage since the last `reset()`, as `<prefix>/<stage>_s`."""
+        return {f"{prefix}/{stage}_s": seconds for stage, seconds in self._seconds.items()}
+
+    def reset(self) -> None:
+        """Clear the accumulated seconds (spans are kept)."""
+        self._seconds.clear()
+
+
+def summarize(values: list[float], prefix: str) -> dict[str, float]:
+    """`<prefix>/mean`, `/std` (population), `/min`, `/max` of a non-empty list of numbers."""
+    if len(values) == 0:
+        raise ValueError(f"summarize(prefix={prefix!r}) needs at least one value, got none")
+    values = [float(v) for v in values]
+    mean = math.fsum(values) / len(values)
+    return {
+        f"{prefix}/mean": mean,
+        f"{prefix}/std": math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values)),
+        f"{prefix}/min": min(values),
+        f"{prefix}/max": max(values),
+    }
