@@ -7,11 +7,23 @@ setup(
     version="0.1.0",
     description="Asynchronous RL for LLMs on Megatron-core roles with embedded SGLang engines",
     packages=find_packages(include=["megatron_async_rl", "megatron_async_rl.*"]),
+    # CPU-only import shims for SGLang's engine processes (see engines/cpu_shims/README.md);
+    # plain folders on the engine's PYTHONPATH, not packages of ours.
+    package_data={
+        "megatron_async_rl.engines": [
+            "cpu_shims/*",
+            "cpu_shims/*/*",
+            "cpu_shims/*/*/*",
+            "cpu_shims/*/*/*/*",
+        ]
+    },
+    include_package_data=True,
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6",
         "megatron-core==0.16.1",
         "einops>=0.8",
+        "matplotlib>=3.7",
         "numpy",
         "pyyaml>=6",
         "safetensors>=0.4",
@@ -21,7 +33,7 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "tensorboard"],
         "gpu": ["transformer-engine[pytorch]>=2.9", "apex"],
         "tensorboard": ["tensorboard"],
     },

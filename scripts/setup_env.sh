@@ -14,11 +14,20 @@ fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 stamp=$venv/.megatron_async_rl.stamp
 want=$(cat "$repo_dir/setup.py" "$0" | sha256sum | cut -d' ' -f1)
-if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
-    exit 0
+if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
+    install_project=1
+else
+    install_project=0
 fi
-# torch first, pinned: this machine's CPU wheel. Asking for a newer torch would pull the CUDA
-# build (several GB); with 2.13.0 installed, megatron-core's "torch>=2.6" installs nothing more.
-"${pip[@]}" install "torch==2.13.0"
-"${pip[@]}" install -e "$repo_dir[test]"
-echo "$want" >"$stamp"
+if ((install_project)); then
+    # torch first, pinned: this machine's CPU wheel. Asking for a newer torch would pull the CUDA
+    # build (several GB); with 2.13.0 installed, megatron-core's "torch>=2.6" installs nothing more.
+    "${pip[@]}" install "torch==2.13.0"
+    "${pip[@]}" install -e "$repo_dir[test]"
+    echo "$want" >"$stamp"
+fi
+# The generation engine. On a CPU-only machine: the real SGLang without its CUDA wheels (its own
+# idempotent script). On a GPU machine install sglang the ordinary way (pip install sglang).
+if ! command -v nvidia-smi >/dev/null 2>&1 || [[ ${MEGATRON_ASYNC_RL_CPU_SGLANG:-0} == 1 ]]; then
+    bash "$repo_dir/scripts/install_sglang_cpu.sh" "$venv"
+fi

@@ -1,0 +1,188 @@
+"""The generation-engine contract that `generate` ranks program against.
+
+Owned here: the request and result records, the `Engine` protocol (generate with token ids;
+begin/update/end weight update stamped with a version; pause/resume; abort; flush cache;
+health; shutdown), the errors an engine raises at run time, and the expansion of SGLang-style
+version spans into one weight version per generated token. Implemented by
+`sglang_engine.SGLangEngine` (the real engine) and `fake.FakeEngine` (unit tests). Imports
+neither torch.distributed nor sglang.
+
+Weight versions are strings: an engine reports the label of the weights that produced each
+token, `Engine.INITIAL_VERSION` ("default", SGLang's own default) before the first update.
+
+Lifecycle of a weight update, the ordering every implementation accepts:
+
+    pause(mode)?  ->  begin_weight_update()  ->  update_weights(...) x N  ->  end_weight_update()
+                  ->  resume()  (if paused)
+
+`update_weights` outside a begin/end pair raises `RuntimeError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
+INITIAL_VERSION = "default"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's continuation."""
+
+    max_new_tokens: int = 128
+    """Upper bound on generated tokens (the engine may stop earlier at a stop token)."""
+    temperature: float = 1.0
+    """0 means greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 keeps all."""
+    seed: int | None = None
+    """Per-request sampling seed; None lets the engine choose."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation stops after emitting any of these (the model's EOS is always one)."""
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens = {self.max_new_tokens}: must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature = {self.temperature}: must be >= 0 (0 is greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p = {self.top_p}: must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k = {self.top_k}: must be -1 (all) or >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateRequest:
+    """One prompt, already tokenized, and how to continue it."""
+
+    input_ids: list[int]
+    """Prompt token ids (no padding)."""
+    sampling: SamplingParams
+    """Sampling parameters for this request."""
+    rid: str
+    """Request id, unique among the engine's in-flight requests; `abort(rid)` names it."""
+
+    def __post_init__(self):
+        if not self.input_ids:
+            raise ValueError(f"request {self.rid!r}: input_ids is empty; a prompt needs a token")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+    """What the engine generated for one request."""
+
+    rid: str
+    """The request's id."""
+    output_ids: list[int]
+    """Generated token ids (the prompt excluded)."""
+    output_logprobs: list[float]
+    """Log-probability of each generated token under the weights that generated it."""
+    token_versions: list[str]
+    """Weight version that generated each token; changes mid-sequence across an in-place update."""
+    finish_reason: str
+    """"length", "stop" (a stop or EOS token), or "abort" (aborted or paused with mode=abort)."""
+
+    def __post_init__(self):
+        n = len(self.output_ids)
+        if len(self.output_logprobs) != n or len(self.token_versions) != n:
+            raise ValueError(
+                f"result {self.rid!r}: {n} output ids but {len(self.output_logprobs)} log-probs "
+                f"and {len(self.token_versions)} versions; all three must match"
+            )
+
+
+class EngineDiedError(RuntimeError):
+    """The engine (or one of its processes) exited; the engine cannot serve any more calls."""
+
+
+class EngineTimeoutError(TimeoutError):
+    """An engine call did not answer within its timeout; names the call and the limit."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A generation engine with versioned in-place weight updates."""
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        """Generate for every request; results in request order. Blocks until all finish."""
+        ...
+
+    def begin_weight_update(self) -> None:
+        """Open a weight-update session."""
+        ...
+
+    def update_weights(
+        self,
+        named_tensors: list[tuple[str, torch.Tensor]],
+        version: str | int,
+        flush_cache: bool = True,
+    ) -> None:
+        """Load `named_tensors` (HF names) and stamp `version` on tokens generated from now on."""
+        ...
+
+    def end_weight_update(self) -> None:
+        """Close the weight-update session."""
+        ...
+
+    def weight_version(self) -> str:
+        """The version of the weights being served."""
+        ...
+
+    def pause(self, mode: PauseMode) -> None:
+        """Stop decoding: abort in-flight requests, retract them (recompute later), or hold them."""
+        ...
+
+    def resume(self) -> None:
+        """Continue decoding after `pause`."""
+        ...
+
+    def abort(self, rid: str | None = None) -> None:
+        """Abort one request, or all in-flight requests when `rid` is None."""
+        ...
+
+    def flush_cache(self) -> None:
+        """Drop the prefix (KV) cache; the engine must be idle."""
+        ...
+
+    def health(self) -> bool:
+        """True while the engine and all its processes are alive and answering."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the engine and its processes; idempotent."""
+        ...
+
+    def get_weights_by_name(self, name: str) -> torch.Tensor:
+        """A served parameter by HF name, as float32 on CPU (for checks, not for speed)."""
+        ...
+
+
+def expand_version_spans(spans: Sequence[dict], num_tokens: int) -> list[str]:
+    """Per-token versions from spans `[{'version', 'start', 'end'}, ...]` covering `num_tokens`.
+
+    The spans must be sorted, contiguous from 0 and cover every token; anything else raises
+    `ValueError` naming the spans (a gap would leave a token without a version).
+    """
+    versions: list[str] = []
+    for span in spans:
+        start, end = int(span["start"]), int(span["end"])
+        if start != len(versions) or end < start:
+            raise ValueError(
+                f"weight version spans {list(spans)} are not contiguous from token 0 "
+                f"(span starting at {start} after {len(versions)} tokens)"
+            )
+        versions.extend([str(span["version"])] * (end - start))
+    if len(versions) != num_tokens:
+        raise ValueError(
+            f"weight version spans {list(spans)} cover {len(versions)} tokens, "
+            f"expected {num_tokens}"
+        )
+    return versions

@@ -1,0 +1,595 @@
+"""The real SGLang engine behind the `Engine` protocol, hosted in its own process.
+
+Owned here: `SGLangEngineConfig`, `SGLangEngine` (what a `generate` rank calls) and the engine
+host that runs in a child process. This is the only module of the package that imports
+`sglang`, and it does so only inside that host process.
+
+    generate rank (torchrun worker)                engine host (spawned child)
+    SGLangEngine ---- pipe: ("call", id, method, kwargs) ---> asyncio loop: sglang.Engine
+                 <--- ("ok"|"error", id, payload), ("died", cause)    tokenizer manager
+                                                                       + scheduler, detokenizer
+
+Why a dedicated host process (measured with sglang 0.5.21 on CPU). `sglang.Engine` switches
+multiprocessing to spawn for its whole process, and its `shutdown()` kills every child of that
+process. When a scheduler or detokenizer dies, SGLang's watchdog thread sends SIGQUIT to the
+process that created the engine: created from the main thread, the handler kills the whole
+process tree (the torchrun rank included, exit 137); created from a non-main thread, no handler
+is installed and SIGQUIT's default action kills the process anyway (exit 131, ~1 s after the
+scheduler was killed, nothing reported). In a host child all of this is contained: the host
+replaces the SIGQUIT handler with one that reports which child died with what exit code, then
+kills the engine's processes and exits; the rank sees the pipe close and raises
+`EngineDiedError` naming role, rank in role, global rank and cause (~1.2 s after a scheduler is
+SIGKILLed). If the rank itself dies, the host sees the pipe close and shuts the engine down
+(~2.6 s). Costs, measured: the rank's RSS does not grow at all (the host, ~0.7 GiB, is the
+tokenizer-manager process the rank would otherwise be), a pipe round trip is ~0.2 ms, and
+tensors cross one more process boundary (shared memory on CPU, CUDA IPC on GPU).
+
+Every call has a timeout (`SGLangEngineConfig.*_timeout_s`) and raises `EngineTimeoutError`
+naming the call. On CPU the host sets `SGLANG_USE_CPU_ENGINE=1` before importing sglang and
+puts `cpu_shims/` first on its `sys.path` and on `PYTHONPATH` for the engine's children (see
+`cpu_shims/README.md`); nothing of this touches the calling process. CPU tensors sent to
+`update_weights` are moved to shared memory by torch's multiprocessing pickler.
+`get_weights_by_name` returns SGLang's parameter as float32, vocab rows padded to a multiple of
+64 for the embedding and LM head; SGLang 0.5.21 implements it for Llama-family models only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import dataclasses
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing  # noqa: F401 - registers tensor pickling for the pipe
+
+from megatron_async_rl.engines.protocol import (
+    PAUSE_MODES,
+    EngineDiedError,
+    EngineTimeoutError,
+    GenerateRequest,
+    GenerateResult,
+    PauseMode,
+    expand_version_spans,
+)
+
+logger = logging.getLogger(__name__)
+
+CPU_SHIMS_DIR = Path(__file__).resolve().parent / "cpu_shims"
+_HOST_EXIT_CHILD_DIED = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class SGLangEngineConfig:
+    """How to start one SGLang engine and how long to wait for it."""
+
+    model_path: str
+    """HF model directory (config, tokenizer, safetensors)."""
+    device: str = "cpu"
+    """"cpu" (SGLang's torch-native path, with the shims) or "cuda"."""
+    tp_size: int = 1
+    """Tensor parallel size inside the engine."""
+    dtype: str = "auto"
+    """Compute dtype; "float32" for exact log-prob parity on CPU."""
+    max_total_tokens: int | None = None
+    """KV-cache size in tokens; None lets SGLang size it from free memory."""
+    mem_fraction_static: float | None = None
+    """Fraction of device memory for weights and KV cache; None is SGLang's default."""
+    random_seed: int = 0
+    """Engine seed (sampling of requests without their own seed)."""
+    log_level: str = "error"
+    """SGLang's log level in the engine processes."""
+    server_args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Further `sglang.ServerArgs` fields, passed through unchanged."""
+    startup_timeout_s: float = 600.0
+    """Limit on engine start (imports, weight load, KV-cache allocation)."""
+    call_timeout_s: float = 300.0
+    """Limit on every call except generate."""
+    generate_timeout_s: float = 3600.0
+    """Limit on one `generate` call."""
+
+    def __post_init__(self):
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"engine device = {self.device!r}: must be 'cpu' or 'cuda'")
+        if self.tp_size < 1:
+            raise ValueError(f"engine tp_size = {self.tp_size}: must be >= 1")
+        if (
+            self.device == "cpu"
+            and self.tp_size > 1
+            and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND")
+        ):
+            raise ValueError(
+                f"engine tp_size = {self.tp_size} on cpu: SGLang needs the cores of each TP "
+                "rank in SGLANG_CPU_OMP_THREADS_BIND, e.g. '0|1' for two ranks; set it"
+            )
+        for name in ("startup_timeout_s", "call_timeout_s", "generate_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"engine {name} = {getattr(self, name)}: must be > 0")
+
+
+class _Pending:
+    """One call waiting for its reply."""
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.reply: tuple[str, Any] = ("died", None)
+
+    def resolve(self, kind: str, payload: Any) -> None:
+        self.reply = (kind, payload)
+        self.event.set()
+
+
+class SGLangEngine:
+    """`Engine` over a real `sglang.Engine` running in a dedicated host process."""
+
+    def __init__(self, config: SGLangEngineConfig, *, rank_in_role: int = 0, global_rank: int = 0):
+        self.config = config
+        self.where = f"role generate, rank in role {rank_in_role}, global rank {global_rank}"
+        self._pending: dict[int, _Pending] = {}
+        self._call_ids = itertools.count()
+        self._send_lock = threading.Lock()
+        self._death: str | None = None
+        self._death_notice: str | None = None
+        self._closed = False
+        self._pause_mode: str | None = None
+        ctx = mp.get_context("spawn")
+        self._conn, host_conn = ctx.Pipe(duplex=True)
+        self._proc = ctx.Process(
+            target=_host_main, args=(host_conn, config), name=f"sglang-host-{rank_in_role}"
+        )
+        start = time.monotonic()
+        self._proc.start()
+        host_conn.close()
+        info = self._wait_ready(start)
+        self.host_pid: int = self._proc.pid
+        self.engine_child_pids: list[int] = info["child_pids"]
+        self._engine_procs = _processes(self.engine_child_pids)
+        self.startup_s = time.monotonic() - start
+        self._reader = threading.Thread(target=self._read_replies, daemon=True)
+        self._reader.start()
+        atexit.register(self.shutdown)
+        logger.info("[%s] SGLang engine up in %.1f s", self.where, self.startup_s)
+
+    # -- Engine protocol ---------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        if not requests:
+            return []
+        try:
+            return self._call("generate", self.config.generate_timeout_s, requests=list(requests))
+        except EngineTimeoutError:
+            for request in requests:  # best effort: do not leave them decoding
+                self._send_only("abort", rid=request.rid)
+            raise
+
+    def begin_weight_update(self) -> None:
+        self._call("begin_weight_update")
+
+    def update_weights(
+        self,
+        named_tensors: list[tuple[str, torch.Tensor]],
+        version: str | int,
+        flush_cache: bool = True,
+    ) -> None:
+        if flush_cache and self._pause_mode == "in_place":
+            raise ValueError(
+                "update_weights(flush_cache=True) while paused in_place: the held requests keep "
+                "their KV cache and SGLang's scheduler dies on a cache flush with requests "
+                "running; pass flush_cache=False, or pause with mode='retract'"
+            )
+        self._call(
+            "update_weights",
+            named_tensors=[(name, tensor.detach()) for name, tensor in named_tensors],
+            version=str(version),
+            flush_cache=flush_cache,
+        )
+
+    def end_weight_update(self) -> None:
+        self._call("end_weight_update")
+
+    def weight_version(self) -> str:
+        return self._call("weight_version")
+
+    def pause(self, mode: PauseMode) -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode = {mode!r}: must be one of {PAUSE_MODES}")
+        self._call("pause", mode=mode)
+        self._pause_mode = mode
+
+    def resume(self) -> None:
+        self._call("resume")
+        self._pause_mode = None
+
+    def abort(self, rid: str | None = None) -> None:
+        self._call("abort", rid=rid)
+
+    def flush_cache(self) -> None:
+        self._call("flush_cache")
+
+    def health(self) -> bool:
+        if self._death is not None or self._closed:
+            return False
+        try:
+            return bool(self._call("health", min(self.config.call_timeout_s, 30.0)))
+        except (EngineDiedError, EngineTimeoutError):
+            return False
+
+    def get_weights_by_name(self, name: str) -> torch.Tensor:
+        return self._call("get_weights_by_name", name=name)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        if self._death is None and self._proc.is_alive():
+            try:
+                self._call("shutdown", check_closed=False)
+            except (EngineDiedError, EngineTimeoutError) as exc:
+                logger.warning("[%s] engine shutdown: %s", self.where, exc)
+        self._proc.join(timeout=30)
+        # Whatever is left, e.g. after a timed-out shutdown or a host that was killed.
+        _kill_tree(self._proc.pid, also=self._engine_procs)
+        self._proc.join(timeout=10)
+        self._conn.close()
+
+    # -- RPC plumbing -------------------------------------------------------------------------
+
+    def _wait_ready(self, start: float) -> dict:
+        deadline = start + self.config.startup_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                message = self._conn.recv() if self._conn.poll(0.2) else None
+            except (EOFError, OSError):  # the host died before it said anything
+                message = None
+                self._proc.join(timeout=30)
+            if message is not None and message[0] == "ready":
+                return message[1]
+            if message is not None:
+                self._proc.join(timeout=30)
+                raise EngineDiedError(
+                    f"SGLang engine failed to start ({self.where}); host exit code "
+                    f"{self._proc.exitcode}; the engine raised:\n{message[1]}"
+                )
+            if not self._proc.is_alive():
+                raise EngineDiedError(
+                    f"SGLang engine host exited during startup ({self.where}) with exit code "
+                    f"{self._proc.exitcode}; see the engine's log above"
+                )
+        _kill_tree(self._proc.pid)
+        raise EngineTimeoutError(
+            f"SGLang engine did not start within startup_timeout_s="
+            f"{self.config.startup_timeout_s} s ({self.where}); host killed"
+        )
+
+    def _read_replies(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            if message[0] == "died":
+                self._death_notice = message[1]
+                continue
+            kind, call_id, payload = message
+            pending = self._pending.pop(call_id, None)
+            if pending is not None:
+                pending.resolve(kind, payload)
+        self._proc.join(timeout=10)
+        _kill_tree(None, also=self._engine_procs)  # orphans, if the host was killed outright
+        if not self._closed:
+            cause = self._death_notice or "the engine host process exited"
+            self._death = f"{cause}; host pid {self._proc.pid} exit code {self._proc.exitcode}"
+            logger.error("[%s] SGLang engine died: %s", self.where, self._death)
+        for pending in list(self._pending.values()):
+            pending.resolve("died", None)
+
+    def _send_only(self, method: str, **kwargs) -> int:
+        call_id = next(self._call_ids)
+        try:
+            with self._send_lock:
+                self._conn.send(("call", call_id, method, kwargs))
+        except (OSError, ValueError):
+            pass  # the reader reports the death
+        return call_id
+
+    def _call(self, method: str, timeout_s: float | None = None, *, check_closed=True, **kwargs):
+        if check_closed and self._closed:
+            raise RuntimeError(f"SGLang engine ({self.where}) was shut down; cannot call {method}")
+        if self._death is not None:
+            raise EngineDiedError(
+                f"SGLang engine died ({self.where}): {self._death}; cannot call {method}"
+            )
+        timeout_s = self.config.call_timeout_s if timeout_s is None else timeout_s
+        pending = _Pending()
+        call_id = next(self._call_ids)
+        self._pending[call_id] = pending
+        try:
+            with self._send_lock:
+                self._conn.send(("call", call_id, method, kwargs))
+        except (OSError, ValueError):
+            pending.resolve("died", None)
+        if not pending.event.wait(timeout_s):
+            self._pending.pop(call_id, None)
+            raise EngineTimeoutError(
+                f"SGLang engine ({self.where}) did not answer {method} within {timeout_s} s "
+                f"(host pid {self._proc.pid} alive: {self._proc.is_alive()})"
+            )
+        kind, payload = pending.reply
+        if kind == "ok":
+            return payload
+        if kind == "error":
+            raise payload
+        if self._closed and method != "shutdown":
+            raise RuntimeError(f"SGLang engine ({self.where}) was shut down during {method}")
+        self._reader.join(timeout=15)  # lets the reader record the cause
+        raise EngineDiedError(
+            f"SGLang engine died ({self.where}) while waiting for {method}: "
+            f"{self._death or 'the engine host process exited'}"
+        )
+
+
+# -- engine host: everything below runs in the spawned child -----------------------------------
+
+
+def _host_main(conn, config: SGLangEngineConfig) -> None:
+    """Entry point of the engine host: start `sglang.Engine`, then serve calls until shutdown."""
+    if config.device == "cpu":
+        shims = str(CPU_SHIMS_DIR)
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (shims, os.environ.get("PYTHONPATH")) if p
+        )
+        sys.path.insert(0, shims)  # spawn copied the parent's sys.path over PYTHONPATH
+    optional = {
+        "max_total_tokens": config.max_total_tokens,
+        "mem_fraction_static": config.mem_fraction_static,
+    }
+    try:
+        import sglang
+
+        engine = sglang.Engine(
+            model_path=config.model_path,
+            device=config.device,
+            tp_size=config.tp_size,
+            dtype=config.dtype,
+            random_seed=config.random_seed,
+            log_level=config.log_level,
+            **{k: v for k, v in optional.items() if v is not None},
+            **config.server_args,
+        )
+    except BaseException:  # noqa: B036 - reported to the rank, which raises EngineDiedError
+        conn.send(("failed", traceback.format_exc()))
+        _kill_tree(os.getpid(), include_root=False)
+        os._exit(1)
+    engine.loop.run_until_complete(_EngineHost(engine, conn, config.tp_size).serve())
+
+
+class _EngineHost:
+    """Serves the rank's calls on the engine's event loop, several at a time."""
+
+    def __init__(self, engine, conn, tp_size: int):
+        from sglang.srt.managers import io_struct
+
+        self.io = io_struct
+        self.engine = engine
+        self.tm = engine.tokenizer_manager
+        self.conn = conn
+        self.tp_size = tp_size
+        self.child_pids: list[int] = engine.get_all_child_pids()
+        self.stopped = asyncio.Event()
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        # Let SGLang install its handlers now, then replace its SIGQUIT one (which kills the
+        # process tree without a word) with ours, which reports the cause first.
+        self.tm.auto_create_handle_loop()
+        loop.add_signal_handler(signal.SIGQUIT, self._on_child_failure)
+        threading.Thread(target=self._read_calls, args=(loop,), daemon=True).start()
+        self.conn.send(("ready", {"child_pids": self.child_pids}))
+        await self.stopped.wait()
+
+    def _read_calls(self, loop) -> None:
+        while True:
+            try:
+                _, call_id, method, kwargs = self.conn.recv()
+            except (EOFError, OSError):  # the rank is gone: stop the engine with it
+                call_id, method, kwargs = -1, "shutdown", {}
+            loop.call_soon_threadsafe(
+                lambda *a: loop.create_task(self._run(*a)), call_id, method, kwargs
+            )
+            if method == "shutdown":
+                return
+
+    async def _run(self, call_id: int, method: str, kwargs: dict) -> None:
+        try:
+            reply = ("ok", call_id, await getattr(self, f"rpc_{method}")(**kwargs))
+        except Exception as exc:  # noqa: BLE001 - re-raised in the rank
+            exc.add_note(f"in the SGLang engine host:\n{traceback.format_exc()}")
+            reply = ("error", call_id, exc)
+        try:
+            self.conn.send(reply)
+        except (OSError, EOFError):
+            pass  # the rank is gone; its pipe closing shuts this host down
+        except Exception as exc:  # noqa: BLE001 - e.g. an exception that does not pickle
+            self.conn.send(("error", call_id, RuntimeError(f"{method}: {exc!r}")))
+
+    def _on_child_failure(self) -> None:
+        # A child sends SIGQUIT just before it exits; give it a moment to report an exit code.
+        watchdog = self.tm._subprocess_watchdog
+        procs = list(zip(getattr(watchdog, "_processes", []), getattr(watchdog, "_names", [])))
+        deadline = time.monotonic() + 3.0
+        while all(p.is_alive() for p, _ in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dead = [
+            f"{name} (pid {p.pid}) exited with code {p.exitcode}"
+            for p, name in procs
+            if not p.is_alive()
+        ]
+        cause = "; ".join(dead) or "an SGLang child process reported a failure (SIGQUIT)"
+        try:
+            self.conn.send(("died", cause + "; its traceback, if any, is in the log above"))
+        finally:
+            _kill_tree(os.getpid(), include_root=False)
+            os._exit(_HOST_EXIT_CHILD_DIED)
+
+    @staticmethod
+    def _check(what: str, result) -> None:
+        success, message = result[0], result[1]
+        if not success:
+            raise RuntimeError(f"SGLang refused {what}: {message}")
+
+    async def rpc_generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        obj = self.io.GenerateReqInput(
+            input_ids=[r.input_ids for r in requests],
+            sampling_params=[_sampling_dict(r) for r in requests],
+            rid=[r.rid for r in requests],
+            return_logprob=True,
+        )
+        outputs = await self.tm.generate_request(obj, None).__anext__()
+        return [_to_result(r.rid, out) for r, out in zip(requests, outputs)]
+
+    async def rpc_begin_weight_update(self) -> None:
+        obj = self.io.BeginWeightUpdateReqInput()
+        self._check("begin_weight_update", await self.tm.begin_weight_update(obj, None))
+
+    async def rpc_update_weights(self, named_tensors, version: str, flush_cache: bool) -> None:
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        # One payload per TP rank: each rank deserializes its own copy (as Engine does).
+        payloads = [MultiprocessingSerializer.serialize(named_tensors) for _ in range(self.tp_size)]
+        obj = self.io.UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=payloads, flush_cache=flush_cache, weight_version=version
+        )
+        self._check("update_weights", await self.tm.update_weights_from_tensor(obj, None))
+
+    async def rpc_end_weight_update(self) -> None:
+        obj = self.io.EndWeightUpdateReqInput()
+        self._check("end_weight_update", await self.tm.end_weight_update(obj, None))
+
+    async def rpc_weight_version(self) -> str:
+        return str(self.tm.config_value("weight_version"))
+
+    async def rpc_pause(self, mode: str) -> None:
+        await self.tm.pause_generation(self.io.PauseGenerationReqInput(mode=mode))
+
+    async def rpc_resume(self) -> None:
+        await self.tm.continue_generation(self.io.ContinueGenerationReqInput())
+
+    async def rpc_abort(self, rid: str | None) -> None:
+        self.tm.abort_request(rid=rid or "", abort_all=rid is None)
+
+    async def rpc_flush_cache(self) -> None:
+        result = await self.tm.flush_cache()
+        if not result.success:
+            raise RuntimeError(f"SGLang refused flush_cache (requests in flight?): {result}")
+
+    async def rpc_health(self) -> bool:
+        import psutil
+
+        try:
+            procs = [psutil.Process(pid) for pid in self.child_pids]
+            return all(p.status() != psutil.STATUS_ZOMBIE for p in procs)
+        except psutil.NoSuchProcess:
+            return False
+
+    async def rpc_get_weights_by_name(self, name: str) -> torch.Tensor:
+        obj = self.io.GetWeightsByNameReqInput(name=name, truncate_size=2**31 - 1)
+        values = await self.tm.get_weights_by_name(obj, None)
+        if values is None:
+            raise KeyError(
+                f"SGLang has no weight {name!r} (or its model lacks get_weights_by_name)"
+            )
+        return torch.tensor(values, dtype=torch.float32)
+
+    async def rpc_shutdown(self) -> None:
+        self.engine.shutdown()
+        self.stopped.set()
+
+
+def _sampling_dict(request: GenerateRequest) -> dict[str, Any]:
+    s = request.sampling
+    params = {
+        "max_new_tokens": s.max_new_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+    }
+    if s.seed is not None:
+        params["sampling_seed"] = s.seed
+    if s.stop_token_ids:
+        params["stop_token_ids"] = list(s.stop_token_ids)
+    return params
+
+
+def _to_result(rid: str, out: dict) -> GenerateResult:
+    meta = out["meta_info"]
+    output_ids = list(out["output_ids"])
+    spans = meta.get("weight_versions") or [
+        {"version": meta["weight_version"], "start": 0, "end": len(output_ids)}
+    ]
+    return GenerateResult(
+        rid=rid,
+        output_ids=output_ids,
+        output_logprobs=[float(lp) for lp, *_ in meta["output_token_logprobs"]],
+        token_versions=expand_version_spans(spans, len(output_ids)),
+        finish_reason=str(meta["finish_reason"]["type"]),
+    )
+
+
+def _kill_tree(pid: int | None, include_root: bool = True, also: Sequence = ()) -> None:
+    """SIGKILL `pid`'s descendants, `pid` itself and the psutil processes `also`; wait for them.
+
+    `also` covers orphans: engine children whose host already died are no longer its
+    descendants. psutil refuses to signal a pid that was reused by another process.
+    """
+    import psutil
+
+    procs = list(also)
+    try:
+        if pid is not None:  # psutil.Process(None) would be this very process
+            root = psutil.Process(pid)
+            procs += root.children(recursive=True) + ([root] if include_root else [])
+    except psutil.NoSuchProcess:
+        pass
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline and any(_running(p) for p in procs):
+        time.sleep(0.05)
+
+
+def _processes(pids: Sequence[int]) -> list:
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    return procs
+
+
+def _running(proc) -> bool:
+    """Alive and not a zombie (an orphaned zombie may never be reaped in a container)."""
+    import psutil
+
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

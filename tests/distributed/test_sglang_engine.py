@@ -1,0 +1,267 @@
+"""The real SGLang engine (CPU, fp32, tiny local Llama) behind `SGLangEngine`.
+
+Contract checked: greedy generation returns tokens, log-probs and per-token weight versions;
+those log-probs match an independent `transformers` forward pass over the same sequence
+(mean abs diff <= 1e-3); a weight update through begin/update/end is bit-exact as read back by
+`get_weights_by_name` and stamps its version on later tokens; an in-place or retracting pause
+around an update switches the version mid-sequence; timeouts, misuse, a killed scheduler and a
+failed start are reported as errors naming the rank, and the test process survives; shutdown
+leaves no process behind. Nothing is faked; the model is made locally
+(`write_tiny_model`), so nothing is downloaded. One engine serves most tests (module fixture,
+~30 s to start on 2 cores); the death and failed-start tests start their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from megatron_async_rl.engines import (
+    INITIAL_VERSION,
+    EngineDiedError,
+    EngineTimeoutError,
+    GenerateRequest,
+    SamplingParams,
+)
+from megatron_async_rl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
+from megatron_async_rl.models.tiny import write_tiny_model
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("sglang") is None,
+        reason="sglang is not installed; run scripts/install_sglang_cpu.sh",
+    ),
+]
+
+PROMPTS = ([1, 10, 11, 12, 13], [1, 20, 21], [1, 30, 31, 32, 33, 34, 35])
+CHECKED_WEIGHTS = (
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.self_attn.k_proj.weight",
+    "model.layers.1.self_attn.v_proj.weight",
+    "model.layers.1.self_attn.o_proj.weight",
+    "model.layers.0.mlp.gate_proj.weight",
+    "model.layers.1.mlp.up_proj.weight",
+    "model.layers.0.mlp.down_proj.weight",
+    "model.layers.1.input_layernorm.weight",
+    "model.norm.weight",
+    "lm_head.weight",
+)
+
+
+def _config(model_dir: Path, **overrides) -> SGLangEngineConfig:
+    fields = dict(
+        model_path=str(model_dir),
+        dtype="float32",
+        max_total_tokens=4096,
+        startup_timeout_s=300,
+        call_timeout_s=120,
+        generate_timeout_s=300,
+    )
+    return SGLangEngineConfig(**{**fields, **overrides})
+
+
+@dataclasses.dataclass
+class Served:
+    """The module's engine and what it is serving now (tests that update weights record it)."""
+
+    engine: SGLangEngine
+    model_dir: Path
+    state: dict[str, torch.Tensor]
+    version: str = INITIAL_VERSION
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    # Room for long generations: the pause test must still be decoding when it pauses.
+    out = tmp_path_factory.mktemp("sglang") / "llama"
+    return write_tiny_model(out, "llama", max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    from safetensors.torch import load_file
+
+    engine = SGLangEngine(_config(model_dir), rank_in_role=0, global_rank=5)
+    print(f"\nengine startup: {engine.startup_s:.1f} s")
+    yield Served(engine, model_dir, load_file(model_dir / "model.safetensors"))
+    engine.shutdown()
+
+
+def _greedy(max_new_tokens: int, tag: str) -> list[GenerateRequest]:
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    return [GenerateRequest(p, sampling, f"{tag}-{i}") for i, p in enumerate(PROMPTS)]
+
+
+def _hf_logprob_diff(served: Served, results, requests) -> float:
+    """Mean |engine log-prob - transformers log-prob| over all generated tokens."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(served.model_dir, dtype=torch.float32)
+    model.load_state_dict(served.state)
+    diffs = []
+    with torch.no_grad():
+        for request, result in zip(requests, results):
+            ids = torch.tensor([request.input_ids + result.output_ids])
+            logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+            start = len(request.input_ids) - 1
+            ref = logp[start : start + len(result.output_ids)].gather(
+                1, torch.tensor(result.output_ids)[:, None]
+            )[:, 0]
+            diffs.append((ref - torch.tensor(result.output_logprobs)).abs())
+    return torch.cat(diffs).mean().item()
+
+
+def _update(served: Served, version: str, flush_cache: bool = True) -> float:
+    """Perturb every tensor, send it all through begin/update/end; returns seconds taken."""
+    new = {name: t + 0.01 * torch.randn_like(t) for name, t in served.state.items()}
+    start = time.perf_counter()
+    served.engine.begin_weight_update()
+    served.engine.update_weights(list(new.items()), version, flush_cache=flush_cache)
+    served.engine.end_weight_update()
+    served.state, served.version = new, version
+    return time.perf_counter() - start
+
+
+def test_generate_greedy_with_logprobs_matches_transformers(served):
+    requests = _greedy(24, "greedy")
+    start = time.perf_counter()
+    results = served.engine.generate(requests)
+    print(f"generate 3 x 24 tokens: {time.perf_counter() - start:.2f} s")
+    assert [r.rid for r in results] == [r.rid for r in requests]
+    for result in results:
+        assert 1 <= len(result.output_ids) <= 24
+        assert result.finish_reason in ("length", "stop")
+        assert result.token_versions == [served.version] * len(result.output_ids)
+        assert all(lp <= 0 for lp in result.output_logprobs)
+    again = served.engine.generate(requests)  # greedy is deterministic (a prefix-cache hit)
+    assert [r.output_ids for r in again] == [r.output_ids for r in results]
+    for first, second in zip(results, again):
+        torch.testing.assert_close(first.output_logprobs, second.output_logprobs, atol=1e-5, rtol=0)
+    diff = _hf_logprob_diff(served, results, requests)
+    print(f"log-prob mean abs diff vs transformers: {diff:.2e}")
+    assert diff <= 1e-3
+
+
+def test_weight_update_is_bit_exact_and_versioned(served):
+    seconds = _update(served, "v1")
+    print(f"weight update (all {len(served.state)} tensors): {seconds:.3f} s")
+    assert served.engine.weight_version() == "v1"
+    for name in CHECKED_WEIGHTS:
+        sent, got = served.state[name], served.engine.get_weights_by_name(name)
+        # SGLang pads the vocab dimension (embedding, LM head) to a multiple of 64.
+        assert torch.equal(got[: sent.shape[0]], sent), name
+        assert not got[sent.shape[0] :].any(), name
+    requests = _greedy(16, "after-v1")
+    results = served.engine.generate(requests)
+    assert all(r.token_versions == ["v1"] * len(r.output_ids) for r in results)
+    diff = _hf_logprob_diff(served, results, requests)
+    print(f"log-prob mean abs diff vs transformers after update: {diff:.2e}")
+    assert diff <= 1e-3
+
+
+def test_misuse_is_rejected(served):
+    with pytest.raises(RuntimeError, match="between begin_weight_update"):
+        served.engine.update_weights([("model.norm.weight", served.state["model.norm.weight"])], 9)
+    with pytest.raises(ValueError, match="pause mode = 'sideways'"):
+        served.engine.pause("sideways")
+    with pytest.raises(KeyError, match="no weight 'no.such.weight'"):
+        served.engine.get_weights_by_name("no.such.weight")
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_pause_update_resume_switches_version_mid_sequence(served, mode):
+    requests = _greedy(600, f"pause-{mode}")
+    box = {}
+    worker = threading.Thread(target=lambda: box.update(out=served.engine.generate(requests)))
+    worker.start()
+    for version in (f"{mode}-1", f"{mode}-2"):
+        time.sleep(0.3)
+        served.engine.pause(mode)
+        if mode == "in_place":
+            with pytest.raises(ValueError, match="paused in_place"):
+                served.engine.update_weights([], version)
+        seconds = _update(served, version, flush_cache=(mode != "in_place"))
+        print(f"pause({mode}) + update: {seconds:.3f} s")
+        served.engine.resume()
+    worker.join(timeout=240)
+    assert "out" in box, "generate did not return"
+    order = [INITIAL_VERSION, "v1", "in_place-1", "in_place-2", "retract-1", "retract-2"]
+    switched = 0
+    for result in box["out"]:
+        seen = list(dict.fromkeys(result.token_versions))  # distinct, in order
+        assert seen == sorted(seen, key=order.index), seen
+        switched += len(seen) > 1
+        print(mode, result.rid, [(v, result.token_versions.count(v)) for v in seen])
+    if switched == 0:
+        pytest.skip("generation finished before the first pause; nothing switched mid-sequence")
+    served.engine.flush_cache()  # in_place kept KV computed by older weights
+
+
+def test_generate_timeout_is_reported_and_engine_recovers(served):
+    config = served.engine.config
+    served.engine.config = dataclasses.replace(config, generate_timeout_s=0.2)
+    try:
+        with pytest.raises(EngineTimeoutError, match="did not answer generate within 0.2 s"):
+            served.engine.generate(_greedy(200, "timeout"))
+    finally:
+        served.engine.config = config
+    assert served.engine.health()
+    assert len(served.engine.generate(_greedy(4, "recovered"))[0].output_ids) >= 1
+
+
+def test_shutdown_leaves_no_processes(served):
+    pids = [served.engine.host_pid, *served.engine.engine_child_pids]
+    served.engine.shutdown()
+    served.engine.shutdown()  # idempotent
+    assert not any(_alive(pid) for pid in pids)
+    assert not served.engine.health()
+    with pytest.raises(RuntimeError, match="was shut down; cannot call generate"):
+        served.engine.generate(_greedy(4, "after-shutdown"))
+
+
+def test_killed_scheduler_raises_engine_died_error(model_dir):
+    engine = SGLangEngine(_config(model_dir), rank_in_role=1, global_rank=7)
+    pids = [engine.host_pid, *engine.engine_child_pids]
+    scheduler = next(
+        pid for pid in engine.engine_child_pids if "scheduler" in psutil.Process(pid).name()
+    )
+    os.kill(scheduler, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(
+        EngineDiedError,
+        match=rf"rank in role 1, global rank 7.*scheduler_0 \(pid {scheduler}\) exited with "
+        r"code -9.*exit code 3",
+    ):
+        engine.generate(_greedy(8, "dead"))
+    print(f"engine death reported after {time.monotonic() - start:.2f} s")
+    assert not engine.health()
+    with pytest.raises(EngineDiedError, match="cannot call weight_version"):
+        engine.weight_version()
+    engine.shutdown()
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_failed_start_raises_engine_died_error(tmp_path):
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(EngineDiedError, match=r"failed to start \(role generate, rank in role 2"):
+        SGLangEngine(_config(tmp_path / "no-model"), rank_in_role=2, global_rank=9)
+    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert all("resource_tracker" in " ".join(p.cmdline()) for p in new), new
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
