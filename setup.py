@@ -25,6 +25,7 @@ setup(
         "einops>=0.8",
         "matplotlib>=3.7",
         "numpy",
+        "pyarrow",
         "pyyaml>=6",
         "safetensors>=0.4",
         # sglang 0.5.21 (the generation engine) pins these two; keep them in step.

@@ -2,8 +2,9 @@
 
 Resolve the recipe (a bad one exits with code 2 and one line naming the key, the value and the
 rule, before any process group exists), carve the world into role groups, run the job, and close
-the process group on success and on error. The job is the role check (`jobs/role_check.py`):
-every Megatron role loads the checkpoint and scores one batch through its own layout.
+the process group on success and on error. Jobs (`trainer.job`): `grpo`, the RL loop
+(`jobs/grpo_sync.py`), and `role_check`, where every Megatron role loads the checkpoint and
+scores one batch through its own layout (`jobs/role_check.py`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.platform import init_distributed
-    from megatron_async_rl.jobs.role_check import run_role_check
 
     rank, world_size = init_distributed(platform)
     try:
@@ -56,7 +56,14 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
             write_resolved(cfg, Path(cfg.run_dir) / RESOLVED_NAME)
-        run_role_check(cfg, groups, platform)
+        if cfg.trainer.job == "grpo":
+            from megatron_async_rl.jobs.grpo_sync import run_grpo
+
+            run_grpo(cfg, groups, platform)
+        else:
+            from megatron_async_rl.jobs.role_check import run_role_check
+
+            run_role_check(cfg, groups, platform)
         dist.barrier(group=groups.control)
         leader_print(f"done: outputs in {cfg.run_dir}", rank)
     finally:

@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
-# The main job on this machine's CPU: install (scripts/setup_env.sh), write a tiny HF model made
-# locally (nothing from a hub), and run the 4-rank recipe yaml_configs/tiny-cpu.yaml through
-# launch/torchrun.sh. Extra arguments go to the entry point (e.g. --set ..., -- --lr 1e-6).
+# The main job on this machine's CPU: GRPO on a tiny model that learns single-digit addition.
+#   1. install (scripts/setup_env.sh, first time only)
+#   2. write a tiny Llama-style HF model with a locally made tokenizer (nothing from a hub)
+#   3. write the task data ("3+5=" -> "8") and warm-start the model on the answer FORMAT only
+#      (digits then <eos>, trained on mostly wrong answers: it starts well below 50% correct)
+#   4. run yaml_configs/tiny-grpo-cpu.yaml on 2 ranks (train+logp+ref | SGLang engine)
+# Outputs in runs/tiny-grpo: metrics.jsonl, reward.png, config.resolved.yaml, tensorboard/.
+# Extra arguments go to the entry point (e.g. --set trainer.num_steps=10, -- --lr 5e-4).
 set -euo pipefail
 repo_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo_dir"
 bash scripts/setup_env.sh
+py=.venv/bin/python
 if [[ ! -f runs/tiny-llama/config.json ]]; then
-    .venv/bin/python -m megatron_async_rl.models.tiny --family llama --out runs/tiny-llama
+    "$py" -m megatron_async_rl.models.tiny --family llama --out runs/tiny-llama --seed 0
 fi
-NPROC_PER_NODE=${NPROC_PER_NODE:-4} exec bash launch/torchrun.sh yaml_configs/tiny-cpu.yaml "$@"
+if [[ ! -f runs/arith/train.jsonl ]]; then
+    "$py" -m megatron_async_rl.rollout.arithmetic --out runs/arith/train.jsonl --num-rows 2000 \
+        --seed 0
+fi
+if [[ ! -f runs/tiny-llama-warm/config.json ]]; then
+    "$py" -m megatron_async_rl.rollout.warm_start --model runs/tiny-llama \
+        --data runs/arith/train.jsonl --out runs/tiny-llama-warm --seed 0
+fi
+NPROC_PER_NODE=${NPROC_PER_NODE:-2} exec bash launch/torchrun.sh yaml_configs/tiny-grpo-cpu.yaml "$@"

@@ -143,6 +143,9 @@ def _children(node: Any) -> dict[str, Any]:
     out = {}
     for field in dataclasses.fields(node):
         kind = hints[field.name]
+        options = [a for a in typing.get_args(kind) if a is not type(None)]
+        if len(options) == 1 and dataclasses.is_dataclass(options[0]):
+            kind = options[0]  # an optional section: `data: DatasetConfig | None`
         if dataclasses.is_dataclass(kind):
             out[field.name] = kind
         elif typing.get_origin(kind) is dict:
@@ -321,15 +324,18 @@ def to_tree(cfg: RunConfig) -> dict:
         ]
     }
     roles.update({role: {"megatron": dict(s)} for role, s in cfg.roles.megatron.items() if s})
-    return {
-        "run_dir": cfg.run_dir,
-        "seed": cfg.seed,
-        "platform": dataclasses.asdict(cfg.platform),
-        "model": dataclasses.asdict(cfg.model),
-        "roles": roles,
-        "smoke": dataclasses.asdict(cfg.smoke),
-        "megatron": dict(cfg.megatron),
-    }
+    tree: dict[str, Any] = {}
+    for field in dataclasses.fields(RunConfig):
+        value = getattr(cfg, field.name)
+        if field.name == "roles":
+            tree["roles"] = roles
+        elif dataclasses.is_dataclass(value):
+            tree[field.name] = dataclasses.asdict(value)
+        elif isinstance(value, dict):
+            tree[field.name] = dict(value)
+        elif value is not None:
+            tree[field.name] = value
+    return tree
 
 
 def write_resolved(cfg: ResolvedConfig, path: str | Path) -> Path:

@@ -15,25 +15,22 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from megatron_async_rl.algorithms.config import GRPOConfig
 from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.config.roles import (  # noqa: F401 - re-exported
+    MEGATRON_ROLES,
+    ROLES,
+    RoleGroupSpec,
+    _require_choice,
+    _require_int,
+)
+from megatron_async_rl.engines.config import EngineConfig
+from megatron_async_rl.rewards.registry import RewardConfig
+from megatron_async_rl.rollout.dataset import DatasetConfig
+from megatron_async_rl.rollout.generation import RolloutConfig
 
 if TYPE_CHECKING:
     from megatron_async_rl.distributed.layout import RoleLayout
-
-ROLES = ("train", "logp", "ref", "generate")
-MEGATRON_ROLES = ("train", "logp", "ref")
-
-
-def _require_int(key: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(key, value, "expected an integer")
-    if value < minimum:
-        raise ConfigError(key, value, f"must be >= {minimum}")
-
-
-def _require_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(key, value, f"must be one of {', '.join(choices)}")
 
 
 def _normalize_megatron(section: Any, key: str) -> dict[str, Any]:
@@ -41,47 +38,6 @@ def _normalize_megatron(section: Any, key: str) -> dict[str, Any]:
     from megatron_async_rl.config.megatron_flags import normalize_megatron_section
 
     return normalize_megatron_section(section, key)
-
-
-@dataclass
-class RoleGroupSpec:
-    """One rank window of the world; the roles listed time-share its ranks."""
-
-    roles: list[str]
-    """Roles placed on this window, e.g. [logp, train]."""
-    num_ranks: int | None = None
-    """Ranks in the window. Exactly one of num_ranks and ratio is set."""
-    ratio: float | None = None
-    """Fraction of the world (or, next to num_ranks groups, of the ranks they leave)."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.roles, tuple):
-            self.roles = list(self.roles)
-        if not isinstance(self.roles, list) or not self.roles:
-            raise ConfigError("roles", self.roles, "must be a non-empty list of role names")
-        for index, role in enumerate(self.roles):
-            if role not in ROLES:
-                raise ConfigError(
-                    f"roles[{index}]", role, f"unknown role; roles are {', '.join(ROLES)}"
-                )
-        duplicates = sorted({r for r in self.roles if self.roles.count(r) > 1})
-        if duplicates:
-            raise ConfigError("roles", self.roles, f"lists {', '.join(duplicates)} twice")
-        if (self.num_ranks is None) == (self.ratio is None):
-            raise ConfigError(
-                "num_ranks",
-                self.num_ranks,
-                "set exactly one of num_ranks and ratio",
-                f"ratio = {self.ratio}",
-            )
-        if self.num_ranks is not None:
-            _require_int("num_ranks", self.num_ranks, 1)
-        if self.ratio is not None:
-            if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
-                raise ConfigError("ratio", self.ratio, "expected a number in (0, 1]")
-            if not 0 < self.ratio <= 1:
-                raise ConfigError("ratio", self.ratio, "must be in (0, 1]")
-            self.ratio = float(self.ratio)
 
 
 @dataclass
@@ -190,6 +146,28 @@ class SmokeConfig:
         _require_int("seed", self.seed, 0)
 
 
+JOBS = ("auto", "grpo", "role_check")
+
+
+@dataclass
+class TrainerConfig:
+    """What the run does and for how long."""
+
+    job: str = "auto"
+    """grpo (the RL loop), role_check (every Megatron role loads the checkpoint and scores one
+    batch; no engines) or auto: grpo when the recipe has a `data:` section, else role_check."""
+    num_steps: int = 20
+    """Optimizer steps (policy versions) to train."""
+    micro_batch_size: int | None = None
+    """Samples per forward/backward micro-batch; None: Megatron's --micro-batch-size."""
+
+    def __post_init__(self) -> None:
+        _require_choice("job", self.job, JOBS)
+        _require_int("num_steps", self.num_steps, 1)
+        if self.micro_batch_size is not None:
+            _require_int("micro_batch_size", self.micro_batch_size, 1)
+
+
 @dataclass(kw_only=True)
 class RunConfig:
     """A whole recipe: our knobs plus the shared Megatron section."""
@@ -202,6 +180,13 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     roles: RolesConfig
     smoke: SmokeConfig = field(default_factory=SmokeConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: DatasetConfig | None = None
+    """The prompt dataset (needed by the grpo job)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: GRPOConfig = field(default_factory=GRPOConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     megatron: dict[str, Any] = field(default_factory=dict)
     """Megatron args shared by every Megatron role, dest names (`tensor_model_parallel_size`)."""
 
@@ -210,6 +195,28 @@ class RunConfig:
             raise ConfigError("run_dir", self.run_dir, "must be a non-empty path")
         _require_int("seed", self.seed, 0)
         self.megatron = _normalize_megatron(self.megatron, "megatron")
+        if self.trainer.job == "auto":
+            self.trainer.job = "grpo" if self.data is not None else "role_check"
+        if self.trainer.job == "grpo":
+            if self.data is None:
+                raise ConfigError(
+                    "data",
+                    None,
+                    "the grpo job needs a prompt dataset",
+                    "add data: {path: prompts.jsonl}",
+                )
+            if "generate" not in self.roles.placed_roles():
+                raise ConfigError(
+                    "roles.groups",
+                    "no generate role",
+                    "the grpo job needs generate ranks for its SGLang engines",
+                )
+            if self.model.hf_path is None:
+                raise ConfigError(
+                    "model.hf_path",
+                    None,
+                    "the grpo job needs a HF checkpoint (the engines load it)",
+                )
 
 
 @dataclass(kw_only=True)

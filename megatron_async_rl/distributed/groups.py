@@ -48,7 +48,7 @@ class RoleGroups:
     ranks: tuple[int, ...]
     #: None on ranks outside the role's window.
     pg_collection: Optional[object]
-    #: Stage-to-stage groups for the pipeline schedule; None outside the window.
+    #: Pipeline-parallel size of the role.
     pp_size: int
 
     @property
@@ -66,6 +66,9 @@ class WorldGroups:
     control: dist.ProcessGroup
     roles: dict[str, RoleGroups]
     bridges: dict[tuple[str, str], Optional[dist.ProcessGroup]]
+    #: train's first rank + generate + logp ranks: the weight broadcast of `weight_sync`.
+    weight_sync: Optional[dist.ProcessGroup] = None
+    weight_sync_ranks: tuple[int, ...] = ()
 
     def local_roles(self) -> tuple[str, ...]:
         return self.layout.roles_of_rank(self.rank)
@@ -160,5 +163,16 @@ def build_world_groups(layout: RoleLayout, backend: str) -> WorldGroups:
         ranks = sorted(set(layout.window_of(src).ranks) | set(layout.window_of(dst).ranks))
         group = dist.new_group(ranks, backend=backend)
         bridges[(src, dst)] = group if rank in ranks else None
+    sync_ranks: tuple[int, ...] = ()
+    weight_sync = None
+    if "train" in placed and ({"generate", "logp"} & placed):
+        members = {layout.window_of("train").offset}
+        for role in ("generate", "logp"):
+            if role in placed:
+                members |= set(layout.window_of(role).ranks)
+        sync_ranks = tuple(sorted(members))
+        # gloo: the first version moves whole tensors through the train rank's host memory.
+        group = dist.new_group(list(sync_ranks), backend="gloo")
+        weight_sync = group if rank in sync_ranks else None
     logger.info("rank %d: built groups for roles %s", rank, layout.roles_of_rank(rank))
-    return WorldGroups(layout, rank, backend, control, roles, bridges)
+    return WorldGroups(layout, rank, backend, control, roles, bridges, weight_sync, sync_ranks)

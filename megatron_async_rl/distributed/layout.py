@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_async_rl.config.errors import ConfigError
-from megatron_async_rl.config.schema import MEGATRON_ROLES, RoleGroupSpec
+from megatron_async_rl.config.roles import MEGATRON_ROLES, RoleGroupSpec
 
 _TOLERANCE = 1e-6
 

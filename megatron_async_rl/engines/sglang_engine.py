@@ -343,8 +343,24 @@ class SGLangEngine:
 # -- engine host: everything below runs in the spawned child -----------------------------------
 
 
+# Set by torchrun for its workers. SGLang's schedulers start their own torch.distributed world;
+# with TORCHELASTIC_USE_AGENT_STORE inherited, torch's tcp:// rendezvous joins as a client
+# instead of creating its store and waits forever ("Init parallel begin", measured).
+_LAUNCHER_ENV = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+)  # fmt: skip
+
+
+def _scrub_launcher_env() -> None:
+    for key in list(os.environ):
+        if key in _LAUNCHER_ENV or key.startswith("TORCHELASTIC_"):
+            del os.environ[key]
+
+
 def _host_main(conn, config: SGLangEngineConfig) -> None:
     """Entry point of the engine host: start `sglang.Engine`, then serve calls until shutdown."""
+    _scrub_launcher_env()
     if config.device == "cpu":
         shims = str(CPU_SHIMS_DIR)
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"

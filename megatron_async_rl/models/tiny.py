@@ -126,12 +126,12 @@ def write_tiny_model(out_dir: str | Path, family: str, seed: int = 0, **override
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    _make_loadable_everywhere(out)
+    make_loadable_everywhere(out)
     logger.info("wrote tiny %s model to %s", family, out)
     return out
 
 
-def _make_loadable_everywhere(out: Path) -> None:
+def make_loadable_everywhere(out: Path) -> None:
     """Adds classic config keys and a tokenizer class name older transformers know too.
 
     transformers 5 writes `rope_parameters`, `num_local_experts` and `TokenizersBackend`; an

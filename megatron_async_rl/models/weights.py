@@ -50,8 +50,18 @@ def _own_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def load_hf_into_megatron(module, path: str, args: dict[str, Any], pgc, spec) -> None:
     """Copy this rank's slice of every parameter of the HF checkpoint at `path` into `module`."""
+    load_hf_state_dict_into_megatron(
+        module, hf_checkpoint.load_hf_state_dict(path), args, pgc, spec, path
+    )
+
+
+@torch.no_grad()
+def load_hf_state_dict_into_megatron(
+    module, hf_sd: dict, args: dict[str, Any], pgc, spec, path: str = "<in memory>"
+) -> None:
+    """Copy this rank's slice of every tensor of a full HF state dict into `module`."""
     dims = model_dims(args, spec)
-    full = name_map.hf_to_megatron(hf_checkpoint.load_hf_state_dict(path), dims)
+    full = name_map.hf_to_megatron(hf_sd, dims)
     local = name_map.stage_state_dict(full, dims, **_ranks(pgc))
     own = _own_tensors(module)
     missing, unexpected = sorted(own.keys() - local.keys()), sorted(local.keys() - own.keys())

@@ -25,7 +25,7 @@ import psutil
 import pytest
 import torch
 
-from megatron_async_rl.engines import (
+from megatron_async_rl.engines.protocol import (
     INITIAL_VERSION,
     EngineDiedError,
     EngineTimeoutError,

@@ -12,17 +12,17 @@ validation and the conversion of an SGLang output dict (log-probs, version spans
 import pytest
 import torch
 
-from megatron_async_rl.engines import (
+from megatron_async_rl.engines.fake import FakeEngine
+from megatron_async_rl.engines.protocol import (
     INITIAL_VERSION,
     Engine,
     EngineDiedError,
-    FakeEngine,
     GenerateRequest,
     GenerateResult,
     SamplingParams,
-    SGLangEngineConfig,
     expand_version_spans,
 )
+from megatron_async_rl.engines.sglang_engine import SGLangEngineConfig
 
 
 def _request(rid="r0", prompt=(1, 2, 3), max_new_tokens=6, **sampling):

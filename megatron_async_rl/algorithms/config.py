@@ -1,0 +1,125 @@
+"""The recipe's `algorithm:` section: GRPO-family knobs, validated; pure (no torch).
+
+Owned here so the config package imports without torch; the math lives in `algorithms.grpo`
+and `algorithms.losses`, which read this config.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from megatron_async_rl.config.errors import ConfigError
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+KL_MODES = ("loss", "reward")
+OFF_POLICY_CORRECTIONS = ("none", "tis_token", "tis_seq", "decoupled")
+
+K3_LOG_RATIO_BOUND = 20.0
+"""k3 clamps log(ref / p) to +-20 before exp so the exponential stays finite in fp32."""
+K3_VALUE_BOUND = 10.0
+"""k3 clamps its value to [-10, 10] (in effect [0, 10], as k3 >= 0), like verl's low_var_kl."""
+
+
+def _require_float(
+    key: str, value: Any, ok: Callable[[float], bool], rule: str, hint: str | None = None
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(key, value, "expected a finite number")
+    if not ok(float(value)):
+        raise ConfigError(key, value, rule, hint)
+
+
+def _require_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(key, value, f"must be one of {', '.join(choices)}")
+
+
+def _require_bool(key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(key, value, "expected true or false")
+
+
+@dataclass
+class GRPOConfig:
+    """The `algorithm:` section. Error keys are relative (`clip_ratio_low`); the recipe loader
+    prefixes them (`algorithm.clip_ratio_low`)."""
+
+    num_samples_per_prompt: int = 8
+    """Samples generated per prompt; they form one advantage group."""
+    normalize_advantage_by_std: bool = True
+    """GRPO: divide by the group's (unbiased) std. False: Dr. GRPO-style r - mean only."""
+    advantage_eps: float = 1e-6
+    """Added to the group std before dividing."""
+    clip_ratio_low: float = 0.2
+    """The ratio is clipped below at 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """The ratio is clipped above at 1 + clip_ratio_high (DAPO clip-higher: e.g. 0.28)."""
+    clip_ratio_c: float | None = None
+    """Dual-clip: a negative-advantage token's loss is at most c * |A|. None: off; 3.0 is usual."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean, seq-mean-token-mean or seq-mean-token-sum (see `losses.aggregate`)."""
+    kl_coef: float = 0.0
+    """Weight of the KL to the reference policy; 0 disables it (and the ref role is not needed)."""
+    kl_estimator: str = "k3"
+    """k1, k2 or k3 (alias low_var_kl, stored as k3); see `kl_penalty`."""
+    kl_mode: str = "loss"
+    """loss: kl_coef * KL is added to the loss; reward: subtracted from the sequence reward."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (the loss subtracts entropy_coef * entropy)."""
+    dynamic_filtering: bool = False
+    """DAPO: drop groups whose rewards all agree (zero variance, zero advantage)."""
+    off_policy_correction: str = "none"
+    """none, tis_token, tis_seq or decoupled (see `losses.policy_loss`)."""
+    tis_cap: float = 2.0
+    """Cap on the behaviour importance weight exp(old_logp - behaviour_logp)."""
+
+    def __post_init__(self) -> None:
+        n = self.num_samples_per_prompt
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise ConfigError("num_samples_per_prompt", n, "expected an integer")
+        if n < 1:
+            raise ConfigError("num_samples_per_prompt", n, "must be >= 1")
+        _require_bool("normalize_advantage_by_std", self.normalize_advantage_by_std)
+        _require_float("advantage_eps", self.advantage_eps, lambda v: v > 0, "must be > 0")
+        _require_float(
+            "clip_ratio_low",
+            self.clip_ratio_low,
+            lambda v: 0 <= v < 1,
+            "must be in [0, 1)",
+            "the ratio is clipped below at 1 - clip_ratio_low, which must stay positive",
+        )
+        _require_float("clip_ratio_high", self.clip_ratio_high, lambda v: v >= 0, "must be >= 0")
+        if self.clip_ratio_c is not None:
+            _require_float(
+                "clip_ratio_c",
+                self.clip_ratio_c,
+                lambda v: v > 1,
+                "must be > 1 or null",
+                "dual-clip bounds a negative-advantage loss at c * |A|; 3.0 is usual",
+            )
+        _require_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _require_float("kl_coef", self.kl_coef, lambda v: v >= 0, "must be >= 0")
+        _require_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        if self.kl_estimator == "low_var_kl":
+            self.kl_estimator = "k3"
+        _require_choice("kl_mode", self.kl_mode, KL_MODES)
+        _require_float("entropy_coef", self.entropy_coef, lambda v: v >= 0, "must be >= 0")
+        _require_bool("dynamic_filtering", self.dynamic_filtering)
+        if self.dynamic_filtering and n == 1:
+            raise ConfigError(
+                "dynamic_filtering",
+                True,
+                "needs num_samples_per_prompt >= 2",
+                "a group of one sample has zero variance, so every group would be dropped",
+            )
+        _require_choice("off_policy_correction", self.off_policy_correction, OFF_POLICY_CORRECTIONS)
+        _require_float(
+            "tis_cap",
+            self.tis_cap,
+            lambda v: v >= 1,
+            "must be >= 1",
+            "a cap below 1 would shrink even on-policy tokens (weight 1)",
+        )

@@ -1,0 +1,228 @@
+"""Reward lookup: names, `module:function` plug-ins, the remote reward, and error isolation.
+
+Owned here: the registry (`register`, `get_reward`), `RewardConfig` (the recipe's `reward:`
+section) and `SafeReward`, the wrapper the reward stage calls on every generated sample. The
+built-in rewards live one per file next to this one (`math_answer.py` registers `math`,
+`arithmetic.py` registers `arithmetic`); `remote.py` is built from a `RewardConfig` with a URL.
+
+A reward function has the signature
+
+    fn(response_text: str, answer: str, metadata: dict) -> float
+
+and is pure: it sees the decoded response (special tokens removed or not, it must cope), the
+row's ground truth and the row's metadata. `SafeReward` turns an exception, or a value that is not
+a finite number, into reward 0.0, counts it (`reward/errors`) and logs the first few with the
+sample's uid, so one bad sample never stops a run and never passes unnoticed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_async_rl.config.errors import ConfigError, suggest
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[[str, str, dict], float]
+
+_REGISTRY: dict[str, RewardFn] = {}
+# Modules whose import registers the built-in names; imported on first lookup so that importing
+# the registry alone stays cheap and free of cycles.
+_BUILTIN_MODULES = ("megatron_async_rl.rewards.math_answer", "megatron_async_rl.rewards.arithmetic")
+REMOTE = "remote"
+
+
+def register(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make `fn` available to `get_reward(name)`."""
+    if not name or ":" in name or name == REMOTE:
+        raise ValueError(f"reward name {name!r}: must be non-empty, without ':', not {REMOTE!r}")
+
+    def decorate(fn: RewardFn) -> RewardFn:
+        existing = _REGISTRY.get(name)
+        # Re-registering the same function (a module imported twice) is harmless.
+        if existing is not None and existing.__qualname__ != fn.__qualname__:
+            raise ValueError(f"reward {name!r} is already registered to {existing.__qualname__}")
+        _REGISTRY[name] = fn
+        return fn
+
+    return decorate
+
+
+def registered_names() -> list[str]:
+    """Every registered reward name (built-ins included), sorted, plus `remote`."""
+    _import_builtins()
+    return sorted([*_REGISTRY, REMOTE])
+
+
+@dataclass
+class RewardConfig:
+    """Which reward scores the samples (recipe section `reward:`)."""
+
+    name: str = "math"
+    """A registered name (`math`, `arithmetic`), `module:function`, or `remote`."""
+    url: str | None = None
+    """`remote` only: the endpoint receiving POST {response, answer, metadata}."""
+    timeout_s: float = 10.0
+    """`remote` only: seconds to wait for one HTTP answer."""
+    max_retries: int = 3
+    """`remote` only: retries after the first attempt (timeouts, 5xx, connection errors)."""
+    backoff_s: float = 0.5
+    """`remote` only: wait before retry i is backoff_s * 2**i."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ConfigError("name", self.name, "must be a reward name or module:function")
+        if self.name == REMOTE:
+            if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
+                raise ConfigError("url", self.url, "remote reward needs an http:// or https:// URL")
+        elif self.url is not None:
+            logger.warning("reward.url = %r is ignored: reward.name is %r", self.url, self.name)
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)):
+            raise ConfigError("timeout_s", self.timeout_s, "expected a number of seconds")
+        if self.timeout_s <= 0:
+            raise ConfigError("timeout_s", self.timeout_s, "must be > 0")
+        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int):
+            raise ConfigError("max_retries", self.max_retries, "expected an integer")
+        if self.max_retries < 0:
+            raise ConfigError("max_retries", self.max_retries, "must be >= 0")
+        if isinstance(self.backoff_s, bool) or not isinstance(self.backoff_s, (int, float)):
+            raise ConfigError("backoff_s", self.backoff_s, "expected a number of seconds")
+        if self.backoff_s < 0:
+            raise ConfigError("backoff_s", self.backoff_s, "must be >= 0")
+
+
+def get_reward(spec: str | RewardConfig, key: str = "reward.name") -> RewardFn:
+    """The reward function for a name, a `module:function` or a `RewardConfig`.
+
+    `key` is the recipe path the spec came from; every lookup error is a `ConfigError` naming it.
+    """
+    config = spec if isinstance(spec, RewardConfig) else None
+    name = config.name if config is not None else spec
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(key, name, "must be a reward name or module:function")
+    if name == REMOTE:
+        if config is None:
+            raise ConfigError(
+                key, name, "the remote reward needs a URL", "pass a RewardConfig with url set"
+            )
+        from megatron_async_rl.rewards.remote import RemoteReward
+
+        return RemoteReward(config.url, config.timeout_s, config.max_retries, config.backoff_s)
+    fn = _load_plugin(name, key) if ":" in name else _lookup(name, key)
+    _check_signature(fn, name, key)
+    return fn
+
+
+def _import_builtins() -> None:
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
+def _lookup(name: str, key: str) -> RewardFn:
+    _import_builtins()
+    if name not in _REGISTRY:
+        hint = suggest(name, registered_names())
+        plugin = "or give module:function for your own reward"
+        raise ConfigError(key, name, "unknown reward name", f"{hint}; {plugin}" if hint else plugin)
+    return _REGISTRY[name]
+
+
+def _load_plugin(spec: str, key: str) -> RewardFn:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr or ":" in attr:
+        raise ConfigError(key, spec, "expected module:function, e.g. my_pkg.rewards:score")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # a plug-in may fail to import in any way; report which and why
+        raise ConfigError(
+            key,
+            spec,
+            f"cannot import module {module_name!r}: {type(err).__name__}: {err}",
+            "check that it is on PYTHONPATH and imports cleanly",
+        ) from err
+    fn: Any = module
+    for part in attr.split("."):
+        if not hasattr(fn, part):
+            raise ConfigError(key, spec, f"module {module_name!r} has no attribute {attr!r}")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise ConfigError(key, spec, f"{attr!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _check_signature(fn: RewardFn, name: str, key: str) -> None:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: trust them
+    try:
+        signature.bind("response", "answer", {})
+    except TypeError as err:
+        raise ConfigError(
+            key,
+            name,
+            f"reward takes {signature}, which cannot be called as fn(response_text, answer, "
+            f"metadata): {err}",
+        ) from err
+
+
+@dataclass(frozen=True)
+class RewardRequest:
+    """One sample to score; `SafeReward.score` accepts any object with these attributes."""
+
+    uid: str
+    response_text: str
+    answer: str
+    metadata: dict = field(default_factory=dict)
+
+
+class SafeReward:
+    """Calls a reward function; an exception or a non-finite value scores 0.0 and is counted."""
+
+    def __init__(self, fn: RewardFn, name: str = "", max_logged: int = 5):
+        self.fn = fn
+        self.name = name or getattr(fn, "__qualname__", repr(fn))
+        self.max_logged = max_logged
+        self.errors = 0
+        self.calls = 0
+
+    def __call__(self, response_text: str, answer: str, metadata: dict, uid: str = "?") -> float:
+        self.calls += 1
+        try:
+            value = self.fn(response_text, answer, metadata)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"returned {type(value).__name__} {value!r}, expected a float")
+            if not math.isfinite(value):
+                raise ValueError(f"returned {value}, expected a finite float")
+            return float(value)
+        except Exception as err:  # any failure of user code scores 0 and is counted, by design
+            self.errors += 1
+            if self.errors <= self.max_logged:
+                logger.warning(
+                    "reward %s failed on sample %s (scored 0.0): %s: %s%s",
+                    self.name,
+                    uid,
+                    type(err).__name__,
+                    err,
+                    " (further errors are counted, not logged)"
+                    if self.errors == self.max_logged
+                    else "",
+                )
+            return 0.0
+
+    def score(self, samples: Iterable[Any]) -> list[float]:
+        """Rewards for samples carrying uid, response_text, answer, metadata (in order)."""
+        return [
+            self(s.response_text, s.answer, s.metadata or {}, uid=getattr(s, "uid", "?"))
+            for s in samples
+        ]
+
+    def metrics(self) -> dict[str, float]:
+        """`reward/errors`: failed calls since construction; `reward/calls`: all calls."""
+        return {"reward/errors": float(self.errors), "reward/calls": float(self.calls)}

@@ -1,0 +1,51 @@
+"""Samples to training tensors: right-padded tokens and per-token masks aligned to log-probs.
+
+Owned here: the layout every Megatron role and the loss read. Called by the jobs after the
+samples of a step are gathered. Column t of every [B, T-1] tensor describes the prediction of
+tokens[:, t + 1], the convention of `algorithms.logprobs`.
+
+Shapes: B samples, T = longest prompt + response of the step (rounded up to `multiple`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def version_number(label: str) -> int:
+    """Policy version of an engine weight-version label: 'default' (initial) = 0, 'v3' = 3."""
+    if label in ("default", "", None):
+        return 0
+    return int(str(label).lstrip("v"))
+
+
+def build_batch(samples, pad_id: int, multiple: int = 8) -> dict[str, torch.Tensor]:
+    """tokens_BT, mask_BT1 (response tokens), behaviour_logp_BT1, version_BT1, rewards_B,
+    response_len_B, prompt_len_B."""
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    seq_len = -(-max(lengths) // multiple) * multiple
+    batch_size = len(samples)
+    tokens = torch.full((batch_size, seq_len), pad_id, dtype=torch.long)
+    mask = torch.zeros(batch_size, seq_len - 1)
+    behaviour = torch.zeros(batch_size, seq_len - 1)
+    versions = torch.zeros(batch_size, seq_len - 1, dtype=torch.long)
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        tokens[i, :p] = torch.tensor(s.prompt_ids)
+        if r:
+            tokens[i, p : p + r] = torch.tensor(s.response_ids)
+            # response token j sits at position p + j and is predicted by column p + j - 1
+            mask[i, p - 1 : p - 1 + r] = 1.0
+            behaviour[i, p - 1 : p - 1 + r] = torch.tensor(s.response_logprobs)
+            versions[i, p - 1 : p - 1 + r] = torch.tensor(
+                [version_number(v) for v in s.token_versions]
+            )
+    return {
+        "tokens": tokens,
+        "mask": mask,
+        "behaviour_logp": behaviour,
+        "versions": versions,
+        "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        "response_len": torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32),
+        "prompt_len": torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.float32),
+    }

@@ -1,0 +1,129 @@
+"""Prompts to samples: the generate stage of one step, on the `generate` ranks.
+
+Owned here: the recipe's `rollout:` section (`RolloutConfig`), the `Sample` record every later
+stage reads, which prompts a generate rank serves, and the call into its engine. Called by the
+jobs once per step. Each prompt is sampled `n` times (one GRPO group); every request carries its
+own seed derived from (run seed, step, prompt uid, sample index), so a run replays exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from dataclasses import dataclass, field
+
+from megatron_async_rl.config.errors import ConfigError
+
+
+@dataclass
+class RolloutConfig:
+    """How prompts become samples each step."""
+
+    num_prompts_per_step: int = 8
+    """Prompts per optimizer step; each is sampled algorithm.num_samples_per_prompt times."""
+    max_new_tokens: int = 16
+    """Response length limit in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature (0: greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = -1
+    """Top-k sampling (-1: off)."""
+    use_chat_template: bool = False
+    """Wrap plain-text prompts in the tokenizer's chat template."""
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("num_prompts_per_step", 1), ("max_new_tokens", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ConfigError(name, value, f"must be an integer >= {minimum}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ConfigError("temperature", self.temperature, "must be a number >= 0")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ConfigError("top_p", self.top_p, "must be in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k == 0:
+            raise ConfigError("top_k", self.top_k, "must be -1 (off) or an integer >= 1")
+
+
+@dataclass
+class Sample:
+    """One response to one prompt, with what the engine reported about each token."""
+
+    uid: str
+    prompt_index: int  # position of the prompt in the step's batch
+    sample_index: int  # index inside its GRPO group
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]  # behaviour log-probs from the engine
+    token_versions: list[str]  # engine weight version that produced each response token
+    finish_reason: str
+    answer: str
+    metadata: dict = field(default_factory=dict)
+    response_text: str = ""
+    reward: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def served_prompts(num_prompts: int, rank_in_role: int, num_generate_ranks: int) -> list[int]:
+    """The prompt indices a generate rank serves (round robin)."""
+    return list(range(rank_in_role, num_prompts, num_generate_ranks))
+
+
+def request_seed(run_seed: int, step: int, uid: str, sample_index: int) -> int:
+    text = f"{run_seed}:{step}:{uid}:{sample_index}".encode()
+    return zlib.crc32(text) & 0x7FFFFFFF
+
+
+def generate_samples(
+    engine,
+    tokenizer,
+    records,
+    prompt_ids: dict[int, list[int]],
+    indices: list[int],
+    num_samples: int,
+    cfg: RolloutConfig,
+    *,
+    step: int,
+    run_seed: int,
+) -> list[Sample]:
+    """Sample `num_samples` responses for each prompt in `indices` with `engine`."""
+    from megatron_async_rl.engines.protocol import GenerateRequest, SamplingParams
+
+    stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    requests, owners = [], []
+    for index in indices:
+        record = records[index]
+        for k in range(num_samples):
+            sampling = SamplingParams(
+                max_new_tokens=cfg.max_new_tokens,
+                temperature=float(cfg.temperature),
+                top_p=float(cfg.top_p),
+                top_k=cfg.top_k,
+                seed=request_seed(run_seed, step, record.uid, k),
+                stop_token_ids=stop,
+            )
+            rid = f"s{step}-p{index}-k{k}"
+            requests.append(GenerateRequest(prompt_ids[index], sampling, rid))
+            owners.append((index, k))
+    results = engine.generate(requests) if requests else []
+    samples = []
+    for (index, k), result in zip(owners, results, strict=True):
+        record = records[index]
+        samples.append(
+            Sample(
+                uid=record.uid,
+                prompt_index=index,
+                sample_index=k,
+                prompt_ids=list(prompt_ids[index]),
+                response_ids=list(result.output_ids),
+                response_logprobs=list(result.output_logprobs),
+                token_versions=list(result.token_versions),
+                finish_reason=result.finish_reason,
+                answer=record.answer,
+                metadata=dict(record.metadata or {}),
+                response_text=tokenizer.decode(result.output_ids, skip_special_tokens=True),
+            )
+        )
+    return samples
