@@ -34,7 +34,7 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "tensorboard"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "tensorboard", "psutil"],
         "gpu": ["transformer-engine[pytorch]>=2.9", "apex"],
         "tensorboard": ["tensorboard"],
     },
