@@ -14,6 +14,7 @@ asynchronous pipeline at zero steps ahead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -23,8 +24,9 @@ import torch.distributed as dist
 
 from megatron_async_rl.algorithms import grpo, losses
 from megatron_async_rl.observability.metrics import MetricsWriter, StepTimer, summarize
-from megatron_async_rl.observability.plots import plot_reward_curve
+from megatron_async_rl.observability.plots import plot_reward_curve, plot_stage_timeline
 from megatron_async_rl.observability.progress import Progress
+from megatron_async_rl.observability.trace import TraceRecorder, merge_traces, write_trace
 from megatron_async_rl.rewards.registry import SafeReward, get_reward
 from megatron_async_rl.roles.megatron_role import build_local_roles
 from megatron_async_rl.rollout.batch import build_batch
@@ -40,6 +42,36 @@ def _all_gather(obj, groups) -> list:
     parts = [None] * dist.get_world_size(groups.control)
     dist.all_gather_object(parts, obj, group=groups.control)
     return parts
+
+
+class _Stages:
+    """Times each stage for the step metrics and records its span for trace.json."""
+
+    def __init__(self, rank: int, roles: tuple[str, ...]):
+        self.trace = TraceRecorder(rank, roles)
+        self.timer = StepTimer(rank=rank)
+
+    def new_step(self) -> None:
+        self.timer = StepTimer(rank=self.trace.rank)
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str, step: int):
+        with self.timer(stage), self.trace.span(stage, step=step):
+            yield
+
+
+def _write_trace(cfg, groups, stages: _Stages) -> None:
+    """Merge every rank's spans into <run_dir>/trace.json and draw timeline.png (collective)."""
+    parts = [None] * dist.get_world_size(groups.control)
+    payload = (stages.trace.events(), stages.trace.spans())
+    dist.gather_object(payload, parts if dist.get_rank() == 0 else None, dst=0,
+                       group=groups.control)  # fmt: skip
+    if dist.get_rank() != 0:
+        return
+    run_dir = Path(cfg.run_dir)
+    write_trace(run_dir / "trace.json", merge_traces([events for events, _ in parts]))
+    spans = [span for _, rank_spans in parts for span in rank_spans]
+    plot_stage_timeline(spans, run_dir / "timeline.png", title="stages per rank (trace.json)")
 
 
 def _reports(role) -> bool:
@@ -134,13 +166,14 @@ def run_grpo(cfg, groups, platform) -> None:
     reward = SafeReward(get_reward(cfg.reward), name=cfg.reward.name) if engine else None
     writer = MetricsWriter(cfg.run_dir) if rank == 0 else None
     progress = Progress(cfg.trainer.num_steps, enabled=rank == 0)
+    stage = _Stages(rank, groups.local_roles())
     num_gen = groups.layout.window_of("generate").size
     dist.barrier(group=groups.control)  # engines are up: step timings start clean
     n = cfg.algorithm.num_samples_per_prompt
     try:
         for step in range(cfg.trainer.num_steps):
             start = time.perf_counter()
-            timer = StepTimer(rank=rank)
+            stage.new_step()
             records = dataset.next_batch(cfg.rollout.num_prompts_per_step)
             samples: list[Sample] = []
             if engine is not None:
@@ -151,7 +184,7 @@ def run_grpo(cfg, groups, platform) -> None:
                     or encode_prompt(records[i], tokenizer, cfg.rollout.use_chat_template)
                     for i in mine
                 }
-                with timer("generate"):
+                with stage("generate", step):
                     samples = generate_samples(
                         engine,
                         tokenizer,
@@ -163,7 +196,7 @@ def run_grpo(cfg, groups, platform) -> None:
                         step=step,
                         run_seed=cfg.seed,
                     )
-                with timer("reward"):
+                with stage("reward", step):
                     for sample, value in zip(samples, reward.score(samples), strict=True):
                         sample.reward = value
             parts = _all_gather([s.to_dict() for s in samples], groups)
@@ -175,7 +208,7 @@ def run_grpo(cfg, groups, platform) -> None:
             for name in ("logp", "ref"):
                 if name in roles:
                     role = roles[name]
-                    with timer(name):
+                    with stage(name, step):
                         out = role.logprobs(batch["tokens"], mbs or len(samples))
                     if out is not None and _reports(role) and dist.get_rank(role.pgc.dp) == 0:
                         results[name] = out[0]
@@ -196,14 +229,14 @@ def run_grpo(cfg, groups, platform) -> None:
             )
             report = {}
             if "train" in roles:
-                with timer("train"):
+                with stage("train", step):
                     train = train_on_batch(roles["train"], batch, old_logp, ref_logp, adv, mask,
                                            cfg)  # fmt: skip
                 if _reports(roles["train"]):
                     report.update(train)
-            with timer("weight_sync"):
+            with stage("weight_sync", step):
                 report.update(sync_weights(groups, roles, engine, version=step + 1))
-            report.update(timer.metrics(prefix="timing"))
+            report.update(stage.timer.metrics(prefix="timing"))
             if reward is not None:
                 report.update(reward.metrics())
             parts = [None] * dist.get_world_size(groups.control)
@@ -219,6 +252,7 @@ def run_grpo(cfg, groups, platform) -> None:
                 metrics["throughput/tokens_per_s"] = tokens.item() / step_s
                 writer.log(step, metrics)
                 progress.update(step, metrics)
+        _write_trace(cfg, groups, stage)
     finally:
         if engine is not None:
             engine.shutdown()
