@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
             Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
             write_resolved(cfg, Path(cfg.run_dir) / RESOLVED_NAME)
         if cfg.trainer.job == "grpo":
-            from megatron_async_rl.jobs.grpo_sync import run_grpo
+            if cfg.scheduler.use_async_loop:
+                from megatron_async_rl.jobs.grpo_async import run_grpo_async as run_grpo
+            else:
+                from megatron_async_rl.jobs.grpo_sync import run_grpo_sync as run_grpo
 
             run_grpo(cfg, groups, platform)
         else:

@@ -28,6 +28,7 @@ from megatron_async_rl.engines.config import EngineConfig
 from megatron_async_rl.rewards.registry import RewardConfig
 from megatron_async_rl.rollout.dataset import DatasetConfig
 from megatron_async_rl.rollout.generation import RolloutConfig
+from megatron_async_rl.scheduler.config import SchedulerConfig
 
 if TYPE_CHECKING:
     from megatron_async_rl.distributed.layout import RoleLayout
@@ -187,6 +188,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: GRPOConfig = field(default_factory=GRPOConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     megatron: dict[str, Any] = field(default_factory=dict)
     """Megatron args shared by every Megatron role, dest names (`tensor_model_parallel_size`)."""
 

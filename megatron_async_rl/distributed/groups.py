@@ -69,6 +69,17 @@ class WorldGroups:
     #: train's first rank + generate + logp ranks: the weight broadcast of `weight_sync`.
     weight_sync: Optional[dist.ProcessGroup] = None
     weight_sync_ranks: tuple[int, ...] = ()
+    #: every rank holding a Megatron role (gloo): their per-step results and metrics.
+    megatron: Optional[dist.ProcessGroup] = None
+    megatron_ranks: tuple[int, ...] = ()
+    #: the whole world (gloo), used only for samples from generate ranks to the others, so
+    #: that an asynchronous generate rank can feed it from its own thread.
+    samples: Optional[dist.ProcessGroup] = None
+
+    @property
+    def leader(self) -> int:
+        """The rank that writes metrics, plots and traces: the first Megatron rank."""
+        return self.megatron_ranks[0] if self.megatron_ranks else 0
 
     def local_roles(self) -> tuple[str, ...]:
         return self.layout.roles_of_rank(self.rank)
@@ -174,5 +185,20 @@ def build_world_groups(layout: RoleLayout, backend: str) -> WorldGroups:
         # gloo: the first version moves whole tensors through the train rank's host memory.
         group = dist.new_group(list(sync_ranks), backend="gloo")
         weight_sync = group if rank in sync_ranks else None
+    megatron_ranks = tuple(sorted({r for name in roles for r in roles[name].ranks}))
+    megatron = dist.new_group(list(megatron_ranks), backend="gloo") if megatron_ranks else None
+    samples = dist.new_group(list(range(world_size)), backend="gloo")
     logger.info("rank %d: built groups for roles %s", rank, layout.roles_of_rank(rank))
-    return WorldGroups(layout, rank, backend, control, roles, bridges, weight_sync, sync_ranks)
+    return WorldGroups(
+        layout,
+        rank,
+        backend,
+        control,
+        roles,
+        bridges,
+        weight_sync,
+        sync_ranks,
+        megatron if rank in megatron_ranks else None,
+        megatron_ranks,
+        samples,
+    )

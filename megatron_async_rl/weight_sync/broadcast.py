@@ -29,15 +29,20 @@ def engine_version_label(version: int) -> str:
     return f"v{version}"
 
 
-def sync_weights(groups, roles: dict, engine, version: int) -> dict[str, float]:
-    """Push the train role's weights to engines and the logp role (collective); returns metrics."""
-    rank = dist.get_rank()
+def broadcast_weights(groups, roles: dict) -> tuple[dict | None, dict[str, float]]:
+    """Gather on the train role and broadcast to the `weight_sync` group (collective).
+
+    Returns the HF-named tensors on every `weight_sync` member (None elsewhere) and timings.
+    An asynchronous generate rank calls it from its weight-receiver thread with no roles.
+    """
     start = time.perf_counter()
     hf_sd = roles["train"].gather_hf_state_dict() if "train" in roles else None
     gathered = time.perf_counter()
+    timings = {"timing/weight_sync/gather_s": gathered - start}
     if groups.weight_sync is None:
-        return {"timing/weight_sync/gather_s": gathered - start}
+        return None, timings
     src = groups.weight_sync_ranks[0]
+    rank = dist.get_rank()
     meta = [[(k, tuple(v.shape), v.dtype) for k, v in hf_sd.items()] if rank == src else None]
     dist.broadcast_object_list(meta, src=src, group=groups.weight_sync)
     received = {}
@@ -45,25 +50,44 @@ def sync_weights(groups, roles: dict, engine, version: int) -> dict[str, float]:
         tensor = hf_sd[name].contiguous() if rank == src else torch.empty(shape, dtype=dtype)
         dist.broadcast(tensor, src=src, group=groups.weight_sync)
         received[name] = tensor
-    sent = time.perf_counter()
+    timings["timing/weight_sync/send_s"] = time.perf_counter() - gathered
+    num_bytes = sum(t.numel() * t.element_size() for t in received.values())
+    timings["weight_sync/GB"] = num_bytes / 1e9
+    return received, timings
+
+
+def load_into_engine(engine, tensors: dict, version: int, in_place: bool = False) -> None:
+    """Load HF-named tensors into an engine and stamp `v<version>`.
+
+    `in_place`: the engine keeps generating around the load (pause in place -> load ->
+    continue); its prefix cache is not flushed here (SGLang cannot flush with requests held),
+    so the caller flushes it once the engine is idle.
+    """
+    if in_place:
+        engine.pause("in_place")
+    engine.begin_weight_update()
+    try:
+        engine.update_weights(
+            list(tensors.items()), version=engine_version_label(version), flush_cache=not in_place
+        )
+    finally:
+        engine.end_weight_update()
+        if in_place:
+            engine.resume()
+
+
+def sync_weights(groups, roles: dict, engine, version: int) -> dict[str, float]:
+    """Push the train role's weights to engines and the logp role (collective); returns metrics."""
+    received, metrics = broadcast_weights(groups, roles)
+    if received is None:
+        return metrics
+    start = time.perf_counter()
     if engine is not None:
-        engine.begin_weight_update()
-        try:
-            engine.update_weights(
-                list(received.items()), version=engine_version_label(version), flush_cache=True
-            )
-        finally:
-            engine.end_weight_update()
+        load_into_engine(engine, received, version)
     if "logp" in roles:
         role = roles["logp"]
         weights.load_hf_state_dict_into_megatron(
             role.module, received, role.args, role.pgc, role.spec
         )
-    loaded = time.perf_counter()
-    num_bytes = sum(t.numel() * t.element_size() for t in received.values())
-    return {
-        "timing/weight_sync/gather_s": gathered - start,
-        "timing/weight_sync/send_s": sent - gathered,
-        "timing/weight_sync/load_s": loaded - sent,
-        "weight_sync/GB": num_bytes / 1e9,
-    }
+    metrics["timing/weight_sync/load_s"] = time.perf_counter() - start
+    return metrics
