@@ -82,8 +82,9 @@ class WeightReceiver(threading.Thread):
                 self.error = err
                 self.cond.notify_all()
 
-    def admit(self, step: int, staleness: StalenessController, timeout_s: float, machine) -> None:
-        """Block until the engine may generate step `step`; load a pending version first."""
+    def admit(self, step: int, staleness: StalenessController, timeout_s: float, machine):
+        """Block until the engine may generate step `step`; returns (tensors, version) of a
+        version to load first (wait mode), or None."""
         required = staleness.required_version(step)
         deadline = time.monotonic() + timeout_s
         with self.cond:
@@ -105,13 +106,18 @@ class WeightReceiver(threading.Thread):
                 ) from self.error
             pending, version = self.pending, self.received
             self.pending = None
-        if pending is not None:  # wait mode: the engine is idle between batches
-            load_into_engine(self.job.engine, pending, version)
-            with self.cond:
-                self.loaded = version
-        elif self.loaded_during_generate:
+        if pending is not None:
+            return pending, version
+        if self.loaded_during_generate:
             self.job.engine.flush_cache()  # KV computed with older weights; engine is idle now
             self.loaded_during_generate = False
+        return None
+
+    def load(self, tensors: dict, version: int) -> None:
+        """Wait mode: load a received version while the engine is idle between batches."""
+        load_into_engine(self.job.engine, tensors, version)
+        with self.cond:
+            self.loaded = version
 
 
 def _generate_loop(job: Job, cfg, staleness: StalenessController) -> None:
@@ -123,7 +129,10 @@ def _generate_loop(job: Job, cfg, staleness: StalenessController) -> None:
         timer = StepTimer(rank=job.rank)
         machine.transition(StageState.WAITING_INPUT, f"step {step}: admission")
         with job.stages("admit", step, timer):
-            receiver.admit(step, staleness, sched.stage_timeout_s, machine)
+            pending = receiver.admit(step, staleness, sched.stage_timeout_s, machine)
+        if pending is not None:
+            with job.stages("load_weights", step, timer):
+                receiver.load(*pending)
         records = job.dataset.next_batch(cfg.rollout.num_prompts_per_step)
         machine.transition(StageState.RUNNING, f"step {step}: engine at v{receiver.loaded}")
         samples, report = job.rollout(step, records, timer)

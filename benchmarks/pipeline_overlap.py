@@ -1,0 +1,120 @@
+"""Synchronous vs asynchronous GRPO step time, side by side in one run, on the tiny CPU setup.
+
+    .venv/bin/python benchmarks/pipeline_overlap.py [--steps 12] [--warmup 3] [--ahead 1]
+
+Runs `yaml_configs/tiny-grpo-cpu.yaml` twice through `launch/torchrun.sh` (one Megatron rank,
+one generate rank): the synchronous loop, then the asynchronous loop with
+`generate_ahead_steps = N`, on a tiny model and task it writes itself. For the measured steps
+(after warm-up) it prints each stage's seconds, the sync step, the async step, the ideal bound
+(the larger per-rank-group busy time per step in the async run, from its trace.json) and
+eta = ideal / async step. Last line: `RESULT eta=<float> speedup=<float>` with
+speedup = sync step / async step. A benchmark, not a test: both runs share this machine's
+noise, so read the ratios, not the absolute seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STAGES = (
+    "generate", "reward", "admit", "load_weights", "wait_samples", "logp", "ref", "train",
+    "weight_sync",
+)  # fmt: skip
+
+
+def _run(root: Path, name: str, steps: int, port: int, *sets: str) -> Path:
+    run_dir = root / name
+    cmd = [
+        "bash", str(REPO / "launch" / "torchrun.sh"), str(REPO / "yaml_configs/tiny-grpo-cpu.yaml"),
+        "--run-dir", str(run_dir), "--set", f"model.hf_path={root / 'model'}",
+        "--set", f"data.path={root / 'train.jsonl'}", "--set", f"trainer.num_steps={steps}",
+    ]  # fmt: skip
+    for item in sets:
+        cmd += ["--set", item]
+    env = dict(os.environ, NPROC_PER_NODE="2", MASTER_PORT=str(port), PYTHON=sys.executable)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"{name} run failed with exit code {proc.returncode}")
+    return run_dir
+
+
+def _steps(run_dir: Path, warmup: int) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return rows[warmup:]
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    return sum(r.get(key, 0.0) for r in rows) / len(rows)
+
+
+def _ideal_step_s(run_dir: Path, warmup: int, steps: int) -> tuple[float, dict]:
+    """Busy seconds per step of each rank group over the measured steps of the async run."""
+    from megatron_async_rl.observability.utilization import busy_idle, ideal_step_s
+
+    events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    spans, roles_of_rank = [], {}
+    for e in events:
+        if e["ph"] == "M" and e["name"] == "process_name":
+            label = e["args"]["name"]  # "rank 0 (train+logp+ref)"
+            roles_of_rank[e["pid"]] = tuple(label.split("(")[1].rstrip(")").split("+"))
+        elif e["ph"] == "X" and e["args"].get("step", -1) >= warmup and e["name"] not in (
+            "admit", "wait_samples",  # waiting, not work
+        ):  # fmt: skip
+            start = e["ts"] / 1e6
+            spans.append({"stage": e["name"], "rank": e["pid"], "start_s": start,
+                          "end_s": start + e["dur"] / 1e6})  # fmt: skip
+    window = (min(s["start_s"] for s in spans), max(s["end_s"] for s in spans))
+    usage = busy_idle(spans, window[0], window[1], roles_of_rank)
+    per_group = {k: v / (steps - warmup) for k, v in usage.items() if k.endswith("/busy_s")}
+    return ideal_step_s(per_group), per_group
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=13)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--ahead", type=int, default=1, help="generate_ahead_steps of the async run"
+    )
+    args = parser.parse_args()
+    if args.steps - args.warmup < 5:
+        raise SystemExit("--steps - --warmup must leave at least 5 measured steps")
+    sys.path.insert(0, str(REPO))
+    from megatron_async_rl.models.tiny import write_tiny_model
+    from megatron_async_rl.rollout.arithmetic import write_arithmetic_dataset
+
+    root = Path(tempfile.mkdtemp(prefix="pipeline_overlap_"))
+    write_tiny_model(root / "model", "llama", seed=0)
+    write_arithmetic_dataset(root / "train.jsonl", num_rows=500, seed=0)
+    sync_dir = _run(root, "sync", args.steps, 29701)
+    async_dir = _run(
+        root, "async", args.steps, 29702, f"scheduler.generate_ahead_steps={args.ahead}"
+    )
+    sync_rows, async_rows = _steps(sync_dir, args.warmup), _steps(async_dir, args.warmup)
+
+    print(f"{'stage (mean s per step)':<26}{'sync':>10}{'async':>10}")
+    for stage in STAGES:
+        key = f"timing/{stage}_s"
+        print(f"{stage:<26}{_mean(sync_rows, key):>10.3f}{_mean(async_rows, key):>10.3f}")
+    sync_step, async_step = _mean(sync_rows, "timing/step_s"), _mean(async_rows, "timing/step_s")
+    ideal, per_group = _ideal_step_s(async_dir, args.warmup, args.steps)
+    for group, busy in sorted(per_group.items()):
+        print(f"busy per step {group:<40}{busy:>8.3f}")
+    print(
+        f"sync step {sync_step:.3f} s   async step {async_step:.3f} s   ideal bound {ideal:.3f} s"
+    )
+    print(f"policy_lag/max in the async run: {max(r['policy_lag/max'] for r in async_rows):.0f}")
+    print(f"runs in {root}")
+    print(f"RESULT eta={ideal / async_step:.3f} speedup={sync_step / async_step:.3f}")
+
+
+if __name__ == "__main__":
+    main()
