@@ -16,9 +16,10 @@ reduces to `jobs/grpo_sync.py`, the reference, bit for bit (tested). Bounded off
 generation of step s starts only once the engine holds version s - N or newer
 (`scheduler/staleness.py`), and every batch is checked where it is consumed, so a token
 trained at step k was produced by a version in [k - N, k].
-Weight updates (`scheduler.weight_update_mode`): `wait` loads a received version between two
-batches; `in_flight` pauses the engine in place, loads, and continues the same requests, whose
-later tokens then carry the new version.
+Weight updates (`scheduler.weight_update_mode`): `wait` loads a received version as soon as the
+engine finishes its current batch (off the generate rank's critical path while it hands its
+samples over); `in_flight` pauses the engine in place, loads, and continues the same requests,
+whose later tokens then carry the new version.
 
 The Megatron ranks run the same step body as the synchronous loop (`jobs/stages.py`); only the
 generate ranks change. Each gloo group is used by one thread per rank (samples: main thread;
@@ -27,6 +28,7 @@ weight_sync: the weight thread), so the two directions never wait on each other.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -48,52 +50,56 @@ logger = logging.getLogger(__name__)
 
 
 class WeightReceiver(threading.Thread):
-    """A generate rank's weight thread: receives every version; keeps the newest pending.
+    """A generate rank's weight thread: receives every version and loads it into the engine.
 
-    In `in_flight` mode it loads each version into the engine at once (pause in place, load,
-    continue); in `wait` mode the main thread loads the pending version between batches.
+    `wait` mode: a version is loaded as soon as the engine is idle; `engine_lock` is held by
+    the main thread while it generates, so a load waits for the current batch and usually
+    lands while the main thread hands its samples over. `in_flight` mode: the version is
+    loaded at once, the engine paused in place around the load.
     """
 
     def __init__(self, job: Job, num_versions: int, in_flight: bool):
         super().__init__(name="weight-receiver", daemon=True)
         self.job, self.num_versions, self.in_flight = job, num_versions, in_flight
         self.cond = threading.Condition()
-        self.received = 0  # newest version received
+        self.engine_lock = threading.Lock()
         self.loaded = 0  # newest version the engine serves
-        self.pending: dict | None = None
         self.loaded_during_generate = False
+        self.load_s = 0.0  # seconds spent loading since the last admission
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
             for version in range(1, self.num_versions + 1):
                 tensors, _ = broadcast_weights(self.job.groups, {})
-                if self.in_flight:
-                    load_into_engine(self.job.engine, tensors, version, in_place=True)
+                lock = contextlib.nullcontext() if self.in_flight else self.engine_lock
+                with lock:  # wait mode: after the engine's current batch
+                    start, wall_start = time.perf_counter(), time.time()
+                    load_into_engine(self.job.engine, tensors, version, in_place=self.in_flight)
+                self.job.stages.trace.add("load_weights", wall_start, time.time(), step=version)
                 with self.cond:
-                    self.received = version
-                    if self.in_flight:
-                        self.loaded, self.loaded_during_generate = version, True
-                    else:
-                        self.pending = tensors
+                    self.loaded = version
+                    self.loaded_during_generate |= self.in_flight
+                    self.load_s += time.perf_counter() - start
                     self.cond.notify_all()
         except BaseException as err:  # noqa: BLE001 - re-raised by the main thread
             with self.cond:
                 self.error = err
                 self.cond.notify_all()
 
-    def admit(self, step: int, staleness: StalenessController, timeout_s: float, machine):
-        """Block until the engine may generate step `step`; returns (tensors, version) of a
-        version to load first (wait mode), or None."""
+    def admit(self, step: int, staleness: StalenessController, timeout_s: float, machine) -> float:
+        """Block until the engine holds a version that may generate step `step`.
+
+        Returns the seconds the weight thread spent loading since the previous admission.
+        """
         required = staleness.required_version(step)
         deadline = time.monotonic() + timeout_s
         with self.cond:
-            while self.received < required and self.error is None:
+            while self.loaded < required and self.error is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise StageTimeout(
-                        waiting_for=f"engine weights v{required} (newest received "
-                        f"v{self.received})",
+                        waiting_for=f"engine weights v{required} (engine serves v{self.loaded})",
                         waited_s=timeout_s,
                         timeout_s=timeout_s,
                         context={"role": "generate", "rank": self.job.rank, "step": step,
@@ -104,20 +110,11 @@ class WeightReceiver(threading.Thread):
                 raise RuntimeError(
                     f"role generate, rank {self.job.rank}: the weight thread failed"
                 ) from self.error
-            pending, version = self.pending, self.received
-            self.pending = None
-        if pending is not None:
-            return pending, version
-        if self.loaded_during_generate:
+            flush, self.loaded_during_generate = self.loaded_during_generate, False
+            load_s, self.load_s = self.load_s, 0.0
+        if flush:
             self.job.engine.flush_cache()  # KV computed with older weights; engine is idle now
-            self.loaded_during_generate = False
-        return None
-
-    def load(self, tensors: dict, version: int) -> None:
-        """Wait mode: load a received version while the engine is idle between batches."""
-        load_into_engine(self.job.engine, tensors, version)
-        with self.cond:
-            self.loaded = version
+        return load_s
 
 
 def _generate_loop(job: Job, cfg, staleness: StalenessController) -> None:
@@ -129,13 +126,12 @@ def _generate_loop(job: Job, cfg, staleness: StalenessController) -> None:
         timer = StepTimer(rank=job.rank)
         machine.transition(StageState.WAITING_INPUT, f"step {step}: admission")
         with job.stages("admit", step, timer):
-            pending = receiver.admit(step, staleness, sched.stage_timeout_s, machine)
-        if pending is not None:
-            with job.stages("load_weights", step, timer):
-                receiver.load(*pending)
+            load_s = receiver.admit(step, staleness, sched.stage_timeout_s, machine)
         records = job.dataset.next_batch(cfg.rollout.num_prompts_per_step)
         machine.transition(StageState.RUNNING, f"step {step}: engine at v{receiver.loaded}")
-        samples, report = job.rollout(step, records, timer)
+        with receiver.engine_lock:
+            samples, report = job.rollout(step, records, timer)
+        report["timing/load_weights_s"] = load_s
         machine.transition(StageState.WAITING_OUTPUT_SPACE, f"step {step}: sending samples")
         report.update(timer.metrics(prefix="timing"))
         report.update(machine.metrics())
