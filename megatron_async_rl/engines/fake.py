@@ -19,11 +19,11 @@ import torch
 
 from megatron_async_rl.engines.protocol import (
     INITIAL_VERSION,
-    PAUSE_MODES,
     EngineDiedError,
     GenerateRequest,
     GenerateResult,
     PauseMode,
+    check_pause_mode,
 )
 
 
@@ -140,8 +140,7 @@ class FakeEngine:
         return self._version
 
     def pause(self, mode: PauseMode) -> None:
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode = {mode!r}: must be one of {PAUSE_MODES}")
+        check_pause_mode(mode)
         self._enter("pause", mode=mode)
         self.paused = mode
 

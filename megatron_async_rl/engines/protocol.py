@@ -28,6 +28,14 @@ import torch
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
+
+
+def check_pause_mode(mode: str) -> None:
+    """Raise ValueError unless `mode` is one of PAUSE_MODES (every engine's `pause` calls it)."""
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode = {mode!r}: must be one of {PAUSE_MODES}")
+
+
 INITIAL_VERSION = "default"
 
 

@@ -50,12 +50,12 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers tensor pickling for the pipe
 
 from megatron_async_rl.engines.protocol import (
-    PAUSE_MODES,
     EngineDiedError,
     EngineTimeoutError,
     GenerateRequest,
     GenerateResult,
     PauseMode,
+    check_pause_mode,
 )
 from megatron_async_rl.engines.sglang_host import (  # noqa: F401 - CPU_SHIMS_DIR re-exported
     CPU_SHIMS_DIR,
@@ -200,8 +200,7 @@ class SGLangEngine:
         return self._call("weight_version")
 
     def pause(self, mode: PauseMode) -> None:
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode = {mode!r}: must be one of {PAUSE_MODES}")
+        check_pause_mode(mode)
         self._call("pause", mode=mode)
         self._pause_mode = mode
 

@@ -131,16 +131,12 @@ class MegatronRole:
         Returns the per-micro-batch dicts on the last stage, None on other stages. Every rank of
         the role must call it with the same batch (data-parallel replicas too).
         """
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
         batch, seq_len = tokens_BT.shape
         if batch % micro_batch_size:
             raise ValueError(
                 f"--micro-batch-size = {micro_batch_size}: must divide the batch size {batch}"
             )
-        positions = torch.arange(seq_len, device=tokens_BT.device)
-        positions = positions.unsqueeze(0).expand(micro_batch_size, seq_len)
+        positions = _positions(micro_batch_size, seq_len, tokens_BT.device)
 
         def forward_step(data_iterator, model):
             tokens = next(data_iterator)
@@ -148,19 +144,27 @@ class MegatronRole:
             return logits_BTV, lambda logits: (logits.new_zeros(()), reduce(logits, tokens))
 
         self.model.eval()
+        micro_batches = list(tokens_BT.split(micro_batch_size))
+        outputs = self._run_schedule(forward_step, micro_batches, seq_len, micro_batch_size, True)
+        return outputs if self.is_last_stage else None
+
+    def _run_schedule(self, forward_step, micro_batches, seq_len, mb_size, forward_only):
+        """Megatron's pipeline schedule over this role's stages, with its own groups."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
         forward_backward = get_forward_backward_func(pp_size=self.par.pp, vp_size=None)
-        outputs = forward_backward(
+        return forward_backward(
             forward_step_func=forward_step,
-            data_iterator=iter(list(tokens_BT.split(micro_batch_size))),
+            data_iterator=iter(micro_batches),
             model=[self.model],
-            num_microbatches=batch // micro_batch_size,
+            num_microbatches=len(micro_batches),
             seq_length=seq_len,
-            micro_batch_size=micro_batch_size,
-            forward_only=True,
+            micro_batch_size=mb_size,
+            forward_only=forward_only,
             p2p_communicator=P2PCommunicator(pp_group=self.pgc.pp, config=self.config),
             pg_collection=self.pgc,
         )
-        return outputs if self.is_last_stage else None
 
     def logprobs(
         self, tokens_BT: torch.Tensor, micro_batch_size: int
@@ -205,16 +209,12 @@ class MegatronRole:
         those of that summed loss. Returns metrics: `actor/grad_norm`, `actor/update_ok` and
         the loss_fn metrics averaged over micro-batches (on the last stage).
         """
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
         if self.optimizer is None:
             raise RuntimeError(f"role {self.role}: train_step needs the train role's optimizer")
         num_micro = len(micro_batches)
         mb_size, seq_len = micro_batches[0]["tokens"].shape
         scale = float(num_micro * dist.get_world_size(self.pgc.dp))
-        positions = torch.arange(seq_len, device=micro_batches[0]["tokens"].device)
-        positions = positions.unsqueeze(0).expand(mb_size, seq_len)
+        positions = _positions(mb_size, seq_len, micro_batches[0]["tokens"].device)
         tp_group, vocab_size = self.pgc.tp, self.spec.vocab_size
 
         def forward_step(data_iterator, model):
@@ -234,24 +234,17 @@ class MegatronRole:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        forward_backward = get_forward_backward_func(pp_size=self.par.pp, vp_size=None)
-        outputs = forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
-            model=[self.model],
-            num_microbatches=num_micro,
-            seq_length=seq_len,
-            micro_batch_size=mb_size,
-            forward_only=False,
-            p2p_communicator=P2PCommunicator(pp_group=self.pgc.pp, config=self.config),
-            pg_collection=self.pgc,
-        )
+        outputs = self._run_schedule(forward_step, micro_batches, seq_len, mb_size, False)
         update_ok, grad_norm, _ = self.optimizer.step()
         metrics = {"actor/grad_norm": float(grad_norm or 0.0), "actor/update_ok": float(update_ok)}
         if outputs:
             for key in outputs[0]:
                 metrics[key] = sum(o[key] for o in outputs) / len(outputs)
         return metrics
+
+
+def _positions(batch: int, seq_len: int, device) -> torch.Tensor:
+    return torch.arange(seq_len, device=device).unsqueeze(0).expand(batch, seq_len)
 
 
 def build_local_roles(cfg, groups: WorldGroups, platform: Platform) -> dict[str, MegatronRole]:
