@@ -234,12 +234,15 @@ class ResolvedConfig(RunConfig):
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(RunConfig)}
         return RunConfig(**values)
 
-    def plan_layout(self, world_size: int) -> RoleLayout:
-        """The rank layout of this recipe on a world of `world_size` ranks."""
+    def plan_layout(self, world_size: int, ranks_per_node: int | None = None) -> RoleLayout:
+        """The rank layout of this recipe on a world of `world_size` ranks (engines of
+        `engine.tp_size` ranks; none across two nodes when `ranks_per_node` is given)."""
         from megatron_async_rl.distributed.layout import Parallelism, plan_layout
 
         parallelism = {
             role: Parallelism.from_megatron_args(args)
             for role, args in self.role_megatron_args.items()
         }
-        return plan_layout(world_size, self.roles.groups, parallelism)
+        return plan_layout(
+            world_size, self.roles.groups, parallelism, self.engine.tp_size, ranks_per_node
+        )

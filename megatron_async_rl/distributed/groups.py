@@ -66,15 +66,17 @@ class WorldGroups:
     control: dist.ProcessGroup
     roles: dict[str, RoleGroups]
     bridges: dict[tuple[str, str], Optional[dist.ProcessGroup]]
-    #: train's first rank + generate + logp ranks: the weight broadcast of `weight_sync`.
+    #: train's first rank + engine hosts + logp ranks: the weight broadcast of `weight_sync`.
     weight_sync: Optional[dist.ProcessGroup] = None
     weight_sync_ranks: tuple[int, ...] = ()
     #: every rank holding a Megatron role (gloo): their per-step results and metrics.
     megatron: Optional[dist.ProcessGroup] = None
     megatron_ranks: tuple[int, ...] = ()
-    #: the whole world (gloo), used only for samples from generate ranks to the others, so
-    #: that an asynchronous generate rank can feed it from its own thread.
+    #: every rank but the engine followers (gloo), used only for samples from generate ranks
+    #: to the others, so that an asynchronous generate rank can feed it from its own thread.
+    #: None on followers (generate-only ranks hosting no engine when engine.tp_size > 1).
     samples: Optional[dist.ProcessGroup] = None
+    samples_ranks: tuple[int, ...] = ()
 
     @property
     def leader(self) -> int:
@@ -174,20 +176,28 @@ def build_world_groups(layout: RoleLayout, backend: str) -> WorldGroups:
         ranks = sorted(set(layout.window_of(src).ranks) | set(layout.window_of(dst).ranks))
         group = dist.new_group(ranks, backend=backend)
         bridges[(src, dst)] = group if rank in ranks else None
+    # Engine followers (generate-only ranks that host no engine) take no part in weight or
+    # sample traffic: SGLang's own TP workers on the host carry their share.
+    followers = {
+        r
+        for r in range(world_size)
+        if layout.roles_of_rank(r) == ("generate",) and layout.is_engine_follower(r)
+    }
     sync_ranks: tuple[int, ...] = ()
     weight_sync = None
     if "train" in placed and ({"generate", "logp"} & placed):
         members = {layout.window_of("train").offset}
         for role in ("generate", "logp"):
             if role in placed:
-                members |= set(layout.window_of(role).ranks)
+                members |= set(layout.window_of(role).ranks) - followers
         sync_ranks = tuple(sorted(members))
         # gloo: the first version moves whole tensors through the train rank's host memory.
         group = dist.new_group(list(sync_ranks), backend="gloo")
         weight_sync = group if rank in sync_ranks else None
     megatron_ranks = tuple(sorted({r for name in roles for r in roles[name].ranks}))
     megatron = dist.new_group(list(megatron_ranks), backend="gloo") if megatron_ranks else None
-    samples = dist.new_group(list(range(world_size)), backend="gloo")
+    samples_ranks = tuple(r for r in range(world_size) if r not in followers)
+    samples = dist.new_group(list(samples_ranks), backend="gloo")
     logger.info("rank %d: built groups for roles %s", rank, layout.roles_of_rank(rank))
     return WorldGroups(
         layout,
@@ -200,5 +210,6 @@ def build_world_groups(layout: RoleLayout, backend: str) -> WorldGroups:
         sync_ranks,
         megatron if rank in megatron_ranks else None,
         megatron_ranks,
-        samples,
+        samples if rank in samples_ranks else None,
+        samples_ranks=samples_ranks,
     )

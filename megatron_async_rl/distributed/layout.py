@@ -11,6 +11,17 @@ by the group builder; this module only decides and checks the numbers, so it imp
     rank:    0      1      2      3
     window:  [train     ]  [logp] [ref]
              TP=2 DP=1     DP=1   DP=1
+
+Engines: with `engine.tp_size = T` each SGLang engine spans T consecutive ranks of the generate
+window. The first rank of each group of T is the engine *host* (it starts `sglang.Engine`, whose
+TP workers use that rank's local GPU and the next T-1); the other T-1 ranks are *followers*: they
+hold no model and take no part in sample or weight traffic. When the ranks per node are known,
+an engine may not straddle two nodes (its TP workers are local processes of the host).
+
+    generate window of 8 ranks (24-31), engine.tp_size = 2:
+
+    rank:    24 25   26 27   28 29   30 31
+    engine:  [0   ]  [1   ]  [2   ]  [3   ]      hosts 24, 26, 28, 30; followers 25, 27, 29, 31
 """
 
 from __future__ import annotations
@@ -85,6 +96,10 @@ class RoleLayout:
     world_size: int
     windows: tuple[RoleWindow, ...]
     parallelism: dict[str, Parallelism]
+    engine_tp_size: int = 1
+    """Ranks per SGLang engine (recipe `engine.tp_size`): a host and tp_size - 1 followers."""
+    ranks_per_node: int | None = None
+    """Ranks on each node when known (torchrun's nproc-per-node); None: nodes not checked."""
 
     def window_of(self, role: str) -> RoleWindow:
         """The window `role` runs on."""
@@ -110,20 +125,57 @@ class RoleLayout:
         """Data-parallel size of a Megatron role."""
         return self.parallelism[role].dp_for(self.window_of(role).size)
 
+    def engine_host_ranks(self) -> tuple[int, ...]:
+        """Global ranks that host an SGLang engine: every engine_tp_size-th generate rank."""
+        if not any("generate" in w.roles for w in self.windows):
+            return ()
+        return tuple(self.window_of("generate").ranks[:: self.engine_tp_size])
+
+    def is_engine_host(self, rank: int) -> bool:
+        """Whether global rank `rank` hosts an engine (False for followers and other roles)."""
+        return rank in self.engine_host_ranks()
+
+    def is_engine_follower(self, rank: int) -> bool:
+        """Whether `rank` is a generate rank that hosts no engine (it then holds no model)."""
+        generate = [w for w in self.windows if "generate" in w.roles]
+        return bool(generate) and rank in generate[0].ranks and not self.is_engine_host(rank)
+
+    def engine_ranks(self, rank: int) -> range:
+        """The global ranks of the engine generate rank `rank` belongs to (host first)."""
+        host = self.window_of("generate").offset
+        host += self.rank_in_role("generate", rank) // self.engine_tp_size * self.engine_tp_size
+        return range(host, host + self.engine_tp_size)
+
     def describe(self) -> str:
-        """A small table of windows and each Megatron role's sizes, for logs."""
-        rows = [("ranks", "role", "tp", "pp", "cp", "ep", "etp", "dp")]
+        """A small table of windows, each Megatron role's sizes (edp: expert data parallel)
+        and the engines, for logs and `--dry-run`."""
+        rows = [("ranks", "role", "tp", "pp", "cp", "ep", "etp", "dp", "edp")]
         for window in self.windows:
             for role in window.roles:
                 par = self.parallelism.get(role)
                 sizes = (
                     (par.tp, par.pp, par.cp, par.ep, par.etp, self.dp_of(role))
+                    + (window.size // (par.etp * par.ep * par.pp),)
                     if par
-                    else ("-",) * 6
+                    else ("-",) * 7
                 )
                 rows.append((_span(window), role, *map(str, sizes)))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        hosts = self.engine_host_ranks()
+        if hosts:
+            size = self.engine_tp_size
+            lines.append(
+                f"engines: {len(hosts)} SGLang engine(s) of engine.tp_size {size} on generate "
+                f"ranks {_span(self.window_of('generate'))}"
+                + ("" if size == 1 else " (the host runs the engine; followers hold no model)")
+            )
+            for index, host in enumerate(hosts):
+                members = _span(RoleWindow(("generate",), host, size))
+                lines.append(f"  engine {index}: ranks {members}, host {host}")
+        if self.ranks_per_node is not None:
+            nodes = self.world_size // self.ranks_per_node
+            lines.append(f"nodes: {nodes} x {self.ranks_per_node} ranks (no engine spans two)")
         return f"role layout over {self.world_size} ranks:\n" + "\n".join(lines)
 
 
@@ -201,15 +253,60 @@ def _check_parallelism(role: str, par: Parallelism, window: RoleWindow, index: i
         )
 
 
+def _check_engines(window: RoleWindow, index: int, tp_size: int, ranks_per_node: int | None):
+    where = (
+        f"the {window.size}-rank generate window of roles.groups[{index}] (ranks {_span(window)})"
+    )
+    if window.size % tp_size:
+        raise ConfigError(
+            "engine.tp_size",
+            tp_size,
+            f"must divide {where}: each engine spans tp_size consecutive generate ranks",
+            "resize the generate group or pick a tp_size that divides it",
+        )
+    if ranks_per_node is None:
+        return
+    for host in window.ranks[::tp_size]:
+        last = host + tp_size - 1
+        if host // ranks_per_node != last // ranks_per_node:
+            raise ConfigError(
+                "engine.tp_size",
+                tp_size,
+                f"the engine on ranks {host}-{last} of {where} straddles nodes of "
+                f"{ranks_per_node} ranks (an engine's TP workers run on its host's node)",
+                "start the generate window at a multiple of tp_size within a node, or pick a "
+                f"tp_size dividing {ranks_per_node}",
+            )
+
+
+def _require_size(key: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(key, value, "must be an integer >= 1")
+
+
 def plan_layout(
-    world_size: int, groups: list[RoleGroupSpec], parallelism: dict[str, Parallelism]
+    world_size: int,
+    groups: list[RoleGroupSpec],
+    parallelism: dict[str, Parallelism],
+    engine_tp_size: int = 1,
+    ranks_per_node: int | None = None,
 ) -> RoleLayout:
     """Lay the role groups out over `world_size` ranks and check every Megatron role fits.
 
-    A placed Megatron role missing from `parallelism` gets Parallelism(tp=1, pp=1).
+    A placed Megatron role missing from `parallelism` gets Parallelism(tp=1, pp=1). The generate
+    window must split into engines of `engine_tp_size` ranks, none straddling two nodes when
+    `ranks_per_node` is given.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError("world_size", world_size, "must be an integer >= 1")
+    _require_size("world_size", world_size)
+    _require_size("engine.tp_size", engine_tp_size)
+    if ranks_per_node is not None:
+        _require_size("ranks_per_node", ranks_per_node)
+        if world_size % ranks_per_node:
+            raise ConfigError(
+                "ranks_per_node",
+                ranks_per_node,
+                f"must divide the world size {world_size} (every node runs as many ranks)",
+            )
     if not groups:
         raise ConfigError("roles.groups", groups, "must list at least one group")
     sizes = _window_sizes(world_size, groups)
@@ -226,5 +323,8 @@ def plan_layout(
         if role in placed:
             par = parallelism.get(role, Parallelism(1, 1))
             _check_parallelism(role, par, windows[placed[role]], placed[role])
+    if "generate" in placed:
+        index = placed["generate"]
+        _check_engines(windows[index], index, engine_tp_size, ranks_per_node)
     resolved = {r: parallelism.get(r, Parallelism(1, 1)) for r in MEGATRON_ROLES if r in placed}
-    return RoleLayout(world_size, tuple(windows), resolved)
+    return RoleLayout(world_size, tuple(windows), resolved, engine_tp_size, ranks_per_node)
