@@ -19,7 +19,9 @@ class EngineConfig:
     """One SGLang engine per generate rank."""
 
     tp_size: int = 1
-    """Tensor parallel size inside one engine (on CPU: needs SGLANG_CPU_OMP_THREADS_BIND)."""
+    """Tensor parallel size inside one engine. On CPU each TP rank gets its own cores: those of
+    SGLANG_CPU_OMP_THREADS_BIND when set (one '|'-separated group per rank, e.g. "0|1"),
+    otherwise the engine host splits the available cores evenly."""
     dtype: str = "auto"
     """Engine weights dtype: auto (the checkpoint's), float32, bfloat16 or float16. Use float32
     on CPU for engine log-probs that match the trainer's within 1e-3."""

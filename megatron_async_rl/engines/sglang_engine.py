@@ -29,8 +29,19 @@ naming the call. On CPU the host sets `SGLANG_USE_CPU_ENGINE=1` before importing
 puts `cpu_shims/` first on its `sys.path` and on `PYTHONPATH` for the engine's children (see
 `cpu_shims/README.md`); nothing of this touches the calling process. CPU tensors sent to
 `update_weights` are moved to shared memory by torch's multiprocessing pickler.
-`get_weights_by_name` returns SGLang's parameter as float32, vocab rows padded to a multiple of
-64 for the embedding and LM head; SGLang 0.5.21 implements it for Llama-family models only.
+`get_weights_by_name` returns the full HF-named parameter as float32, vocab rows padded
+(to a multiple of 64, times the TP size under TP) for the embedding and LM head; SGLang 0.5.21
+implements it for Llama-family models only. Under engine TP > 1, SGLang's own
+`get_weights_by_name` answers from TP rank 0 alone (its shard of q/k/v, gate/up and the vocab
+rows; o_proj/down_proj all-gathered), so the host instead has every TP rank dump its parameters
+with SGLang's `save_sharded_model` (into a temporary directory, once per weight version) and
+reassembles the HF tensor from the shards (`sglang_host.assemble_hf_tensor`), checking that
+replicated parameters agree across ranks.
+
+Engine TP on CPU: SGLang binds each TP rank's OpenMP threads to the cores named in
+`SGLANG_CPU_OMP_THREADS_BIND` and without it allows one TP rank per NUMA node only. When it is
+unset, the host sets it for its engine by splitting the cores this process may run on into
+`tp_size` contiguous groups ("0|1" on 2 cores; `sglang_host.cpu_threads_bind`).
 """
 
 from __future__ import annotations
@@ -77,7 +88,7 @@ class SGLangEngineConfig:
     device: str = "cpu"
     """"cpu" (SGLang's torch-native path, with the shims) or "cuda"."""
     tp_size: int = 1
-    """Tensor parallel size inside the engine."""
+    """Tensor parallel size inside the engine (on CPU, see the module docstring for cores)."""
     dtype: str = "auto"
     """Compute dtype; "float32" for exact log-prob parity on CPU."""
     max_total_tokens: int | None = None
@@ -102,14 +113,13 @@ class SGLangEngineConfig:
             raise ValueError(f"engine device = {self.device!r}: must be 'cpu' or 'cuda'")
         if self.tp_size < 1:
             raise ValueError(f"engine tp_size = {self.tp_size}: must be >= 1")
-        if (
-            self.device == "cpu"
-            and self.tp_size > 1
-            and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND")
-        ):
+        bind = os.environ.get("SGLANG_CPU_OMP_THREADS_BIND")
+        if self.device == "cpu" and bind and len(bind.split("|")) < self.tp_size:
             raise ValueError(
-                f"engine tp_size = {self.tp_size} on cpu: SGLang needs the cores of each TP "
-                "rank in SGLANG_CPU_OMP_THREADS_BIND, e.g. '0|1' for two ranks; set it"
+                f"engine tp_size = {self.tp_size} on cpu, but SGLANG_CPU_OMP_THREADS_BIND = "
+                f"{bind!r} names the cores of {len(bind.split('|'))} rank(s): give one "
+                "'|'-separated group per TP rank (e.g. '0|1'), or unset it to split the cores "
+                "evenly"
             )
         for name in ("startup_timeout_s", "call_timeout_s", "generate_timeout_s"):
             if getattr(self, name) <= 0:
@@ -223,6 +233,7 @@ class SGLangEngine:
             return False
 
     def get_weights_by_name(self, name: str) -> torch.Tensor:
+        """The full HF-named tensor as served, float32, vocab rows padded (module docstring)."""
         return self._call("get_weights_by_name", name=name)
 
     def shutdown(self) -> None:

@@ -11,14 +11,17 @@ for why the engine lives in a child process.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +66,10 @@ def host_main(conn, config: SGLangEngineConfig) -> None:
             p for p in (shims, os.environ.get("PYTHONPATH")) if p
         )
         sys.path.insert(0, shims)  # spawn copied the parent's sys.path over PYTHONPATH
+        if config.tp_size > 1 and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
+            # Without it SGLang's CPU TP asserts one NUMA node per TP rank.
+            bind = cpu_threads_bind(config.tp_size, sorted(os.sched_getaffinity(0)))
+            os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = bind
     optional = {
         "max_total_tokens": config.max_total_tokens,
         "mem_fraction_static": config.mem_fraction_static,
@@ -84,22 +91,24 @@ def host_main(conn, config: SGLangEngineConfig) -> None:
         conn.send(("failed", traceback.format_exc()))
         kill_tree(os.getpid(), include_root=False)
         os._exit(1)
-    engine.loop.run_until_complete(_EngineHost(engine, conn, config.tp_size).serve())
+    engine.loop.run_until_complete(_EngineHost(engine, conn, config).serve())
 
 
 class _EngineHost:
     """Serves the rank's calls on the engine's event loop, several at a time."""
 
-    def __init__(self, engine, conn, tp_size: int):
+    def __init__(self, engine, conn, config: SGLangEngineConfig):
         from sglang.srt.managers import io_struct
 
         self.io = io_struct
         self.engine = engine
         self.tm = engine.tokenizer_manager
         self.conn = conn
-        self.tp_size = tp_size
+        self.config = config
+        self.tp_size = config.tp_size
         self.child_pids: list[int] = engine.get_all_child_pids()
         self.stopped = asyncio.Event()
+        self._shards: _ShardDump | None = None  # TP > 1 read-back; dropped on weight updates
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -172,12 +181,14 @@ class _EngineHost:
         return [_to_result(r.rid, out) for r, out in zip(requests, outputs)]
 
     async def rpc_begin_weight_update(self) -> None:
+        self._drop_shards()
         obj = self.io.BeginWeightUpdateReqInput()
         self._check("begin_weight_update", await self.tm.begin_weight_update(obj, None))
 
     async def rpc_update_weights(self, named_tensors, version: str, flush_cache: bool) -> None:
         from sglang.srt.utils import MultiprocessingSerializer
 
+        self._drop_shards()
         # One payload per TP rank: each rank deserializes its own copy (as Engine does).
         payloads = [MultiprocessingSerializer.serialize(named_tensors) for _ in range(self.tp_size)]
         obj = self.io.UpdateWeightsFromTensorReqInput(
@@ -216,6 +227,13 @@ class _EngineHost:
             return False
 
     async def rpc_get_weights_by_name(self, name: str) -> torch.Tensor:
+        if self.tp_size > 1:
+            # SGLang's get_weights_by_name answers from TP rank 0 only: its shard of column-
+            # parallel weights (q/k/v, gate/up, vocab rows), the all-gathered row-parallel ones.
+            if self._shards is None:
+                self._shards = await asyncio.to_thread(self._dump_shards)
+            hf_config = json.loads((Path(self.config.model_path) / "config.json").read_text())
+            return assemble_hf_tensor(name, self._shards.read, self.tp_size, hf_config)
         obj = self.io.GetWeightsByNameReqInput(name=name, truncate_size=2**31 - 1)
         values = await self.tm.get_weights_by_name(obj, None)
         if values is None:
@@ -224,9 +242,150 @@ class _EngineHost:
             )
         return torch.tensor(values, dtype=torch.float32)
 
+    def _dump_shards(self) -> _ShardDump:
+        """Every TP rank writes its own parameters (SGLang's `save_sharded_model`)."""
+        directory = Path(tempfile.mkdtemp(prefix="sglang-tp-shards-"))
+        try:
+            self.engine.collective_rpc(
+                "save_sharded_model", path=str(directory), pattern=None, max_size=None
+            )
+            return _ShardDump(directory, self.tp_size)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+
+    def _drop_shards(self) -> None:
+        if self._shards is not None:
+            shutil.rmtree(self._shards.directory, ignore_errors=True)
+            self._shards = None
+
     async def rpc_shutdown(self) -> None:
+        self._drop_shards()
         self.engine.shutdown()
         self.stopped.set()
+
+
+class _ShardDump:
+    """SGLang's parameters as each TP rank holds them (its names: fused qkv_proj, gate_up_proj;
+    vocab rows padded), dumped to safetensors files and read one tensor at a time."""
+
+    def __init__(self, directory: Path, tp_size: int):
+        from safetensors import safe_open
+
+        self.directory = directory
+        self._files: list[dict[str, Path]] = []
+        for rank in range(tp_size):
+            keys: dict[str, Path] = {}
+            for path in sorted(directory.glob(f"model-rank-{rank}-part-*.safetensors")):
+                with safe_open(path, framework="pt") as f:
+                    keys.update(dict.fromkeys(f.keys(), path))
+            if not keys:
+                raise RuntimeError(f"SGLang TP rank {rank} wrote no parameters to {directory}")
+            self._files.append(keys)
+
+    def read(self, rank: int, key: str) -> torch.Tensor | None:
+        from safetensors import safe_open
+
+        path = self._files[rank].get(key)
+        if path is None:
+            return None
+        with safe_open(path, framework="pt") as f:
+            return f.get_tensor(key)
+
+
+def cpu_threads_bind(tp_size: int, cpus: Sequence[int]) -> str:
+    """`SGLANG_CPU_OMP_THREADS_BIND` for `tp_size` ranks: `cpus` split into contiguous groups
+    of near-equal size, e.g. "0|1" for 2 ranks on 2 cores, "0-3|4-7" on 8; with fewer cores
+    than ranks, ranks share cores round-robin."""
+    if not cpus:
+        raise ValueError("cpu_threads_bind: no CPU cores available to this process")
+    if len(cpus) < tp_size:
+        groups = [[cpus[rank % len(cpus)]] for rank in range(tp_size)]
+    else:
+        base, extra = divmod(len(cpus), tp_size)
+        bounds = [rank * base + min(rank, extra) for rank in range(tp_size + 1)]
+        groups = [list(cpus[bounds[r] : bounds[r + 1]]) for r in range(tp_size)]
+
+    def spell(group: list[int]) -> str:
+        if len(group) > 1 and group == list(range(group[0], group[-1] + 1)):
+            return f"{group[0]}-{group[-1]}"
+        return ",".join(map(str, group))
+
+    return "|".join(spell(group) for group in groups)
+
+
+# Llama-family HF projections that SGLang fuses per TP rank: HF name part -> (SGLang name part,
+# position inside the fused rows).
+_FUSED = {
+    ".q_proj.": (".qkv_proj.", "q"),
+    ".k_proj.": (".qkv_proj.", "k"),
+    ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", "gate"),
+    ".up_proj.": (".gate_up_proj.", "up"),
+}
+_ROW_PARALLEL = (".o_proj.weight", ".down_proj.weight")  # input dim split across TP ranks
+_VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")  # vocab rows split, padded
+
+
+def assemble_hf_tensor(
+    name: str,
+    read: Callable[[int, str], torch.Tensor | None],
+    tp_size: int,
+    hf_config: dict[str, Any],
+) -> torch.Tensor:
+    """The full HF-named tensor `name` (float32) from SGLang's per-TP-rank parameters.
+
+    `read(rank, sglang_name)` returns TP rank `rank`'s parameter or None. Layouts are those of
+    SGLang's Llama-family models (Llama, Qwen2): each rank's `qkv_proj` rows are its q heads,
+    then its k and v heads (a kv head is replicated over `tp_size / num_kv_heads` ranks when
+    there are fewer kv heads than ranks); `gate_up_proj` rows are its gate then up slice;
+    `o_proj`/`down_proj` split the input dim; embedding and LM head split the vocab rows, which
+    stay padded (as SGLang's TP=1 `get_weights_by_name` returns them); everything else is
+    replicated, and every rank's copy must be identical.
+    """
+    for hf_part, (sglang_part, position) in _FUSED.items():
+        if hf_part in name:
+            parts = [read(rank, name.replace(hf_part, sglang_part)) for rank in range(tp_size)]
+            if any(part is None for part in parts):
+                break
+            offsets, kv_replicas = _fused_rows(position, parts[0].shape[0], tp_size, hf_config)
+            start, size = offsets
+            ranks = range(0, tp_size, kv_replicas)  # one copy of each replicated kv head
+            return torch.cat([parts[r].narrow(0, start, size) for r in ranks]).float()
+    key = name
+    if name in _VOCAB_PARALLEL and read(0, name) is None and hf_config.get("tie_word_embeddings"):
+        key = next(other for other in _VOCAB_PARALLEL if other != name)  # tied: stored once
+    parts = [read(rank, key) for rank in range(tp_size)]
+    if any(part is None for part in parts):
+        raise KeyError(f"SGLang has no weight {name!r} on every TP rank (TP size {tp_size})")
+    if name.endswith(_ROW_PARALLEL):
+        return torch.cat(parts, dim=1).float()
+    if name in _VOCAB_PARALLEL:
+        return torch.cat(parts, dim=0).float()
+    for rank, part in enumerate(parts[1:], start=1):
+        if not torch.equal(part, parts[0]):
+            raise RuntimeError(
+                f"replicated weight {name!r} differs between SGLang TP ranks 0 and {rank}"
+            )
+    return parts[0].float()
+
+
+def _fused_rows(
+    position: str, num_rows: int, tp_size: int, hf_config: dict[str, Any]
+) -> tuple[tuple[int, int], int]:
+    """((first row, number of rows) of `position` in one rank's fused parameter, kv replicas)."""
+    if position in ("gate", "up"):
+        half = num_rows // 2
+        return ((0 if position == "gate" else half), half), 1
+    num_heads = hf_config["num_attention_heads"]
+    num_kv_heads = hf_config.get("num_key_value_heads") or num_heads
+    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // num_heads
+    q_rows = num_heads // tp_size * head_dim
+    kv_rows = max(1, num_kv_heads // tp_size) * head_dim
+    kv_replicas = max(1, tp_size // num_kv_heads)
+    if position == "q":
+        return (0, q_rows), 1
+    return ((q_rows if position == "k" else q_rows + kv_rows), kv_rows), kv_replicas
 
 
 def _sampling_dict(request: GenerateRequest) -> dict[str, Any]:

@@ -184,12 +184,12 @@ def test_fake_engine_death_and_shutdown():
     [
         ({"device": "tpu"}, "engine device = 'tpu'"),
         ({"tp_size": 0}, "engine tp_size = 0"),
-        ({"tp_size": 2}, "SGLANG_CPU_OMP_THREADS_BIND"),
+        ({"tp_size": 3}, "SGLANG_CPU_OMP_THREADS_BIND = '0|1' names the cores of 2"),
         ({"call_timeout_s": 0}, "engine call_timeout_s = 0"),
     ],
 )
 def test_sglang_engine_config_rejects_bad_values(kwargs, match, monkeypatch):
-    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|1")
     with pytest.raises(ValueError, match=match):
         SGLangEngineConfig(model_path="m", **kwargs)
 
