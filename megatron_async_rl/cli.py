@@ -17,11 +17,13 @@ class CommandLine:
     run_dir: str | None
     dry_run: bool
     world_size: int | None
+    ranks_per_node: int | None
     megatron_argv: list[str]
 
 
 def parse_command_line(argv: list[str]) -> CommandLine:
-    """`--config R [--set a.b=c ...] [--run-dir D] [--dry-run [--world-size N]] [-- flags]`."""
+    """`--config R [--set a.b=c ...] [--run-dir D] [--dry-run [--world-size N]]
+    [--ranks-per-node G] [-- flags]`."""
     if "--" in argv:
         cut = argv.index("--")
         ours, megatron_argv = argv[:cut], argv[cut + 1 :]
@@ -52,14 +54,23 @@ def parse_command_line(argv: list[str]) -> CommandLine:
         type=int,
         help="world size for --dry-run (default: $WORLD_SIZE, else 1)",
     )
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        help="ranks on each node, to check that no SGLang engine (engine.tp_size ranks) spans "
+        "two nodes (default: $LOCAL_WORLD_SIZE, which torchrun sets; else not checked)",
+    )
     args = parser.parse_args(ours)
-    if args.world_size is not None and args.world_size < 1:
-        parser.error(f"argument --world-size: must be >= 1, got {args.world_size}")
+    for name in ("world_size", "ranks_per_node"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"argument --{name.replace('_', '-')}: must be >= 1, got {value}")
     return CommandLine(
         config=args.config,
         sets=args.sets,
         run_dir=args.run_dir,
         dry_run=args.dry_run,
         world_size=args.world_size,
+        ranks_per_node=args.ranks_per_node,
         megatron_argv=megatron_argv,
     )

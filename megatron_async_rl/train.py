@@ -35,11 +35,21 @@ def _platform(cfg):
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
     cli = parse_command_line(sys.argv[1:] if argv is None else argv)
-    cfg = exit_on_config_error(resolve, cli.config, cli.sets, cli.megatron_argv, cli.run_dir)
+    # A dry run may check a cluster recipe where its checkpoint is absent (one warning).
+    cfg = exit_on_config_error(
+        resolve, cli.config, cli.sets, cli.megatron_argv, cli.run_dir, not cli.dry_run
+    )
     world_size = cli.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    layout = exit_on_config_error(cfg.plan_layout, world_size)
+    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    ranks_per_node = cli.ranks_per_node or (int(local_world) if local_world else None)
+    layout = exit_on_config_error(cfg.plan_layout, world_size, ranks_per_node)
     if cli.dry_run:
-        leader_print(f"recipe {cli.config}: valid for {world_size} ranks\n{layout.describe()}")
+        device, backend = cfg.platform.device, cfg.platform.backend
+        auto = " (auto: cuda/nccl where a GPU is visible)" if "auto" in (device, backend) else ""
+        leader_print(
+            f"recipe {cli.config}: valid for {world_size} ranks on platform {device}/{backend}"
+            f"{auto}\n{layout.describe()}"
+        )
         return 0
     platform = exit_on_config_error(_platform, cfg)
 

@@ -21,12 +21,19 @@ A recipe is our tree plus Megatron sections:
 
 Every mistake raises `ConfigError` naming the dotted key; entry points wrap `resolve` in
 `errors.exit_on_config_error`.
+
+Checkpoint paths (`model.hf_path`, `--load`) are checked where the run starts. A dry run
+(`check_paths=False`) may validate a cluster recipe on a machine without its checkpoint: a path
+that does not exist there is skipped with one warning, and the architecture then comes from the
+recipe's `megatron:` sections alone. A missing `model.hf_path` stays an error when the recipe
+does not set `ARCHITECTURE_KEYS` itself (it relies on the checkpoint's config.json).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import textwrap
 import typing
@@ -52,6 +59,10 @@ from megatron_async_rl.config.schema import (
 )
 
 RESOLVED_NAME = "config.resolved.yaml"
+# The Megatron args a recipe must set itself for a dry run to skip a missing model.hf_path.
+ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "num_attention_heads")
+
+logger = logging.getLogger(__name__)
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -253,6 +264,16 @@ def _check_hf_path(hf_path: str | None, key: str = "model.hf_path") -> None:
         raise ConfigError(key, hf_path, "has no *.safetensors weights")
 
 
+def _path_to_check(path: str | None, key: str, check_paths: bool, instead: str) -> str | None:
+    """`path`, or None (after one warning) when a dry run cannot see it on this machine."""
+    if path is None or check_paths or Path(path).exists():
+        return path
+    logger.warning(
+        "%s = %r not found on this machine: not checked (dry run); %s", key, path, instead
+    )
+    return None
+
+
 def hf_architecture(hf_path: str | None) -> dict[str, Any]:
     """The Megatron args (dest -> value) describing the model in `hf_path`'s config.json."""
     if hf_path is None:
@@ -269,11 +290,12 @@ def hf_architecture(hf_path: str | None) -> dict[str, Any]:
     return megatron_flags.normalize_megatron_section(args, "model.hf_path:config.json")
 
 
-def build_config(tree: dict, megatron_argv: list[str]) -> ResolvedConfig:
+def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True) -> ResolvedConfig:
     """Validate a recipe tree and the flags after `--` into a ResolvedConfig.
 
     Each Megatron role's args: defaults < the architecture in `model.hf_path` < `megatron:` <
-    `roles.<role>.megatron:` < flags.
+    `roles.<role>.megatron:` < flags. `check_paths=False` (dry run): checkpoint paths missing
+    on this machine are skipped with a warning instead of raising.
     """
     run = _build(RunConfig, tree, "")
     flags = megatron_flags.parse_megatron_flags(list(megatron_argv))
@@ -282,7 +304,29 @@ def build_config(tree: dict, megatron_argv: list[str]) -> ResolvedConfig:
         for role in MEGATRON_ROLES
         if run.roles.megatron.get(role) or flags
     }
-    architecture = hf_architecture(run.model.hf_path)
+    # A dry run may skip a checkpoint it cannot see only when the recipe gives the architecture.
+    gives_architecture = all(
+        {**run.megatron, **overrides.get(role, {})}.get(name) is not None
+        for role in MEGATRON_ROLES
+        for name in ARCHITECTURE_KEYS
+    )
+    hf_path = run.model.hf_path
+    if not check_paths and not gives_architecture and hf_path and not Path(hf_path).exists():
+        raise ConfigError(
+            "model.hf_path",
+            hf_path,
+            "directory not found",
+            "a dry run skips a missing checkpoint only when megatron: sets "
+            + ", ".join(ARCHITECTURE_KEYS),
+        )
+    hf_path = _path_to_check(
+        hf_path,
+        "model.hf_path",
+        check_paths,
+        "the architecture comes from the recipe's megatron: sections alone",
+    )
+    architecture = hf_architecture(hf_path)
+    loads = {}
     resolved = {}
     for role in MEGATRON_ROLES:
         args = {
@@ -294,7 +338,10 @@ def build_config(tree: dict, megatron_argv: list[str]) -> ResolvedConfig:
         megatron_flags.check_args(args, role)
         # --load names the weights a role starts from: a HuggingFace directory for now
         # (Megatron distributed checkpoints arrive with resumable checkpointing).
-        _check_hf_path(args.get("load"), key="--load")
+        load = args.get("load")
+        if load not in loads:
+            loads[load] = _path_to_check(load, "--load", check_paths, "weights not checked")
+        _check_hf_path(loads[load], key="--load")
         resolved[role] = args
     fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(RunConfig)}
     fields["roles"] = RolesConfig(groups=run.roles.groups, megatron=overrides)
@@ -306,13 +353,17 @@ def resolve(
     sets: list[str],
     megatron_argv: list[str],
     run_dir_override: str | None = None,
+    check_paths: bool = True,
 ) -> ResolvedConfig:
-    """Load, override and validate a recipe: the one call an entry point makes."""
+    """Load, override and validate a recipe: the one call an entry point makes.
+
+    `check_paths=False` is for dry runs: see `build_config`.
+    """
     tree = load_recipe(config_path)
     apply_overrides(tree, list(sets or []))
     if run_dir_override is not None:
         tree["run_dir"] = run_dir_override
-    return build_config(tree, list(megatron_argv or []))
+    return build_config(tree, list(megatron_argv or []), check_paths)
 
 
 def to_tree(cfg: RunConfig) -> dict:

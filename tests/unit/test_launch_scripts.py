@@ -13,6 +13,9 @@ quoted, and exits 0; the line is parsed here with `shlex`):
   host of the job's node list and ID the job id;
 - ARGS, including `--` and the Megatron flags after it, pass through verbatim;
 - without DRY_RUN the scripts exec exactly the printed command (recorded by fakes);
+- before that, slurm.sbatch runs the real entry point's `--dry-run --world-size NODES*G
+  --ranks-per-node G` on the 32-GPU MoE recipe: an allocation the layout does not fit (world
+  size, an engine across two nodes) exits 2 with one `error:` line and srun never runs;
 - a user's mistake exits 2 with a message naming the argument or variable and its value;
 - the #SBATCH defaults sit before the first command (sbatch ignores any later ones).
 
@@ -272,3 +275,48 @@ def test_sbatch_directives_are_read_by_sbatch():
     assert all(lines.index(d) < first_command for d in directives)
     for option in ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=8", "--output=%x-%j.out"):
         assert f"#SBATCH {option}" in directives
+
+
+MOE_RECIPE = str(REPO_ROOT / "yaml_configs" / "moe-32gpu-grpo-async.yaml")
+
+
+def test_slurm_dry_run_of_the_moe_recipe(sandbox):
+    env = {**FAKE_SLURM, "SLURM_NNODES": "4", "SLURM_GPUS_ON_NODE": "8"}
+    argv = _dry_argv(sandbox, SLURM_SBATCH, MOE_RECIPE, PYTHON=PY, **env)
+    train = ["-m", "megatron_async_rl.train", "--config", MOE_RECIPE]
+    assert argv == [*_srun("4", "8", "4242", "gpu-07:29500"), *train]
+
+
+@pytest.mark.parametrize(
+    "nodes, gpus, error",
+    [
+        ("4", "8", None),
+        ("3", "8", "roles.groups[3].num_ranks = 8: rank counts must sum to the world size 24"),
+        ("32", "1", "engine.tp_size = 2: the engine on ranks 24-25 of the 8-rank generate window"),
+    ],
+    ids=["4x8", "3x8", "32x1"],
+)
+def test_slurm_validates_the_moe_recipe_for_the_whole_world(sandbox, nodes, gpus, error):
+    """The real entry point checks the layout (and engine placement per node) before srun."""
+    record = sandbox / "record.json"
+    _write_exe(
+        sandbox / "bin" / "srun",
+        f"#!{PY}\nimport json, pathlib, sys\n"
+        f"pathlib.Path({str(record)!r}).write_text(json.dumps(sys.argv[1:]))\n",
+    )
+    env = {**FAKE_SLURM, "SLURM_NNODES": nodes, "GPUS_PER_NODE": gpus}
+    result = _run(
+        sandbox, SLURM_SBATCH, MOE_RECIPE, PYTHON=PY, SLURM_SUBMIT_DIR=str(REPO_ROOT), **env
+    )
+    if error is None:
+        assert result.returncode == 0, result.stderr
+        assert json.loads(record.read_text())[:3] == [
+            "--kill-on-bad-exit=1",
+            "--ntasks=4",
+            "--ntasks-per-node=1",
+        ]
+    else:
+        assert result.returncode == 2 and not record.exists()
+        assert f"error: config error: {error}" in result.stderr
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in result.stderr

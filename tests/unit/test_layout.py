@@ -4,8 +4,11 @@ Contract: `plan_layout(world_size, groups, parallelism)` lays `roles.groups` out
 order; counts must sum to the world size, ratios become whole counts (sharing what counts leave);
 every Megatron role needs tp*pp*cp | window size and, as megatron-core 0.16's
 `initialize_model_parallel` requires, etp*ep*pp | window size (equivalently
-(dp*tp*cp) % (ep*etp) == 0, checked here against that formula over a grid of sizes). The module
-imports neither torch.distributed nor megatron (checked in a subprocess). Nothing is faked.
+(dp*tp*cp) % (ep*etp) == 0, checked here against that formula over a grid of sizes). Engines:
+with `engine_tp_size` T the generate window splits into engines of T consecutive ranks, the
+first of each the host and the rest followers; T must divide the window, and with
+`ranks_per_node` no engine may span two nodes. The module imports neither torch.distributed nor
+megatron (checked in a subprocess). Nothing is faked.
 """
 
 from __future__ import annotations
@@ -194,3 +197,67 @@ def test_layout_is_pure():
         check=True,
         env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
     )
+
+
+def _moe_groups():
+    """The 32-rank layout of yaml_configs/moe-32gpu-grpo-async.yaml."""
+    return _groups(
+        {"roles": ["train"], "num_ranks": 16},
+        {"roles": ["logp"], "num_ranks": 4},
+        {"roles": ["ref"], "num_ranks": 4},
+        {"roles": ["generate"], "num_ranks": 8},
+    )
+
+
+def test_engine_hosts_and_followers():
+    layout = plan_layout(32, _moe_groups(), {}, engine_tp_size=2, ranks_per_node=8)
+    assert layout.engine_host_ranks() == (24, 26, 28, 30)
+    assert [r for r in range(32) if layout.is_engine_host(r)] == [24, 26, 28, 30]
+    assert [r for r in range(32) if layout.is_engine_follower(r)] == [25, 27, 29, 31]
+    assert layout.engine_ranks(27) == range(26, 28) and layout.engine_ranks(30) == range(30, 32)
+    with pytest.raises(ValueError, match="rank 3 is not in role 'generate'"):
+        layout.engine_ranks(3)
+    text = layout.describe()
+    assert "engines: 4 SGLang engine(s) of engine.tp_size 2 on generate ranks 24-31" in text
+    assert "  engine 3: ranks 30-31, host 30" in text
+    assert text.endswith("nodes: 4 x 8 ranks (no engine spans two)")
+
+
+def test_engine_tp_one_makes_every_generate_rank_a_host():
+    layout = plan_layout(32, _moe_groups(), {})
+    assert layout.engine_host_ranks() == tuple(range(24, 32))
+    assert not any(layout.is_engine_follower(r) for r in range(32))
+    assert "nodes:" not in layout.describe()
+    no_generate = plan_layout(1, _groups({"roles": ["train", "logp", "ref"], "num_ranks": 1}), {})
+    assert no_generate.engine_host_ranks() == () and not no_generate.is_engine_host(0)
+    assert "engines:" not in no_generate.describe()
+
+
+def test_generate_window_must_split_into_engines():
+    with pytest.raises(
+        ConfigError,
+        match=r"^config error: engine.tp_size = 3: must divide the 8-rank generate window of "
+        r"roles.groups\[3\] \(ranks 24-31\): each engine spans tp_size consecutive",
+    ):
+        plan_layout(32, _moe_groups(), {}, engine_tp_size=3)
+    with pytest.raises(ConfigError, match=r"engine.tp_size = 0: must be an integer >= 1"):
+        plan_layout(32, _moe_groups(), {}, engine_tp_size=0)
+
+
+def test_an_engine_may_not_straddle_nodes():
+    # generate on ranks 6-15 of two 8-rank nodes: TP2 engines fit, a TP5 engine 6-10 does not
+    groups = _groups(
+        {"roles": ["train", "logp", "ref"], "num_ranks": 6},
+        {"roles": ["generate"], "num_ranks": 10},
+    )
+    layout = plan_layout(16, groups, {}, engine_tp_size=2, ranks_per_node=8)
+    assert layout.engine_host_ranks() == (6, 8, 10, 12, 14)
+    with pytest.raises(
+        ConfigError,
+        match=r"engine.tp_size = 5: the engine on ranks 6-10 of the 10-rank generate window .* "
+        r"straddles nodes of 8 ranks",
+    ):
+        plan_layout(16, groups, {}, engine_tp_size=5, ranks_per_node=8)
+    assert plan_layout(16, groups, {}, engine_tp_size=5).engine_host_ranks() == (6, 11)
+    with pytest.raises(ConfigError, match=r"ranks_per_node = 6: must divide the world size 16"):
+        plan_layout(16, groups, {}, ranks_per_node=6)
