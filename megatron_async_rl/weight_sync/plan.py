@@ -1,0 +1,378 @@
+"""The reshard plan: which train ranks send which HF tensor ranges, in which buckets (pure).
+
+Owned here: `TrainLayout` (global rank of every grid coordinate of the train role) and
+`build_plan`, a deterministic, cached function of (layout, model dims, dtype, bucket sizes) to a
+frozen `ReshardPlan`. Called by `weight_sync.executor` on every rank taking part in a sync (the
+same inputs give the same plan everywhere, so no plan crosses the wire) and by
+`distributed.groups` for the sender ranks. Imports no collective, no megatron, no sglang; split
+rules and names come from `models.name_map` (its pure functions only).
+
+    stage p, EP rank e:   sender = rank (tp 0, cp 0, dp 0, pp p) for dense parameters
+                                   rank (etp 0, ep e, expt_dp 0, pp p) for experts of EP rank e
+    sender's parameters -> Gather (TP / expert-TP group members, in TP-rank order) -> HF tensors
+      -> pieces (flat element ranges) -> messages (<= consume bytes, header included)
+      -> buckets (<= produce bytes): the sender gathers and packs one bucket at a time.
+
+Every PP stage and EP rank has its own sender, so stages send in parallel and no rank holds more
+than its stage's parameters. A message is the unit of sending, checksumming and loading; a
+tensor larger than a message is cut into pieces and reassembled by the receiver. Ranks follow
+`ReshardPlan.schedule`, one global order of (sender, bucket), so blocking collectives never wait
+on each other in a cycle. Grid orders are those of `distributed.groups._role_collection`
+(HyperCommGrid: tp fastest, pp slowest; expert grid etp, ep, expt_dp, pp).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from megatron_async_rl.models.name_map import (
+    ModelDims,
+    ShardSpec,
+    expert_offset,
+    hf_names_for,
+    layer_offset,
+    shard_spec,
+    stage_param_names,
+    to_global_name,
+    to_local_name,
+)
+
+HEADER_BYTES = 32
+"""Per message: version, checksum, sender rank, sequence number (int64 each)."""
+ALIGN_BYTES = 16
+"""Pieces start on this boundary inside a message, so any dtype can view them."""
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class TrainLayout:
+    """The train role's rank window and parallel sizes (data parallel fills the window)."""
+
+    offset: int
+    tp: int
+    pp: int
+    dp: int
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "cp", "ep", "etp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train layout {name} = {getattr(self, name)}: must be >= 1")
+        if self.size % (self.etp * self.ep * self.pp):
+            raise ValueError(
+                f"train layout of {self.size} ranks does not split into etp={self.etp} x "
+                f"ep={self.ep} x pp={self.pp}"
+            )
+
+    @classmethod
+    def from_window(cls, par, window) -> TrainLayout:
+        """From a `distributed.layout.Parallelism` and the role's `RoleWindow`."""
+        return cls(window.offset, par.tp, par.pp, par.dp_for(window.size), par.cp, par.ep, par.etp)
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def expt_dp(self) -> int:
+        return self.size // (self.etp * self.ep * self.pp)
+
+    def dense_rank(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        return self.offset + ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+
+    def expert_rank(self, etp: int = 0, ep: int = 0, expt_dp: int = 0, pp: int = 0) -> int:
+        return self.offset + ((pp * self.expt_dp + expt_dp) * self.ep + ep) * self.etp + etp
+
+    def sender_ranks(self) -> tuple[int, ...]:
+        """Every rank that sends: one per PP stage, plus one per further EP rank of a stage."""
+        ranks = {self.expert_rank(ep=e, pp=p) for p in range(self.pp) for e in range(self.ep)}
+        return tuple(sorted(ranks | {self.dense_rank(pp=p) for p in range(self.pp)}))
+
+
+@dataclass(frozen=True)
+class Gather:
+    """One Megatron parameter, assembled on its sender before its HF tensors are packed."""
+
+    param: str
+    """Global name (global layer and expert indices)."""
+    local_name: str
+    """The name in the state dict of every rank in `ranks` (stage-local, EP-local)."""
+    spec: ShardSpec
+    ranks: tuple[int, ...]
+    """Global ranks holding its shards, in (expert-)TP rank order; `ranks[0]` is the sender."""
+    group: str
+    """The `ProcessGroupCollection` attribute all of `ranks` share: "tp" or "expt_tp"."""
+
+    @property
+    def is_collective(self) -> bool:
+        return self.spec.partition_dim is not None and len(self.ranks) > 1
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, stop) of the flattened HF tensor `hf_name`, at `offset` in a payload."""
+
+    hf_name: str
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+    offset: int
+    source: str
+    """The Megatron parameter it comes from (named in errors)."""
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def is_whole(self) -> bool:
+        return self.start == 0 and self.stop == _numel(self.shape)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One consume chunk: sent, checksummed and loaded as a unit. Header, then payload."""
+
+    pieces: tuple[Piece, ...]
+    payload_bytes: int
+    offset: int
+    """Byte offset of the message (its header) in the bucket buffer."""
+
+    @property
+    def wire_bytes(self) -> int:
+        return HEADER_BYTES + self.payload_bytes
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """What a sender gathers, packs and sends as one produce buffer."""
+
+    gathers: tuple[Gather, ...]
+    """Parameters first needed in this bucket, in gather order."""
+    messages: tuple[Message, ...]
+    releases: tuple[str, ...]
+    """Parameters whose last piece is in this bucket (the sender drops them after packing)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.wire_bytes for m in self.messages)
+
+
+@dataclass(frozen=True)
+class SenderPlan:
+    rank: int
+    pp_rank: int
+    buckets: tuple[Bucket, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    layout: TrainLayout
+    dims: ModelDims
+    dtype: str
+    produce_bytes: int
+    consume_bytes: int
+    senders: tuple[SenderPlan, ...]
+    hf_shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    """Every HF tensor the engine expects, with its full shape, in model order."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.senders)
+
+    @property
+    def schedule(self) -> tuple[tuple[int, int], ...]:
+        """(sender index, bucket index), round-robin over senders: the one global order."""
+        rounds = max((len(s.buckets) for s in self.senders), default=0)
+        return tuple(
+            (i, b) for b in range(rounds) for i, s in enumerate(self.senders) if b < len(s.buckets)
+        )
+
+    def params_of(self, rank: int) -> set[str]:
+        """Local names of the parameters `rank` contributes (empty for ranks that only idle)."""
+        return {
+            g.local_name
+            for s in self.senders
+            for b in s.buckets
+            for g in b.gathers
+            if rank in g.ranks
+        }
+
+
+def check_stage_names(plan: ReshardPlan, rank: int, local_names, l0: int, e0: int) -> None:
+    """ValueError naming a parameter of `rank`'s model stage that the plan cannot map or lacks.
+
+    `local_names` are the rank's state-dict names; `l0` / `e0` its layer and expert offsets.
+    """
+    for local in local_names:
+        shard_spec(to_global_name(local, layer_offset=l0, expert_offset=e0), plan.dims)
+    missing = sorted(plan.params_of(rank) - set(local_names))
+    if missing:
+        raise ValueError(
+            f"weight sync: the reshard plan needs parameter {missing[0]!r} from global rank "
+            f"{rank}, but its model stage has no such parameter ({len(missing)} missing)"
+        )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def hf_shape(hf_name: str, dims: ModelDims) -> tuple[int, ...]:
+    """Full shape of one HF tensor, from HF conventions (independent of Megatron's layouts)."""
+    h, d, nq, ng = dims.hidden_size, dims.head_dim, dims.num_attention_heads, dims.num_query_groups
+    ffn = dims.moe_ffn_hidden_size if ".experts." in hf_name else dims.ffn_hidden_size
+    shapes = {
+        "embed_tokens.weight": (dims.vocab_size, h),
+        "lm_head.weight": (dims.vocab_size, h),
+        "q_proj.weight": (nq * d, h),
+        "k_proj.weight": (ng * d, h),
+        "v_proj.weight": (ng * d, h),
+        "q_proj.bias": (nq * d,),
+        "k_proj.bias": (ng * d,),
+        "v_proj.bias": (ng * d,),
+        "q_norm.weight": (d,),
+        "k_norm.weight": (d,),
+        "o_proj.weight": (h, nq * d),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "norm.weight": (h,),
+        "gate_proj.weight": (ffn, h),
+        "up_proj.weight": (ffn, h),
+        "down_proj.weight": (h, ffn),
+        "gate.weight": (dims.num_experts, h),
+    }
+    suffix = ".".join(hf_name.split(".")[-2:])
+    if suffix not in shapes:
+        raise ValueError(f"weight sync: no HF shape rule for tensor {hf_name!r}")
+    return shapes[suffix]
+
+
+def _sender_gathers(layout: TrainLayout, dims: ModelDims) -> dict[int, list[Gather]]:
+    """Sender rank -> the parameters it assembles, in model order."""
+    out: dict[int, list[Gather]] = {}
+    moe = dims.num_experts is not None
+    for p in range(layout.pp):
+        l0 = layer_offset(p, layout.pp, dims.num_layers)
+        for e in range(layout.ep if moe else 1):
+            e0 = expert_offset(e, layout.ep, dims.num_experts) if moe else 0
+            names = stage_param_names(
+                dims, pp_rank=p, pp_size=layout.pp, ep_rank=e, ep_size=layout.ep
+            )
+            for name in names:
+                spec = shard_spec(name, dims)
+                if not hf_names_for(name, dims) or (e > 0 and not spec.is_expert):
+                    continue  # the tied LM head copy; dense parameters come from EP rank 0
+                if spec.is_expert:
+                    size, group = layout.etp, "expt_tp"
+                    ranks = [layout.expert_rank(etp=t, ep=e, pp=p) for t in range(size)]
+                else:
+                    size, group = layout.tp, "tp"
+                    ranks = [layout.dense_rank(tp=t, pp=p) for t in range(size)]
+                if spec.partition_dim is None:
+                    ranks = ranks[:1]
+                local = to_local_name(name, layer_offset=l0, expert_offset=e0)
+                out.setdefault(ranks[0], []).append(Gather(name, local, spec, tuple(ranks), group))
+    return out
+
+
+class _Packer:
+    """Greedy packing of pieces into messages (<= consume) and buckets (<= produce)."""
+
+    def __init__(self, produce_bytes: int, consume_bytes: int):
+        self.produce, self.payload_cap = produce_bytes, consume_bytes - HEADER_BYTES
+        self.buckets: list[Bucket] = []
+        self.messages: list[Message] = []
+        self.pieces: list[Piece] = []
+        self.payload = self.committed = 0
+        self.gathers: list[Gather] = []
+        self.releases: list[str] = []
+
+    def add(self, first_of: Gather | None, hf_name, shape, start, stop, itemsize, source) -> None:
+        """Place one piece; `first_of` is the parameter it starts (gathered in this bucket)."""
+        nbytes = _align((stop - start) * itemsize)
+        if self.pieces and self.payload + nbytes > self.payload_cap:
+            self._close_message()
+        open_bytes = HEADER_BYTES + self.payload if self.pieces else HEADER_BYTES
+        if self.committed + open_bytes + nbytes > self.produce:
+            self.close_bucket()
+        if first_of is not None:
+            self.gathers.append(first_of)
+        self.pieces.append(Piece(hf_name, shape, start, stop, self.payload, source))
+        self.payload += nbytes
+
+    def _close_message(self) -> None:
+        if self.pieces:
+            self.messages.append(Message(tuple(self.pieces), self.payload, self.committed))
+            self.committed += HEADER_BYTES + self.payload
+            self.pieces, self.payload = [], 0
+
+    def close_bucket(self) -> None:
+        self._close_message()
+        if self.messages:
+            bucket = Bucket(tuple(self.gathers), tuple(self.messages), tuple(self.releases))
+            self.buckets.append(bucket)
+            self.messages, self.gathers, self.releases, self.committed = [], [], [], 0
+
+
+@functools.lru_cache(maxsize=16)
+def build_plan(
+    layout: TrainLayout,
+    dims: ModelDims,
+    dtype: str = "float32",
+    produce_bytes: int = 512 << 20,
+    consume_bytes: int = 128 << 20,
+) -> ReshardPlan:
+    """The plan for moving a model of `dims` held in `layout` into HF-named engines."""
+    if dtype not in ITEMSIZE:
+        raise ValueError(f"weight sync: parameter dtype {dtype!r} is not one of {list(ITEMSIZE)}")
+    floor = HEADER_BYTES + 4 * ALIGN_BYTES
+    for name, value in (("produce_bytes", produce_bytes), ("consume_bytes", consume_bytes)):
+        if value < floor:
+            raise ValueError(f"weight sync: {name} = {value} must be >= {floor}")
+    itemsize = ITEMSIZE[dtype]
+    max_piece = (min(consume_bytes, produce_bytes) - HEADER_BYTES) // ALIGN_BYTES * ALIGN_BYTES
+    chunk = max_piece // itemsize
+    senders = []
+    for rank, gathers in sorted(_sender_gathers(layout, dims).items()):
+        packer = _Packer(produce_bytes, consume_bytes)
+        for gather in gathers:
+            first = True
+            for hf_name in hf_names_for(gather.param, dims):
+                shape = hf_shape(hf_name, dims)
+                numel = _numel(shape)
+                for start in range(0, numel, chunk):
+                    packer.add(
+                        gather if first else None,
+                        hf_name,
+                        shape,
+                        start,
+                        min(start + chunk, numel),
+                        itemsize,
+                        gather.param,
+                    )
+                    first = False
+            packer.releases.append(gather.param)
+        packer.close_bucket()
+        pp_rank = (rank - layout.offset) // (layout.size // layout.pp)
+        senders.append(SenderPlan(rank, pp_rank, tuple(packer.buckets)))
+    shapes = tuple(
+        (hf, hf_shape(hf, dims))
+        for name in stage_param_names(dims)
+        for hf in hf_names_for(name, dims)
+    )
+    return ReshardPlan(layout, dims, dtype, produce_bytes, consume_bytes, tuple(senders), shapes)
