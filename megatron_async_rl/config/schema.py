@@ -29,6 +29,7 @@ from megatron_async_rl.rewards.registry import RewardConfig
 from megatron_async_rl.rollout.dataset import DatasetConfig
 from megatron_async_rl.rollout.generation import RolloutConfig
 from megatron_async_rl.scheduler.config import SchedulerConfig
+from megatron_async_rl.weight_sync.config import WeightSyncConfig
 
 if TYPE_CHECKING:
     from megatron_async_rl.distributed.layout import RoleLayout
@@ -189,6 +190,8 @@ class RunConfig:
     algorithm: GRPOConfig = field(default_factory=GRPOConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """Bucket sizes of the weight reshard into the engines (memory bound per sync)."""
     megatron: dict[str, Any] = field(default_factory=dict)
     """Megatron args shared by every Megatron role, dest names (`tensor_model_parallel_size`)."""
 

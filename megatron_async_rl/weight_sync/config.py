@@ -1,0 +1,47 @@
+"""The recipe's `weight_sync:` section: bucket sizes of the reshard into the engines.
+
+Owned here: `WeightSyncConfig`, validated where it is built. Read by `weight_sync.broadcast`
+(`sync_weights(..., config=cfg.weight_sync)`), which turns the sizes into a `plan.build_plan`.
+Torch-free, like the rest of the config (the recipe loader imports it).
+
+Memory bound, per sync: a sender holds at most 2 produce buffers (gathering one bucket while the
+previous one is on the wire), a streaming receiver at most 2 consume buffers (receiving one
+message while the previous one loads), plus, on either side, one HF tensor at a time that is
+larger than a message (staged whole, because an engine loads whole tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_async_rl.config.errors import ConfigError
+
+MIB = 1 << 20
+
+
+@dataclass
+class WeightSyncConfig:
+    """How the train role's weights are cut, sent and loaded after each optimizer step."""
+
+    produce_bucket_mb: float = 512
+    """MiB one sender gathers and packs at a time (its TP/EP shards assembled into HF tensors);
+    a sender holds two such buffers. Larger: fewer rounds; smaller: less sender memory."""
+    consume_bucket_mb: float = 128
+    """MiB one message carries: the unit of sending, checksum and engine load. A receiver holds
+    two such buffers; a tensor larger than this is sent in pieces and staged whole once."""
+
+    def __post_init__(self) -> None:
+        for name in ("produce_bucket_mb", "consume_bucket_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(name, value, "must be a number of MiB > 0")
+            if value * MIB < 4096:
+                raise ConfigError(name, value, "must be at least 4 KiB (0.004 MiB)")
+
+    @property
+    def produce_bytes(self) -> int:
+        return int(self.produce_bucket_mb * MIB)
+
+    @property
+    def consume_bytes(self) -> int:
+        return int(self.consume_bucket_mb * MIB)

@@ -1,0 +1,58 @@
+"""The recipe's `weight_sync:` section (`weight_sync.config.WeightSyncConfig`).
+
+Contract checked: defaults are 512 / 128 MiB and convert to bytes; every field refuses a wrong
+value with a ConfigError naming the key, the value and the rule; `RunConfig` carries the section;
+the module imports without torch. Nothing is faked.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.weight_sync.config import WeightSyncConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_and_bytes():
+    cfg = WeightSyncConfig()
+    assert (cfg.produce_bucket_mb, cfg.consume_bucket_mb) == (512, 128)
+    assert (cfg.produce_bytes, cfg.consume_bytes) == (512 << 20, 128 << 20)
+    assert WeightSyncConfig(consume_bucket_mb=0.5).consume_bytes == 1 << 19
+
+
+def test_run_config_has_the_section():
+    from megatron_async_rl.config.schema import RunConfig
+
+    assert RunConfig.__dataclass_fields__["weight_sync"].default_factory is WeightSyncConfig
+
+
+@pytest.mark.parametrize(
+    "field,value,rule",
+    [
+        ("produce_bucket_mb", 0, "must be a number of MiB > 0"),
+        ("produce_bucket_mb", "512", "must be a number of MiB > 0"),
+        ("consume_bucket_mb", True, "must be a number of MiB > 0"),
+        ("consume_bucket_mb", 0.001, r"must be at least 4 KiB"),
+    ],
+)
+def test_bad_values_are_refused(field, value, rule):
+    with pytest.raises(ConfigError, match=rf"^config error: {field} = .*: {rule}") as info:
+        WeightSyncConfig(**{field: value})
+    assert info.value.key == field and info.value.value is value
+
+
+def test_imports_without_torch():
+    code = (
+        "import sys, megatron_async_rl.weight_sync.config\n"
+        "assert not [m for m in sys.modules if m.startswith('torch')]\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        check=True,
+        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
+    )
