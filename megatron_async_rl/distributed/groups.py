@@ -77,6 +77,11 @@ class WorldGroups:
     #: None on followers (generate-only ranks hosting no engine when engine.tp_size > 1).
     samples: Optional[dist.ProcessGroup] = None
     samples_ranks: tuple[int, ...] = ()
+    #: the reshard of `weight_sync.executor`: one gloo group per sender ({sender} + receivers),
+    #: keyed by the sender's global rank; None where this rank is not a member.
+    weight_senders: dict[int, Optional[dist.ProcessGroup]] = dataclasses.field(default_factory=dict)
+    #: every rank that receives weights: generate ranks hosting an engine, and logp ranks.
+    weight_receivers: tuple[int, ...] = ()
 
     @property
     def leader(self) -> int:
@@ -145,6 +150,29 @@ def _role_collection(window, par, backend: str):
     return collection
 
 
+def _weight_sender_groups(layout: RoleLayout, followers: set[int]):
+    """One gloo group per reshard sender (collective, sender order); and the receiver ranks."""
+    from megatron_async_rl.weight_sync.plan import TrainLayout
+
+    placed = {role for window in layout.windows for role in window.roles}
+    if "train" not in placed or "train" not in layout.parallelism:
+        return {}, ()
+    receivers = set()
+    for role in ("generate", "logp"):
+        if role in placed:
+            receivers |= set(layout.window_of(role).ranks) - followers
+    if not receivers:
+        return {}, ()
+    window = layout.window_of("train")
+    senders = TrainLayout.from_window(layout.parallelism["train"], window).sender_ranks()
+    groups = {}
+    for sender in senders:
+        members = sorted(receivers | {sender})
+        group = dist.new_group(members, backend="gloo")
+        groups[sender] = group if dist.get_rank() in members else None
+    return groups, tuple(sorted(receivers))
+
+
 def build_world_groups(layout: RoleLayout, backend: str) -> WorldGroups:
     """Build every group of `layout` (collective: call on every rank, same arguments)."""
     if not dist.is_initialized():
@@ -194,6 +222,7 @@ def build_world_groups(layout: RoleLayout, backend: str) -> WorldGroups:
         # gloo: the first version moves whole tensors through the train rank's host memory.
         group = dist.new_group(list(sync_ranks), backend="gloo")
         weight_sync = group if rank in sync_ranks else None
+    weight_senders, receivers = _weight_sender_groups(layout, followers)
     megatron_ranks = tuple(sorted({r for name in roles for r in roles[name].ranks}))
     megatron = dist.new_group(list(megatron_ranks), backend="gloo") if megatron_ranks else None
     samples_ranks = tuple(r for r in range(world_size) if r not in followers)
@@ -212,4 +241,6 @@ def build_world_groups(layout: RoleLayout, backend: str) -> WorldGroups:
         megatron_ranks,
         samples if rank in samples_ranks else None,
         samples_ranks=samples_ranks,
+        weight_senders=weight_senders,
+        weight_receivers=receivers,
     )

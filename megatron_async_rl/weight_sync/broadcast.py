@@ -1,93 +1,182 @@
-"""Weight sync, first version: gather the train role's model, broadcast it, load it everywhere.
+"""Weight sync, the public entry points: train role -> generate engines and the logp role.
 
-Owned here: moving the train role's new weights (version v) into every `generate` rank's engine
-and into the `logp` role's model after each optimizer step. Called by the jobs on every rank
-(collective over the train role and the `weight_sync` group).
+Owned here: `sync_weights` (one collective call per optimizer step), `broadcast_weights` (the
+receive-into-host-staging variant for an asynchronous generate rank's weight thread) and
+`load_into_engine` (re-exported from `sinks`). Called by the jobs on every rank; the work is
+done by `plan` (what moves where), `executor` (gather, send, receive, verify) and `sinks`.
 
-Order: (1) gather the whole model in HF names on the train role's first rank (TP/EP all-gather,
-then PP/EP parts to that rank: `models.weights`); (2) broadcast names/shapes/dtypes, then each
-tensor, over the gloo `weight_sync` group; (3) generate ranks load them through SGLang's own
-`update_weights_from_tensor` between begin/end and stamp version `v<k>`; logp ranks copy their
-shard. The planned, bucketed, overlapped and memory-bounded version replaces steps 1-3 later
-behind the same call; its bound does not apply here (the train rank holds the whole model).
+Per call, on every participant:
+1. the plan key (train layout, model dims, dtype, bucket sizes, version) goes from the first
+   sender to the receivers over that sender's group; train ranks compute it themselves, and
+   every rank builds the same cached `ReshardPlan`;
+2. `executor.run_plan`: each PP stage / EP rank's sender gathers its buckets from its TP and
+   expert-TP members and streams them to every receiver over its own gloo group;
+3. a generate rank streams each checked message into its engine (`EngineSink`, SGLang's own
+   `update_weights_from_tensor` between begin/end, version stamped by the last call); a logp
+   rank stages the whole model, then copies its shard into its Megatron model.
+
+Metrics (this rank's): `timing/weight_sync/{gather,send,load}_s`, `weight_sync/GB` (the plan's
+bytes), `weight_sync/GB_per_s` (over this rank's wall time) and peak buffer sizes
+`weight_sync/{produce,consume,gathered,staging}_peak_MB`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import torch
 import torch.distributed as dist
 
-from megatron_async_rl.models import weights
+from megatron_async_rl.models import name_map, weights
+from megatron_async_rl.weight_sync import buffers, executor, plan
+from megatron_async_rl.weight_sync.config import WeightSyncConfig
+from megatron_async_rl.weight_sync.sinks import (  # noqa: F401 - public API, re-exported
+    EngineSink,
+    StagedWeights,
+    StagingSink,
+    engine_version_label,
+    load_into_engine,
+)
 
 logger = logging.getLogger(__name__)
 
 
-def engine_version_label(version: int) -> str:
-    return f"v{version}"
+@dataclasses.dataclass(frozen=True)
+class PlanKey:
+    """Everything `plan.build_plan` needs, plus the version being sent."""
+
+    layout: plan.TrainLayout
+    dims: name_map.ModelDims
+    dtype: str
+    produce_bytes: int
+    consume_bytes: int
+    version: int
 
 
-def broadcast_weights(groups, roles: dict) -> tuple[dict | None, dict[str, float]]:
-    """Gather on the train role and broadcast to the `weight_sync` group (collective).
-
-    Returns the HF-named tensors on every `weight_sync` member (None elsewhere) and timings.
-    An asynchronous generate rank calls it from its weight-receiver thread with no roles.
-    """
-    start = time.perf_counter()
-    hf_sd = roles["train"].gather_hf_state_dict() if "train" in roles else None
-    gathered = time.perf_counter()
-    timings = {"timing/weight_sync/gather_s": gathered - start}
-    if groups.weight_sync is None:
-        return None, timings
-    src = groups.weight_sync_ranks[0]
-    rank = dist.get_rank()
-    meta = [[(k, tuple(v.shape), v.dtype) for k, v in hf_sd.items()] if rank == src else None]
-    dist.broadcast_object_list(meta, src=src, group=groups.weight_sync)
-    received = {}
-    for name, shape, dtype in meta[0]:
-        tensor = hf_sd[name].contiguous() if rank == src else torch.empty(shape, dtype=dtype)
-        dist.broadcast(tensor, src=src, group=groups.weight_sync)
-        received[name] = tensor
-    timings["timing/weight_sync/send_s"] = time.perf_counter() - gathered
-    num_bytes = sum(t.numel() * t.element_size() for t in received.values())
-    timings["weight_sync/GB"] = num_bytes / 1e9
-    return received, timings
+def _train_key(groups, role, version: int, config: WeightSyncConfig) -> PlanKey:
+    layout = plan.TrainLayout.from_window(
+        groups.layout.parallelism["train"], groups.layout.window_of("train")
+    )
+    dims = weights.model_dims(role.args, role.spec)
+    dtype = str(next(role.module.parameters()).dtype).removeprefix("torch.")
+    return PlanKey(layout, dims, dtype, config.produce_bytes, config.consume_bytes, version)
 
 
-def load_into_engine(engine, tensors: dict, version: int, in_place: bool = False) -> None:
-    """Load HF-named tensors into an engine and stamp `v<version>`.
-
-    `in_place`: the engine keeps generating around the load (pause in place -> load ->
-    continue); its prefix cache is not flushed here (SGLang cannot flush with requests held),
-    so the caller flushes it once the engine is idle.
-    """
-    if in_place:
-        engine.pause("in_place")
-    engine.begin_weight_update()
-    try:
-        engine.update_weights(
-            list(tensors.items()), version=engine_version_label(version), flush_cache=not in_place
+def _local_state(role, reshard: plan.ReshardPlan, rank: int) -> dict[str, torch.Tensor]:
+    local = {k: v for k, v in role.module.state_dict().items() if not k.endswith("._extra_state")}
+    dims, pgc = reshard.dims, role.pgc
+    l0 = name_map.layer_offset(dist.get_rank(pgc.pp), dist.get_world_size(pgc.pp), dims.num_layers)
+    e0 = 0
+    if dims.num_experts:
+        e0 = name_map.expert_offset(
+            dist.get_rank(pgc.ep), dist.get_world_size(pgc.ep), dims.num_experts
         )
-    finally:
-        engine.end_weight_update()
-        if in_place:
-            engine.resume()
+    plan.check_stage_names(reshard, rank, list(local), l0, e0)
+    return local
 
 
-def sync_weights(groups, roles: dict, engine, version: int) -> dict[str, float]:
-    """Push the train role's weights to engines and the logp role (collective); returns metrics."""
-    received, metrics = broadcast_weights(groups, roles)
-    if received is None:
+def _metrics(stats: executor.SyncStats, reshard: plan.ReshardPlan) -> dict[str, float]:
+    gb = reshard.nbytes / 1e9
+    out = {
+        "timing/weight_sync/gather_s": stats.gather_s,
+        "timing/weight_sync/send_s": stats.send_s,
+        "timing/weight_sync/load_s": stats.load_s,
+        "weight_sync/GB": gb,
+        "weight_sync/GB_per_s": gb / stats.wall_s if stats.wall_s > 0 else 0.0,
+    }
+    for kind, peak in stats.counter.peak.items():
+        out[f"weight_sync/{kind}_peak_MB"] = peak / 2**20
+    return out
+
+
+def _reshard(groups, roles: dict, version: int | None, config, make_sink):
+    """Take part in one reshard; returns (sink or None, metrics). Collective."""
+    rank, train = groups.rank, roles.get("train")
+    receiving = rank in groups.weight_receivers
+    if not groups.weight_senders or (train is None and not receiving):
+        return None, {}
+    key = _train_key(groups, train, version, config or WeightSyncConfig()) if train else None
+    first = min(groups.weight_senders)
+    if groups.weight_senders[first] is not None:
+        box = [key]
+        dist.broadcast_object_list(box, src=first, group=groups.weight_senders[first])
+        key = box[0]
+    if version is not None and key.version != version:
+        raise RuntimeError(
+            f"weight sync: global rank {rank} expects version {version} but sender global rank "
+            f"{first} sends version {key.version}"
+        )
+    reshard = plan.build_plan(key.layout, key.dims, key.dtype, key.produce_bytes, key.consume_bytes)
+    local = tp_groups = None
+    if train is not None:
+        local = _local_state(train, reshard, rank)
+        tp_groups = {"tp": train.pgc.tp, "expt_tp": train.pgc.expt_tp}
+    counter = buffers.MemoryCounter()
+    sink = make_sink(reshard, key, counter) if receiving else None
+    stats = executor.run_plan(
+        reshard, rank, key.version, groups.weight_senders, local=local, tp_groups=tp_groups,
+        sink=sink, counter=counter,
+    )  # fmt: skip
+    return sink, _metrics(stats, reshard)
+
+
+def _staging(reshard, key, counter) -> StagingSink:
+    dtype = buffers.torch_dtype(reshard.dtype)
+    return StagingSink(dtype, counter, key.version, key.consume_bytes)
+
+
+def broadcast_weights(
+    groups, roles: dict, config: WeightSyncConfig | None = None, version: int | None = None
+) -> tuple[StagedWeights | None, dict[str, float]]:
+    """Reshard with receivers staging whole tensors in host memory (collective).
+
+    Returns the `StagedWeights` on receivers (None elsewhere) and this rank's metrics. An
+    asynchronous generate rank calls it from its weight thread with no roles (generation keeps
+    running), then pauses, `load_into_engine`s the result in consume chunks and resumes.
+    """
+    sink, metrics = _reshard(groups, roles, version, config, _staging)
+    return (sink.weights if sink is not None else None), metrics
+
+
+def sync_weights(
+    groups, roles: dict, engine, version: int, config: WeightSyncConfig | None = None
+) -> dict[str, float]:
+    """Push the train role's weights to engines and the logp role (collective); returns metrics.
+
+    A generate rank with an engine (and no logp role) streams into it within the consume bound;
+    other receivers stage the whole model first. Raises RuntimeError naming parameters, sender
+    and receiver ranks and the version on a checksum mismatch or a chunk the engine rejects.
+    """
+    streaming = engine is not None and "logp" not in roles
+    if streaming:
+        holder: list = []
+
+        def make(reshard, key, counter):
+            dtype = buffers.torch_dtype(reshard.dtype)
+            sink = EngineSink(engine, key.version, groups.rank, counter, dtype)
+            sink.begin()
+            holder.append(sink)
+            return sink
+
+        try:
+            _, metrics = _reshard(groups, roles, version, config, make)
+        finally:
+            for sink in holder:
+                sink.finish()
         return metrics
-    start = time.perf_counter()
+    staged, metrics = broadcast_weights(groups, roles, config, version)
+    if staged is None:
+        return metrics
+    start = metrics.get("timing/weight_sync/load_s", 0.0)
+    begin = time.perf_counter()
     if engine is not None:
-        load_into_engine(engine, received, version)
+        load_into_engine(engine, staged, version)
     if "logp" in roles:
         role = roles["logp"]
         weights.load_hf_state_dict_into_megatron(
-            role.module, received, role.args, role.pgc, role.spec
+            role.module, staged, role.args, role.pgc, role.spec
         )
-    metrics["timing/weight_sync/load_s"] = time.perf_counter() - start
+    metrics["timing/weight_sync/load_s"] = start + time.perf_counter() - begin
     return metrics

@@ -6,8 +6,9 @@ Torch-free, like the rest of the config (the recipe loader imports it).
 
 Memory bound, per sync: a sender holds at most 2 produce buffers (gathering one bucket while the
 previous one is on the wire), a streaming receiver at most 2 consume buffers (receiving one
-message while the previous one loads), plus, on either side, one HF tensor at a time that is
-larger than a message (staged whole, because an engine loads whole tensors).
+message while the previous one loads); plus the HF tensors of the parameter a sender is packing
+and, on a receiver, one tensor larger than a message per sender (staged whole until its last
+piece arrives: engines load whole tensors).
 """
 
 from __future__ import annotations

@@ -1,0 +1,255 @@
+"""Runs a `ReshardPlan` on one rank: gather, pack, send; receive, verify, hand to a sink.
+
+Owned here: `run_plan`, the loop that every rank taking part in a sync runs over the plan's one
+global schedule, and its timings and memory peaks (`SyncStats`). Called by
+`weight_sync.broadcast` on train ranks (senders, and the TP / expert-TP members holding their
+shards) and on receivers (generate and logp ranks); a rank may be any mix of these.
+
+    sender s:    gather+convert+pack bucket i   | bucket i-1 on the wire (async broadcast on
+                 (TP/expert-TP gather, blocking) |   s's own gloo group {s} + receivers)
+    receiver r:  message k arriving (async)      | message k-1 checked, then loaded (sink)
+
+Double buffers: a sender packs bucket i into produce slot i % 2 after the sends of bucket i-2
+from that slot completed; a receiver posts message k into consume slot k % 2 after message k-2
+was loaded. Peak extra memory: 2 x the largest bucket (<= produce bytes) on a sender, 2 x the
+largest message (<= consume bytes) on a receiver, plus the HF tensors of the parameters a sender
+is packing ("gathered") and, on a receiver, one staged copy of a tensor split over messages
+per sender, until its last piece arrives ("staging"); all four are counted in `SyncStats.counter`.
+
+Ordering contract (why nothing deadlocks): every rank walks `plan.schedule` in the same order
+and posts, in that order, only the operations it takes part in; it only ever waits for an
+operation it posted earlier. A receiver checks each message (version, sender, sequence number,
+CRC-32) before its sink sees it; after the first failure it keeps receiving (so that no sender
+waits forever) but loads nothing more, and raises at the end. Every collective names `group=`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from megatron_async_rl.models import name_map
+from megatron_async_rl.weight_sync import buffers
+from megatron_async_rl.weight_sync.plan import Message, Piece, ReshardPlan
+
+
+class Sink(Protocol):
+    """Where a receiver's verified messages go (an engine, or host staging)."""
+
+    def add(
+        self,
+        message: Message,
+        pieces: list[tuple[Piece, torch.Tensor]],
+        sender: int,
+        seq: int,
+        last: bool,
+    ) -> None: ...
+
+
+@dataclasses.dataclass
+class SyncStats:
+    gather_s: float = 0.0
+    """Gathering shards, converting to HF tensors and packing them (senders, TP members)."""
+    send_s: float = 0.0
+    """Waiting for sends to complete and for messages to arrive."""
+    load_s: float = 0.0
+    """In the sink: loading into the engine, or copying into host staging."""
+    wall_s: float = 0.0
+    counter: buffers.MemoryCounter = dataclasses.field(default_factory=buffers.MemoryCounter)
+
+
+class _Receiver:
+    """Consume slots and the FIFO of messages in flight to this rank."""
+
+    def __init__(self, plan, rank, version, sink, stats, slot_bytes, num_messages):
+        self.plan, self.rank, self.version, self.sink, self.stats = plan, rank, version, sink, stats
+        self.dtype = buffers.torch_dtype(plan.dtype)
+        self.slots: list[torch.Tensor | None] = [None, None]
+        self.slot_bytes, self.remaining = slot_bytes, num_messages
+        self.in_flight: collections.deque = collections.deque()
+        self.posted = 0
+        self.error: Exception | None = None
+
+    def post(self, message: Message, sender: int, seq: int, group) -> None:
+        index = self.posted % 2
+        if len(self.in_flight) == 2:
+            self.complete_oldest()
+        if self.slots[index] is None:
+            self.slots[index] = torch.empty(self.slot_bytes, dtype=torch.uint8)
+            self.stats.counter.add("consume", self.slot_bytes)
+        view = self.slots[index][: message.wire_bytes]
+        work = dist.broadcast(view, src=sender, group=group, async_op=True)
+        self.in_flight.append((work, view, message, sender, seq))
+        self.posted += 1
+
+    def complete_oldest(self) -> None:
+        work, view, message, sender, seq = self.in_flight.popleft()
+        start = time.perf_counter()
+        work.wait()
+        self.stats.send_s += time.perf_counter() - start
+        self.deliver(view, message, sender, seq, verify=True)
+
+    def deliver(self, view, message: Message, sender: int, seq: int, verify: bool) -> None:
+        self.remaining -= 1
+        if self.error is not None:
+            return
+        try:
+            if verify:
+                self._verify(view, message, sender, seq)
+            start = time.perf_counter()
+            pieces = buffers.unpack(view, message, self.dtype)
+            self.sink.add(message, pieces, sender, seq, last=self.remaining == 0)
+            self.stats.load_s += time.perf_counter() - start
+        except Exception as exc:  # noqa: BLE001 - re-raised once the protocol has finished
+            self.error = exc
+
+    def _verify(self, view, message: Message, sender: int, seq: int) -> None:
+        header = buffers.read_header(view)
+        got = buffers.payload_checksum(view, message)
+        problem = None
+        if (header.sender, header.seq) != (sender, seq):
+            problem = f"arrived as message {header.seq} of sender {header.sender}"
+        elif header.version != self.version:
+            problem = f"carries version {header.version}"
+        elif header.checksum != got:
+            problem = f"failed its checksum (sent {header.checksum:#010x}, got {got:#010x})"
+        if problem:
+            names = sorted({p.hf_name for p in message.pieces})
+            raise RuntimeError(
+                f"weight sync v{self.version}: message {seq} from sender global rank {sender} "
+                f"to receiver global rank {self.rank} {problem}; parameters {names[:8]}"
+                f"{' ...' if len(names) > 8 else ''}; nothing of it was loaded"
+            )
+
+
+def _gather(plan, gather, rank, sender, local, tp_groups, checked) -> torch.Tensor | None:
+    """This rank's part in assembling one parameter; the full tensor on the sender."""
+    tensor = local[gather.local_name]
+    if tensor.dtype != buffers.torch_dtype(plan.dtype):
+        raise RuntimeError(
+            f"weight sync: parameter {gather.param} on global rank {rank} is {tensor.dtype}, "
+            f"the plan was made for {plan.dtype}"
+        )
+    if not gather.is_collective:
+        return tensor
+    group = tp_groups[gather.group]
+    if gather.group not in checked:
+        members = tuple(dist.get_process_group_ranks(group))
+        if members != gather.ranks:
+            raise RuntimeError(
+                f"weight sync: the plan gathers {gather.param} from ranks {gather.ranks} but "
+                f"the {gather.group} group of global rank {rank} is {members}"
+            )
+        checked.add(gather.group)
+    tensor = tensor.contiguous()
+    shards = [torch.empty_like(tensor) for _ in gather.ranks] if rank == sender else None
+    dist.gather(tensor, shards, dst=sender, group=group)
+    return name_map.unshard(shards, gather.spec) if rank == sender else None
+
+
+def run_plan(
+    plan: ReshardPlan,
+    rank: int,
+    version: int,
+    sender_groups: dict,
+    *,
+    local: dict[str, torch.Tensor] | None = None,
+    tp_groups: dict | None = None,
+    sink: Sink | None = None,
+    counter: buffers.MemoryCounter | None = None,
+) -> SyncStats:
+    """Take this rank's part in `plan` (collective over every participant).
+
+    `local`/`tp_groups`: the train role's state dict (local names) and its {"tp", "expt_tp"}
+    groups, on train ranks. `sink`: on receivers. `counter`: where buffer bytes are counted
+    (shared with the sink's own staging). Raises the first receive or sink error after
+    the whole schedule has run.
+    """
+    stats, wall = SyncStats(counter=counter or buffers.MemoryCounter()), time.perf_counter()
+    dtype = buffers.torch_dtype(plan.dtype)
+    mine = next((s for s in plan.senders if s.rank == rank), None)
+    slot_bytes = max((b.nbytes for b in mine.buckets), default=0) if mine else 0
+    slots: list[torch.Tensor | None] = [None, None]
+    sends: list[list] = [[], []]
+    staged: dict[str, torch.Tensor] = {}
+    seqs = {s.rank: 0 for s in plan.senders}
+    receiver = None
+    if sink is not None:
+        others = [m for s in plan.senders if s.rank != rank for b in s.buckets for m in b.messages]
+        total = sum(len(b.messages) for s in plan.senders for b in s.buckets)
+        slot = max((m.wire_bytes for m in others), default=0)
+        receiver = _Receiver(plan, rank, version, sink, stats, slot, total)
+    checked: set[str] = set()
+    for sender_index, bucket_index in plan.schedule:
+        sender = plan.senders[sender_index]
+        bucket, is_sender = sender.buckets[bucket_index], sender.rank == rank
+        start = time.perf_counter()
+        for gather in bucket.gathers:
+            if local is not None and rank in gather.ranks:
+                full = _gather(plan, gather, rank, sender.rank, local, tp_groups, checked)
+                if is_sender:
+                    for hf_name, tensor in name_map.megatron_param_to_hf(
+                        gather.param, full, plan.dims
+                    ):
+                        staged[hf_name] = tensor
+                        stats.counter.add("gathered", tensor.numel() * tensor.element_size())
+        stats.gather_s += time.perf_counter() - start
+        if is_sender:
+            _send_bucket(plan, bucket, rank, version, sender_groups[rank], staged, slots, sends,
+                         bucket_index, slot_bytes, seqs, stats, receiver, dtype)  # fmt: skip
+        elif receiver is not None:
+            for message in bucket.messages:
+                group = sender_groups[sender.rank]
+                receiver.post(message, sender.rank, seqs[sender.rank], group)
+                seqs[sender.rank] += 1
+    start = time.perf_counter()
+    for works in sends:
+        for work in works:
+            work.wait()
+    stats.send_s += time.perf_counter() - start
+    if receiver is not None:
+        while receiver.in_flight:
+            receiver.complete_oldest()
+        if receiver.error is not None:
+            raise receiver.error
+    stats.wall_s = time.perf_counter() - wall
+    return stats
+
+
+def _send_bucket(plan, bucket, rank, version, group, staged, slots, sends, index, slot_bytes,
+                 seqs, stats, receiver, dtype) -> None:  # fmt: skip
+    """Pack `bucket` into a free produce slot, deliver it locally if needed, post its sends."""
+    k = index % 2
+    start = time.perf_counter()
+    for work in sends[k]:
+        work.wait()
+    sends[k] = []
+    stats.send_s += time.perf_counter() - start
+    start = time.perf_counter()
+    if slots[k] is None:
+        slots[k] = torch.empty(slot_bytes, dtype=torch.uint8)
+        stats.counter.add("produce", slot_bytes)
+    views = []
+    for message in bucket.messages:
+        view = slots[k][message.offset : message.offset + message.wire_bytes]
+        buffers.pack(view, message, staged, dtype, version=version, sender=rank, seq=seqs[rank])
+        views.append((view, message, seqs[rank]))
+        seqs[rank] += 1
+    for param in bucket.releases:
+        for hf_name in name_map.hf_names_for(param, plan.dims):
+            tensor = staged.pop(hf_name)
+            stats.counter.sub("gathered", tensor.numel() * tensor.element_size())
+    stats.gather_s += time.perf_counter() - start
+    # Own delivery comes before the sends are posted: a sink may move the slot's storage into
+    # shared memory (an engine load does), which must not happen under an in-flight send.
+    if receiver is not None:
+        for view, message, seq in views:
+            receiver.deliver(view, message, rank, seq, verify=False)
+    if dist.get_world_size(group) > 1:
+        for view, _, _ in views:
+            sends[k].append(dist.broadcast(view, src=rank, group=group, async_op=True))
