@@ -139,9 +139,10 @@ class PeakRss:
         return self.peak - self.base
 
 
-def _timed(ctx: dict, fn) -> tuple[float, int, float]:
+def _timed(ctx: dict, fn) -> tuple[float, int, float, dict]:
     """Seconds from the first rank's start to the last rank's end of `fn`, this rank's peak
-    extra memory (RSS) during it, and the MiB of buffers the pipeline itself counted."""
+    extra memory (RSS) during it, the MiB of buffers the pipeline itself counted, and its stage
+    timings on this rank."""
     import torch
     import torch.distributed as dist
 
@@ -153,10 +154,11 @@ def _timed(ctx: dict, fn) -> tuple[float, int, float]:
     span = torch.tensor([-start, end], dtype=torch.float64)
     dist.all_reduce(span, op=dist.ReduceOp.MAX)
     counted = sum(v for k, v in metrics.items() if k.endswith("_peak_MB"))
-    return float(span[0] + span[1]), rss.extra, counted
+    stages = {k.rsplit("/", 1)[1]: v for k, v in metrics.items() if k.startswith("timing/")}
+    return float(span[0] + span[1]), rss.extra, counted, stages
 
 
-def _raw_broadcast(ctx: dict, num_bytes: int, chunk_bytes: int | None) -> tuple[float, int, float]:
+def _raw_broadcast(ctx: dict, num_bytes: int, chunk_bytes: int | None) -> tuple:
     """`num_bytes` from the train role's first rank to the `weight_sync` group: one broadcast,
     or back-to-back broadcasts of `chunk_bytes` (gloo pipelines those better on this box)."""
     import torch
@@ -372,6 +374,12 @@ def main() -> None:
     ]
     ratio = statistics.median(ratios)  # seconds ratio = throughput ratio: the same bytes move
     identical = "true" if checked and not mismatched else "false"
+    for role in ("train", "generate"):  # where the default configuration's time goes
+        stages = [run[3] for r in results if r["role"] == role for run in r["pipeline"][None]]
+        names = sorted({k for stage in stages for k in stage})
+        medians = {k: statistics.median(stage.get(k, 0.0) for stage in stages) for k in names}
+        print(f"default config, {role} ranks (median s): "
+              + " ".join(f"{k}={v:.3f}" for k, v in medians.items()))  # fmt: skip
     print(f"ratio per repeat: {' '.join(f'{x:.3f}' for x in ratios)}")
     print(
         f"RESULT ratio_vs_raw={ratio:.3f} bit_identical={identical} "
