@@ -242,6 +242,9 @@ def _build(cls: type, data: Any, key: str) -> Any:
                     raise ConfigError(_join(key, field.name), NO_VALUE, "missing required key")
                 continue
             kind = children[field.name]
+            if value is None and field.default is None:  # an optional section left out
+                kwargs[field.name] = None
+                continue
             if dataclasses.is_dataclass(kind):
                 value = _build(kind, value, _join(key, field.name))
             kwargs[field.name] = value

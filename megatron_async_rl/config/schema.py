@@ -28,6 +28,7 @@ from megatron_async_rl.engines.config import EngineConfig
 from megatron_async_rl.rewards.registry import RewardConfig
 from megatron_async_rl.rollout.dataset import DatasetConfig
 from megatron_async_rl.rollout.generation import RolloutConfig
+from megatron_async_rl.rollout.validation import ValidationConfig
 from megatron_async_rl.scheduler.config import SchedulerConfig
 from megatron_async_rl.weight_sync.config import WeightSyncConfig
 
@@ -192,6 +193,8 @@ class RunConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """Bucket sizes of the weight reshard into the engines (memory bound per sync)."""
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    """The held-out set evaluated every `scheduler.validation_every` versions."""
     megatron: dict[str, Any] = field(default_factory=dict)
     """Megatron args shared by every Megatron role, dest names (`tensor_model_parallel_size`)."""
 
@@ -222,6 +225,14 @@ class RunConfig:
                     None,
                     "the grpo job needs a HF checkpoint (the engines load it)",
                 )
+        if self.scheduler.validation_every > 0 and self.validation.data is None:
+            raise ConfigError(
+                "validation.data",
+                None,
+                f"scheduler.validation_every is {self.scheduler.validation_every}: "
+                "validation needs a held-out set",
+                "add validation: {data: {path: val.jsonl}} or set validation_every: 0",
+            )
 
 
 @dataclass(kw_only=True)

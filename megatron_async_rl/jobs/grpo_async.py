@@ -1,34 +1,33 @@
 """The asynchronous GRPO loop: generation of the next steps overlaps learning on the current one.
 
-    generate ranks, main thread      generate s ──> send S_s ──> [admit s+1: v >= s+1-N] ──> ...
-    generate ranks, weight thread    receive W_1, W_2, ... (kept pending; loaded per mode)
-    Megatron ranks, main thread      receive S_s ──> logp, ref, advantages, train ──> send W_s+1
+    generate ranks   scheduler thread   dataloader -> generate -> reward -> [scored]   validation
+                     main thread        runs the work the scheduler hands out (engine calls)
+                     sender thread      [scored] ==samples group==> Megatron ranks
+                     weight thread      <==weight_sync group== versions 1, 2, ...; loads them
+    Megatron ranks   receiver thread    ==samples group==> [samples]
+                     scheduler thread   [samples] -> logp -> ref_logp -> train -> param_update
+                     main thread        runs the work (forward, backward, weight sync, metrics)
 
-    stage        waits for (state WAITING_INPUT)                      bounded by
-    generate     engine weights v >= s - N (StalenessController)       stage_timeout_s
-    send S_s     the Megatron ranks to take step s (samples group)     stage_timeout_s (gloo)
-    learn        samples of step s                                     stage_timeout_s (gloo)
-    weights      the next version from the train role (weight group)   stage_timeout_s (gloo)
+Owned here: which tasks, queues and threads each rank runs (`scheduler/scheduler.py` steps
+them; its docstring has the full diagram and what each stage waits for) and the admission rule.
+Called by the entry point when `scheduler.generate_ahead_steps` (N) > 0 or `scheduler.loop:
+async`; at N = 0 it matches `jobs/grpo_sync.py`, the reference, bit for bit (tested).
 
-Owned here: the thread structure of a generate rank and the admission rule. Called by the entry
-point when `scheduler.generate_ahead_steps` (N) > 0 or `scheduler.loop: async`; at N = 0 it
-reduces to `jobs/grpo_sync.py`, the reference, bit for bit (tested). Bounded off-policy:
-generation of step s starts only once the engine holds version s - N or newer
-(`scheduler/staleness.py`), and every batch is checked where it is consumed, so a token
-trained at step k was produced by a version in [k - N, k].
-Weight updates (`scheduler.weight_update_mode`): `wait` loads a received version as soon as the
-engine finishes its current batch (off the generate rank's critical path while it hands its
-samples over); `in_flight` pauses the engine in place, loads, and continues the same requests,
-whose later tokens then carry the new version.
-
-The Megatron ranks run the same step body as the synchronous loop (`jobs/stages.py`); only the
-generate ranks change. Each gloo group is used by one thread per rank (samples: main thread;
-weight_sync: the weight thread), so the two directions never wait on each other.
+Bounded off-policy: `generate` of step s starts only once the engine holds version s - N or
+newer (`scheduler/staleness.py`), and every batch is checked where `train` consumes it, so a
+token trained at step k was produced by a version in [k - N, k]. On Megatron ranks `logp` of
+step s starts only once the logp role holds version s (its proximal policy is the current one).
+Weight updates (`scheduler.weight_update_mode`): `wait` loads a version as soon as the engine is
+idle (the generate work holds `engine_lock`); `in_flight` pauses the engine in place, loads and
+continues the same requests, whose later tokens then carry the new version.
+Validation (`scheduler.validation_every`): when a due version is loaded, the generate ranks
+evaluate it before generating more; with `validation_version: exact` the next version is not
+loaded before that (the weight thread waits), with `latest` the newest loaded version is used.
+Each gloo group is used by one thread per rank, so no two threads share a collective stream.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -37,7 +36,10 @@ import torch.distributed as dist
 
 from megatron_async_rl.jobs.stages import Job, exchange_samples, token_versions
 from megatron_async_rl.observability.metrics import StepTimer
+from megatron_async_rl.rollout.batch import build_batch
 from megatron_async_rl.scheduler.machine import StageMachine
+from megatron_async_rl.scheduler.queues import BoundedQueue
+from megatron_async_rl.scheduler.scheduler import Scheduler, StageTask
 from megatron_async_rl.scheduler.staleness import StalenessController
 from megatron_async_rl.scheduler.states import Stage, StageState, StageTimeout
 from megatron_async_rl.weight_sync.broadcast import (
@@ -47,125 +49,281 @@ from megatron_async_rl.weight_sync.broadcast import (
 )
 
 logger = logging.getLogger(__name__)
+S = StageState
 
 
 class WeightReceiver(threading.Thread):
-    """A generate rank's weight thread: receives every version and loads it into the engine.
+    """A generate rank's weight thread (the `param_update` machine): receives every version and
+    loads it into the engine; gates loads on validation of the version before (mode exact)."""
 
-    `wait` mode: a version is loaded as soon as the engine is idle; `engine_lock` is held by
-    the main thread while it generates, so a load waits for the current batch and usually
-    lands while the main thread hands its samples over. `in_flight` mode: the version is
-    loaded at once, the engine paused in place around the load.
-    """
-
-    def __init__(self, job: Job, num_versions: int, in_flight: bool):
+    def __init__(self, job: Job, cfg, wake):
         super().__init__(name="weight-receiver", daemon=True)
-        self.job, self.num_versions, self.in_flight = job, num_versions, in_flight
+        self.job, self.sched, self.wake = job, cfg.scheduler, wake
+        self.num_versions = cfg.trainer.num_steps
+        self.in_flight = self.sched.weight_update_mode == "in_flight"
+        self.machine = StageMachine(Stage.PARAM_UPDATE)
         self.cond = threading.Condition()
-        self.engine_lock = threading.Lock()
+        self.engine_lock = threading.Lock()  # held while the engine generates
+        self.validation_lock = threading.Lock()  # held while the engine validates
         self.loaded = 0  # newest version the engine serves
-        self.loaded_during_generate = False
-        self.load_s = 0.0  # seconds spent loading since the last admission
+        self.validated = -1  # newest due version evaluated
+        self.validation_open = job.validator is not None
+        self.needs_flush = False
+        self.load_s = 0.0  # seconds spent loading since the last generate
         self.error: BaseException | None = None
 
+    def pending_validation(self) -> int | None:
+        """The due version to evaluate now with the loaded weights, if any."""
+        with self.cond:
+            if not self.validation_open:
+                return None
+            if self.sched.validation_version == "exact":
+                due = self.sched.validation_due(self.loaded) and self.loaded > self.validated
+                return self.loaded if due else None
+            every = self.sched.validation_every
+            newest_due = self.loaded - self.loaded % every
+            return newest_due if newest_due > self.validated else None
+
+    def mark_validated(self, version: int) -> None:
+        with self.cond:
+            self.validated = max(self.validated, version)
+            self.cond.notify_all()
+
+    def close_validation(self) -> None:
+        with self.cond:
+            self.validation_open = False
+            self.cond.notify_all()
+
+    def _wait_for_validation(self, version: int) -> None:
+        """Mode exact: version - 1, if due, is evaluated before `version` replaces it."""
+        previous = version - 1
+        if self.sched.validation_version != "exact" or not self.sched.validation_due(previous):
+            return
+        deadline = time.monotonic() + self.sched.stage_timeout_s
+        with self.cond:
+            while self.validation_open and self.validated < previous:
+                if not self.cond.wait(max(deadline - time.monotonic(), 0.0)):
+                    raise StageTimeout(
+                        f"validation of v{previous} before loading v{version}",
+                        self.sched.stage_timeout_s, self.sched.stage_timeout_s,
+                        {"role": "generate", "rank": self.job.rank, **self.machine.context()},
+                    )  # fmt: skip
+
     def run(self) -> None:
+        machine = self.machine
         try:
             for version in range(1, self.num_versions + 1):
+                machine.transition(S.WAITING_INPUT, f"receiving v{version}")
                 tensors, _ = broadcast_weights(self.job.groups, {})
-                lock = contextlib.nullcontext() if self.in_flight else self.engine_lock
-                with lock:  # wait mode: after the engine's current batch
+                machine.transition(S.WAITING_OUTPUT_SPACE, f"engine ready for v{version}")
+                self._wait_for_validation(version)
+                # wait mode: after the engine's current batch; either mode: never mid-validation
+                lock = self.validation_lock if self.in_flight else self.engine_lock
+                with lock:
+                    machine.transition(S.RUNNING, f"loading v{version}")
                     start, wall_start = time.perf_counter(), time.time()
                     load_into_engine(self.job.engine, tensors, version, in_place=self.in_flight)
                 self.job.stages.trace.add("load_weights", wall_start, time.time(), step=version)
+                machine.transition(S.IDLE, f"v{version} loaded")
                 with self.cond:
                     self.loaded = version
-                    self.loaded_during_generate |= self.in_flight
+                    self.needs_flush |= self.in_flight
                     self.load_s += time.perf_counter() - start
                     self.cond.notify_all()
-        except BaseException as err:  # noqa: BLE001 - re-raised by the main thread
+                self.wake()
+            machine.transition(S.DONE, "every version loaded")
+        except BaseException as err:  # noqa: BLE001 - surfaced by the scheduler's checks
             with self.cond:
                 self.error = err
                 self.cond.notify_all()
+            if not machine.is_terminal:
+                machine.fail(err)
+            self.wake()
 
-    def admit(self, step: int, staleness: StalenessController, timeout_s: float, machine) -> float:
-        """Block until the engine holds a version that may generate step `step`.
-
-        Returns the seconds the weight thread spent loading since the previous admission.
-        """
-        required = staleness.required_version(step)
-        deadline = time.monotonic() + timeout_s
-        with self.cond:
-            while self.loaded < required and self.error is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise StageTimeout(
-                        waiting_for=f"engine weights v{required} (engine serves v{self.loaded})",
-                        waited_s=timeout_s,
-                        timeout_s=timeout_s,
-                        context={"role": "generate", "rank": self.job.rank, "step": step,
-                                 **machine.context()},
-                    )  # fmt: skip
-                self.cond.wait(min(left, 1.0))
-            if self.error is not None:
-                raise RuntimeError(
-                    f"role generate, rank {self.job.rank}: the weight thread failed"
-                ) from self.error
-            flush, self.loaded_during_generate = self.loaded_during_generate, False
-            load_s, self.load_s = self.load_s, 0.0
-        if flush:
-            self.job.engine.flush_cache()  # KV computed with older weights; engine is idle now
-        return load_s
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(
+                f"role generate, rank {self.job.rank}: the weight thread failed: {self.error}"
+            ) from self.error
 
 
-def _generate_loop(job: Job, cfg, staleness: StalenessController) -> None:
-    sched = cfg.scheduler
-    receiver = WeightReceiver(job, cfg.trainer.num_steps, sched.weight_update_mode == "in_flight")
-    receiver.start()
-    machine = StageMachine(Stage.GENERATE)
-    for step in range(cfg.trainer.num_steps):
-        timer = StepTimer(rank=job.rank)
-        machine.transition(StageState.WAITING_INPUT, f"step {step}: admission")
-        with job.stages("admit", step, timer):
-            load_s = receiver.admit(step, staleness, sched.stage_timeout_s, machine)
+def _thread(name: str, target, errors: list, wake) -> threading.Thread:
+    def body():
+        try:
+            target()
+        except BaseException as err:  # noqa: BLE001 - surfaced by the scheduler's checks
+            errors.append(err)
+            wake()
+
+    thread = threading.Thread(target=body, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def _raise_first(errors: list, where: str) -> None:
+    if errors:
+        raise RuntimeError(f"{where}: {errors[0]}") from errors[0]
+
+
+def _generate_side(job: Job, cfg, staleness: StalenessController) -> None:
+    sched, steps = cfg.scheduler, cfg.trainer.num_steps
+    timeout = sched.stage_timeout_s
+    prompts = BoundedQueue("prompts", sched.queue_capacity)
+    rollouts = BoundedQueue("rollouts", sched.queue_capacity)
+    scored = BoundedQueue("scored", sched.queue_capacity)
+    errors: list[BaseException] = []
+    val_reports: list[dict] = []
+    receiver = WeightReceiver(job, cfg, wake=lambda: scheduler.wake())
+
+    def load(index):
         records = job.dataset.next_batch(cfg.rollout.num_prompts_per_step)
-        machine.transition(StageState.RUNNING, f"step {step}: engine at v{receiver.loaded}")
+        return {"step": index, "records": records, "timer": StepTimer(rank=job.rank)}
+
+    def admission(item):
+        receiver.check()
+        _raise_first(errors, f"role generate, rank {job.rank}: the sender thread failed")
+        pending = receiver.pending_validation()
+        if pending is not None:
+            return f"validation of v{pending}"
+        required = staleness.required_version(item["step"])
+        if receiver.loaded < required:
+            return f"engine weights v{required} (engine serves v{receiver.loaded})"
+        return None
+
+    def generate(item):
+        step, timer = item["step"], item["timer"]
+        with receiver.cond:
+            flush, receiver.needs_flush = receiver.needs_flush, False
+            item["load_s"], receiver.load_s = receiver.load_s, 0.0
         with receiver.engine_lock:
-            samples, report = job.rollout(step, records, timer)
-        report["timing/load_weights_s"] = load_s
-        machine.transition(StageState.WAITING_OUTPUT_SPACE, f"step {step}: sending samples")
-        report.update(timer.metrics(prefix="timing"))
-        report.update(machine.metrics())
-        exchange_samples(job.groups, samples, report)
-        machine.transition(StageState.IDLE, f"step {step}: sent")
-    machine.transition(StageState.DONE, "all steps generated")
-    receiver.join(timeout=sched.stage_timeout_s)
-    if receiver.is_alive():
-        raise StageTimeout(
-            waiting_for="the weight thread to receive the last version",
-            waited_s=sched.stage_timeout_s, timeout_s=sched.stage_timeout_s,
-            context={"role": "generate", "rank": job.rank, **machine.context()},
-        )  # fmt: skip
-    if receiver.error is not None:
-        raise RuntimeError(f"role generate, rank {job.rank}: weight thread failed") from (
-            receiver.error
-        )
+            if flush:  # KV computed with older weights; the engine is idle now
+                job.engine.flush_cache()
+            item["samples"] = job.generate(step, item["records"], timer)
+        return item
+
+    def score(item):
+        samples, report = job.score(item["step"], item["samples"], item["timer"])
+        report["timing/load_weights_s"] = item["load_s"]
+        while val_reports:
+            report.update(val_reports.pop(0))
+        report.update(item["timer"].metrics(prefix="timing"))
+        report.update(scheduler.metrics())
+        report.update(job.stages.utilization())
+        return samples, report
+
+    def validation_guard(_):
+        pending = receiver.pending_validation()
+        return None if pending is not None else "a due version to be loaded"
+
+    def validate(_):
+        due = receiver.pending_validation()
+        with receiver.engine_lock, receiver.validation_lock:
+            version = receiver.loaded  # exact: the due version; latest: the newest loaded
+            report = job.validate(version, version, StepTimer(rank=job.rank))
+        val_reports.append({**report, "val/due_version": float(due)})
+        receiver.mark_validated(due)
+
+    def send():
+        for _ in range(steps):
+            samples, report = scored.get(timeout, {"role": "generate", "rank": job.rank})
+            exchange_samples(job.groups, samples, report)
+
+    generate_machine = StageMachine(Stage.GENERATE)
+    tasks = [
+        StageTask(StageMachine(Stage.DATALOADER), load, output=prompts, num_items=steps),
+        StageTask(generate_machine, generate, inputs=prompts, output=rollouts, guard=admission),
+        StageTask(StageMachine(Stage.REWARD), score, inputs=rollouts, output=scored),
+    ]
+    if job.validator is not None:
+        tasks.append(StageTask(
+            job.validation_machine, validate, guard=validation_guard,
+            done_when=lambda: generate_machine.is_terminal,
+        ))  # fmt: skip
+    scheduler = Scheduler(tasks, role="generate", rank=job.rank, timeout_s=timeout)
+    receiver.start()
+    sender = _thread("samples-sender", send, errors, scheduler.wake)
+    try:
+        scheduler.run()
+    finally:
+        receiver.close_validation()
+    _join(sender, timeout, "the sender thread to hand over the last samples", job)
+    _raise_first(errors, f"role generate, rank {job.rank}: the sender thread failed")
+    _join(receiver, timeout, "the weight thread to receive the last version", job)
+    receiver.check()
 
 
-def _learn_loop(job: Job, cfg, staleness: StalenessController) -> None:
-    last = time.perf_counter()
-    for step in range(cfg.trainer.num_steps):
-        timer = StepTimer(rank=job.rank)
+def _join(thread: threading.Thread, timeout: float, waiting_for: str, job: Job) -> None:
+    thread.join(timeout=timeout)
+    if thread.is_alive():
+        raise StageTimeout(waiting_for, timeout, timeout, {"role": "generate", "rank": job.rank})
+
+
+def _learn_side(job: Job, cfg, staleness: StalenessController) -> None:
+    sched, steps = cfg.scheduler, cfg.trainer.num_steps
+    timeout, capacity = sched.stage_timeout_s, sched.queue_capacity
+    role = "+".join(job.groups.local_roles())
+    samples_q, logp_q, ref_q, trained_q = (
+        BoundedQueue(name, capacity) for name in ("samples", "logp", "ref", "trained")
+    )
+    errors: list[BaseException] = []
+    state = {"logp_version": 0, "last": time.perf_counter()}
+
+    def receive():
+        for step in range(steps):
+            timer = StepTimer(rank=job.rank)
+            with job.stages("wait_samples", step, timer):
+                samples, gen_reports = exchange_samples(job.groups, [], {})
+            samples_q.put(
+                {"step": step, "samples": samples, "gen_reports": gen_reports, "timer": timer},
+                timeout, {"role": role, "rank": job.rank, "stage": "receive"},
+            )  # fmt: skip
+            scheduler.wake()
+        samples_q.close()  # the stages downstream finish once they drained it
+
+    def logp_guard(item):
+        _raise_first(errors, f"role {role}, rank {job.rank}: the receiver thread failed")
+        if "logp" in job.roles and state["logp_version"] < item["step"]:
+            return f"logp weights v{item['step']} (logp holds v{state['logp_version']})"
+        return None
+
+    def logp(item):
         job.dataset.next_batch(cfg.rollout.num_prompts_per_step)  # keep the cursor in step
-        with job.stages("wait_samples", step, timer):
-            samples, gen_reports = exchange_samples(job.groups, [], {})
-        report, batch_metrics = job.learn(step, samples, timer)
-        batch_metrics.update(staleness.check_batch(step, token_versions(samples)))
+        item.update(batch=build_batch(item["samples"], job.pad_id), results={})
+        return job.forward("logp", item)
+
+    def train(item):
+        report, batch_metrics = job.train(item)
+        batch_metrics.update(staleness.check_batch(item["step"], token_versions(item["samples"])))
+        item.update(report=report, batch_metrics=batch_metrics)
+        return item
+
+    def param_update(item):
+        step, timer, report = item["step"], item["timer"], item["report"]
         with job.stages("weight_sync", step, timer):
             report.update(sync_weights(job.groups, job.roles, None, version=step + 1))
+        state["logp_version"] = step + 1
         report.update(timer.metrics(prefix="timing"))
+        report.update(scheduler.metrics())
         now = time.perf_counter()
-        job.log_step(step, report, batch_metrics, now - last, gen_reports)
-        last = now
+        job.log_step(step, report, item["batch_metrics"], now - state["last"], item["gen_reports"])
+        state["last"] = now
+
+    tasks = [
+        StageTask(StageMachine(Stage.LOGP), logp, inputs=samples_q, output=logp_q,
+                  guard=logp_guard),
+        StageTask(StageMachine(Stage.REF_LOGP), lambda item: job.forward("ref", item),
+                  inputs=logp_q, output=ref_q),
+        StageTask(StageMachine(Stage.TRAIN), train, inputs=ref_q, output=trained_q),
+        StageTask(StageMachine(Stage.PARAM_UPDATE), param_update, inputs=trained_q),
+    ]  # fmt: skip
+    scheduler = Scheduler(tasks, role=role, rank=job.rank, timeout_s=timeout)
+    receiver = _thread("samples-receiver", receive, errors, scheduler.wake)
+    try:
+        scheduler.run()
+    finally:
+        samples_q.close()
+    receiver.join(timeout=timeout)
+    _raise_first(errors, f"role {role}, rank {job.rank}: the receiver thread failed")
 
 
 def run_grpo_async(cfg, groups, platform) -> None:
@@ -180,9 +338,9 @@ def run_grpo_async(cfg, groups, platform) -> None:
                     f"rank {job.rank}: the asynchronous loop needs generate ranks of their own "
                     "(a rank holds generate and Megatron roles)"
                 )
-            _generate_loop(job, cfg, staleness)
+            _generate_side(job, cfg, staleness)
         else:
-            _learn_loop(job, cfg, staleness)
+            _learn_side(job, cfg, staleness)
         job.write_trace()
     finally:
         job.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -24,21 +25,43 @@ from megatron_async_rl.observability.metrics import MetricsWriter, StepTimer, su
 from megatron_async_rl.observability.plots import plot_reward_curve, plot_stage_timeline
 from megatron_async_rl.observability.progress import Progress
 from megatron_async_rl.observability.trace import TraceRecorder, merge_traces, write_trace
+from megatron_async_rl.observability.utilization import busy_idle
 from megatron_async_rl.rewards.registry import SafeReward, get_reward
 from megatron_async_rl.roles.megatron_role import build_local_roles
 from megatron_async_rl.rollout.batch import build_batch, version_number
 from megatron_async_rl.rollout.dataset import PromptDataset, encode_prompt
 from megatron_async_rl.rollout.generation import Sample, generate_samples, served_prompts
+from megatron_async_rl.rollout.validation import Validator
+from megatron_async_rl.scheduler.machine import StageMachine
+from megatron_async_rl.scheduler.states import Stage
 
 logger = logging.getLogger(__name__)
 LOSS_KEYS = ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy_loss")
+
+
+WAIT_SPANS = frozenset({"wait_samples", "admit"})
+"""Spans that record a wait, not work: they count as idle in `utilization/`."""
 
 
 class Stages:
     """Times each stage for the step metrics and records its span for trace.json."""
 
     def __init__(self, rank: int, roles: tuple[str, ...]):
+        self.rank, self.roles = rank, roles
         self.trace = TraceRecorder(rank, roles)
+        self._since = time.time()
+
+    def utilization(self) -> dict[str, float]:
+        """This rank's busy and idle seconds and bubble ratio since the previous call
+        (`utilization/<group>/...`; the leader averages them over each group's ranks)."""
+        now, since = time.time(), self._since
+        self._since = now
+        if now <= since:
+            return {}
+        spans = [
+            s for s in self.trace.spans() if s["stage"] not in WAIT_SPANS and s["end_s"] > since
+        ]
+        return busy_idle(spans, since, now, {self.rank: self.roles})
 
     @contextlib.contextmanager
     def __call__(self, name: str, step: int, timer: StepTimer):
@@ -114,6 +137,8 @@ class Job:
         )
         self.engine = self._start_engine()
         self.reward = SafeReward(get_reward(cfg.reward), cfg.reward.name) if self.engine else None
+        self.validator = self._validator()
+        self.validation_machine = StageMachine(Stage.VALIDATION)
         self.writer = MetricsWriter(cfg.run_dir) if self.is_leader else None
         self.progress = Progress(cfg.trainer.num_steps, enabled=self.is_leader)
         self.stages = Stages(self.rank, groups.local_roles())
@@ -132,9 +157,41 @@ class Job:
         logger.info("generate rank %d: engine up in %.1f s", rank_in_role, engine.startup_s)
         return engine
 
+    def _validator(self) -> Validator | None:
+        cfg = self.cfg
+        if self.engine is None or cfg.scheduler.validation_every == 0:
+            return None
+        val = cfg.validation
+        dataset = PromptDataset(
+            val.data, tokenizer=self.tokenizer, use_chat_template=cfg.rollout.use_chat_template,
+            key_prefix="validation.data",
+        )  # fmt: skip
+        records = dataset.records[: val.num_prompts] if val.num_prompts else dataset.records
+        layout = self.groups.layout
+        return Validator(
+            val, cfg.rollout, records, SafeReward(get_reward(cfg.reward), cfg.reward.name),
+            layout.rank_in_role("generate", self.rank), layout.window_of("generate").size,
+            cfg.seed,
+        )  # fmt: skip
+
     # -- generate ranks ---------------------------------------------------------------------
+    def validate(self, version: int, step: int, timer: StepTimer) -> dict:
+        """The validation stage: the held-out set scored with the engine's current weights
+        (policy `version`); the caller moves `validation_machine` around it."""
+        with self.stages("validation", step, timer):
+            metrics = self.validator.run(
+                self.engine, self.tokenizer, version,
+                lambda r: encode_prompt(r, self.tokenizer, self.cfg.rollout.use_chat_template),
+            )  # fmt: skip
+        metrics.update(self.validation_machine.metrics())
+        return metrics
+
     def rollout(self, step: int, records, timer: StepTimer) -> tuple[list[Sample], dict]:
         """This generate rank's share of the step's samples, scored; and its report."""
+        return self.score(step, self.generate(step, records, timer), timer)
+
+    def generate(self, step: int, records, timer: StepTimer) -> list[Sample]:
+        """The generate stage: this rank's share of the step's prompts, sampled."""
         cfg, layout = self.cfg, self.groups.layout
         mine = served_prompts(
             len(records), layout.rank_in_role("generate", self.rank),
@@ -147,10 +204,13 @@ class Job:
         }
         n = cfg.algorithm.num_samples_per_prompt
         with self.stages("generate", step, timer):
-            samples = generate_samples(
+            return generate_samples(
                 self.engine, self.tokenizer, records, ids, mine, n, cfg.rollout,
                 step=step, run_seed=cfg.seed,
             )  # fmt: skip
+
+    def score(self, step: int, samples: list[Sample], timer: StepTimer):
+        """The reward stage: every sample scored; (samples, this rank's reward report)."""
         with self.stages("reward", step, timer):
             for sample, value in zip(samples, self.reward.score(samples), strict=True):
                 sample.reward = value
@@ -159,21 +219,30 @@ class Job:
     # -- Megatron ranks ---------------------------------------------------------------------
     def learn(self, step: int, samples: list[Sample], timer: StepTimer) -> tuple[dict, dict]:
         """One optimizer step from the step's samples; (this rank's report, batch metrics)."""
+        return self.train(self.forward("ref", self.forward("logp", {
+            "step": step, "samples": samples, "timer": timer,
+            "batch": build_batch(samples, self.pad_id), "results": {},
+        })))  # fmt: skip
+
+    def forward(self, name: str, state: dict) -> dict:
+        """The `logp` or `ref` stage: that role's log-probs of the batch (on its ranks)."""
+        role = self.roles.get(name)
+        if role is not None:
+            size = self.cfg.trainer.micro_batch_size or len(state["samples"])
+            with self.stages(name, state["step"], state["timer"]):
+                out = role.logprobs(state["batch"]["tokens"], size)
+            if out is not None and _reports(role) and dist.get_rank(role.pgc.dp) == 0:
+                state["results"][name] = out[0]
+        return state
+
+    def train(self, state: dict) -> tuple[dict, dict]:
+        """Advantages and the train role's optimizer step (collective over the Megatron ranks)."""
         cfg, algo, roles = self.cfg, self.cfg.algorithm, self.roles
         n = algo.num_samples_per_prompt
-        batch = build_batch(samples, self.pad_id)
-        results = {}
-        for name in ("logp", "ref"):
-            if name in roles:
-                role = roles[name]
-                with self.stages(name, step, timer):
-                    out = role.logprobs(
-                        batch["tokens"], cfg.trainer.micro_batch_size or len(samples)
-                    )
-                if out is not None and _reports(role) and dist.get_rank(role.pgc.dp) == 0:
-                    results[name] = out[0]
+        step, samples, timer = state["step"], state["samples"], state["timer"]
+        batch = state["batch"]
         parts = [None] * len(self.groups.megatron_ranks)
-        dist.all_gather_object(parts, results, group=self.groups.megatron)
+        dist.all_gather_object(parts, state["results"], group=self.groups.megatron)
         merged = {k: v for part in parts for k, v in part.items()}
         old_logp, ref_logp = merged["logp"], merged["ref"]
         rewards, mask = batch["rewards"], batch["mask"]
@@ -212,6 +281,7 @@ class Job:
     ) -> None:
         """Gather Megatron ranks' reports on the leader (with the generate ranks' reports that
         came with the samples) and write the step's metrics."""
+        report = {**report, **self.stages.utilization()}
         parts = [None] * len(self.groups.megatron_ranks)
         dist.gather_object(report, parts if self.is_leader else None, dst=self.groups.leader,
                            group=self.groups.megatron)  # fmt: skip
@@ -221,6 +291,10 @@ class Job:
         metrics.update(batch_metrics)
         metrics.update(self.dataset.metrics())
         metrics["timing/step_s"] = step_s
+        busy = [v for k, v in metrics.items() if k.startswith("utilization/") and "busy_s" in k]
+        if busy:  # the busiest group bounds a perfectly overlapped step
+            metrics["utilization/ideal_step_s"] = max(busy)
+            metrics["utilization/overlap_efficiency"] = min(max(busy) / step_s, 1.0)
         metrics["throughput/tokens_per_s"] = metrics.pop("tokens/total") / step_s
         self.writer.log(step, metrics)
         self.progress.update(step, metrics)

@@ -103,6 +103,17 @@ class BoundedQueue(Generic[T]):
                 raise QueueClosed(f"queue {self.name} is closed and drained")
             return False, None
 
+    def peek(self) -> tuple[bool, T | None]:
+        """(True, the oldest item) without taking it, else (False, None); for a consumer
+        whose start depends on the item (e.g. the step it belongs to). Raises QueueClosed once
+        the queue is closed and drained."""
+        with self._cond:
+            if self._items:
+                return True, self._items[0]
+            if self._closed:
+                raise QueueClosed(f"queue {self.name} is closed and drained")
+            return False, None
+
     def close(self) -> None:
         """End the stream (idempotent); wakes every waiting thread."""
         with self._cond:

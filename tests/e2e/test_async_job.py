@@ -2,8 +2,8 @@
 
 Contracts checked:
 - at `generate_ahead_steps: 0` the asynchronous loop (`scheduler.loop: async`) reproduces the
-  synchronous loop exactly: same seed and data give identical metrics (every key but timings
-  and throughput) at every step;
+  synchronous loop exactly: same seed and data give identical metrics (every key but timings,
+  throughput, scheduler and utilization seconds) at every step, validation results included;
 - at `generate_ahead_steps: 1` over 50 steps, no token is ever trained more than one policy
   version after the one that produced it (`policy_lag/max` read from the per-token versions
   the engine reported), and generation does run ahead (some step has lag 1).
@@ -26,7 +26,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang not installed"),
 ]
-VOLATILE = ("timing/", "throughput/", "scheduler/")
+VOLATILE = ("timing/", "throughput/", "scheduler/", "utilization/", "weight_sync/GB_per_s")
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +37,12 @@ def task(tmp_path_factory):
     root = tmp_path_factory.mktemp("task")
     model = write_tiny_model(root / "model", "llama", seed=0)
     data = write_arithmetic_dataset(root / "train.jsonl", num_rows=300, seed=0)
-    return model, data
+    val = write_arithmetic_dataset(root / "val.jsonl", num_rows=12, seed=1)
+    return model, data, val
 
 
 def _run(task, run_dir, port, *sets):
-    model, data = task
+    model, data, _ = task
     cmd = [
         "bash", str(REPO / "launch" / "torchrun.sh"), str(RECIPE), "--run-dir", str(run_dir),
         "--set", f"model.hf_path={model}", "--set", f"data.path={data}",
@@ -62,9 +63,17 @@ def _stable(row):
 
 
 def test_zero_steps_ahead_is_the_synchronous_loop_exactly(task, tmp_path):
-    sync = _run(task, tmp_path / "sync", 29641, "trainer.num_steps=4")
-    async_ = _run(task, tmp_path / "async", 29642, "trainer.num_steps=4", "scheduler.loop=async")
+    sets = [
+        "trainer.num_steps=4",
+        "scheduler.validation_every=2",
+        f"validation.data.path={task[2]}",
+    ]
+    sync = _run(task, tmp_path / "sync", 29641, *sets)
+    async_ = _run(task, tmp_path / "async", 29642, *sets, "scheduler.loop=async")
     assert len(sync) == len(async_) == 4
+    # validation of versions 0 and 2 (every 2), reported with the step that follows it
+    assert [r.get("val/version") for r in sync] == [0.0, None, 2.0, None]
+    assert all(0 <= r["utilization/bubble_ratio"] <= 1 for r in sync + async_)
     for a, b in zip(sync, async_, strict=True):
         assert _stable(a) == _stable(b), (
             a["step"],

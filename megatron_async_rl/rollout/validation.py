@@ -1,0 +1,122 @@
+"""Validation: score a held-out prompt set with the weights of one named policy version.
+
+Owned here: the recipe's `validation:` section (`ValidationConfig`) and `Validator`, which runs
+one evaluation on a generate rank's engine and returns its `val/` metrics. When a version is
+due (`scheduler.validation_every`) and which weights it uses (`scheduler.validation_version`)
+is the jobs' decision (`jobs/grpo_sync.py`, `jobs/grpo_async.py`); they move the `validation`
+stage machine around each call. Validation never touches the training data cursor, the
+training reward's counters or the training samples' seeds, so turning it on leaves the
+training numbers unchanged (tested).
+
+    validation:
+      data: {path: runs/arith/val.jsonl, shuffle: false}
+      num_prompts: 64          # the first 64 rows (null: all), the same rows every time
+      temperature: 0.0         # greedy: one response per prompt is enough
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.rollout.dataset import DatasetConfig
+from megatron_async_rl.rollout.generation import RolloutConfig, served_prompts
+
+
+@dataclass
+class ValidationConfig:
+    """The held-out set and how it is sampled."""
+
+    data: DatasetConfig | None = None
+    """The held-out prompts (same format as `data:`); required when validation is on."""
+    num_prompts: int | None = None
+    """Evaluate the first this-many rows of the file (in file order); None: every row."""
+    num_samples_per_prompt: int = 1
+    """Responses per prompt; more than 1 makes sense with temperature > 0."""
+    max_new_tokens: int | None = None
+    """Response length limit; None: rollout.max_new_tokens."""
+    temperature: float = 0.0
+    """Sampling temperature (0: greedy, the usual choice for evaluation)."""
+
+    def __post_init__(self) -> None:
+        if self.num_prompts is not None and (
+            isinstance(self.num_prompts, bool)
+            or not isinstance(self.num_prompts, int)
+            or self.num_prompts < 1
+        ):
+            raise ConfigError("num_prompts", self.num_prompts, "must be an integer >= 1 or null")
+        value = self.num_samples_per_prompt
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError("num_samples_per_prompt", value, "must be an integer >= 1")
+        if self.max_new_tokens is not None and (
+            isinstance(self.max_new_tokens, bool)
+            or not isinstance(self.max_new_tokens, int)
+            or self.max_new_tokens < 1
+        ):
+            raise ConfigError("max_new_tokens", self.max_new_tokens, "must be >= 1 or null")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise ConfigError("temperature", self.temperature, "must be a number >= 0")
+        if self.temperature < 0:
+            raise ConfigError("temperature", self.temperature, "must be a number >= 0")
+
+    def rollout_config(self, rollout: RolloutConfig) -> RolloutConfig:
+        """The sampling knobs of a validation pass: the training ones with ours on top."""
+        return RolloutConfig(
+            num_prompts_per_step=rollout.num_prompts_per_step,
+            max_new_tokens=self.max_new_tokens or rollout.max_new_tokens,
+            temperature=float(self.temperature),
+            top_p=rollout.top_p if self.temperature > 0 else 1.0,
+            top_k=rollout.top_k if self.temperature > 0 else -1,
+            use_chat_template=rollout.use_chat_template,
+        )
+
+
+# Requests of validation passes carry steps far from any training step, so their seeds never
+# coincide with a training request's (seeds hash run seed, step, uid and sample index).
+SEED_STEP_OFFSET = 1 << 30
+
+
+@dataclass
+class Validator:
+    """One generate rank's validation passes: its share of the held-out prompts, scored."""
+
+    config: ValidationConfig
+    rollout: RolloutConfig
+    records: list
+    """The held-out rows this run evaluates (the first `num_prompts` of the file)."""
+    reward: object
+    """A `SafeReward` of its own: validation never adds to the training reward's counters."""
+    rank_in_role: int
+    num_generate_ranks: int
+    run_seed: int
+    passes: int = field(default=0, init=False)
+
+    def run(self, engine, tokenizer, version: int, encode) -> dict[str, float]:
+        """Evaluate this rank's share with the engine's current weights (version `version`).
+
+        `encode(record)` gives a record's prompt token ids. Returns `val/` metrics; counts are
+        per rank (`val/num_samples`), means are over this rank's samples.
+        """
+        from megatron_async_rl.rollout.generation import generate_samples
+
+        start = time.perf_counter()
+        mine = served_prompts(len(self.records), self.rank_in_role, self.num_generate_ranks)
+        ids = {i: self.records[i].prompt_ids or encode(self.records[i]) for i in mine}
+        samples = generate_samples(
+            engine, tokenizer, self.records, ids, mine, self.config.num_samples_per_prompt,
+            self.config.rollout_config(self.rollout), step=SEED_STEP_OFFSET + version,
+            run_seed=self.run_seed,
+        )  # fmt: skip
+        rewards = self.reward.score(samples)
+        self.passes += 1
+        count = max(len(samples), 1)
+        return {
+            "val/version": float(version),
+            "val/reward_mean": sum(rewards) / count,
+            "val/accuracy": sum(r >= 1.0 for r in rewards) / count,
+            "val/response_len_mean": sum(len(s.response_ids) for s in samples) / count,
+            "val/num_samples": float(len(samples)),
+            "val/reward_errors": float(self.reward.errors),
+            "timing/validation_s": time.perf_counter() - start,
+        }

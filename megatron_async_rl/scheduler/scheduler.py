@@ -1,0 +1,240 @@
+"""The scheduler thread of one rank: it steps the stage machines, the main thread does the work.
+
+    generate ranks                                     Megatron ranks (train, logp, ref)
+    dataloader --[prompts]--> generate --[rollouts]--> reward --[scored]==samples==> [samples]
+       ^ cursor                 ^ admission: engine                                    |
+                                | holds v >= s - N        logp --[logp]--> ref_logp --[ref]
+    validation (due version     |                          ^ logp weights = v_s          |
+      loaded, not evaluated)  param_update <====weights==== param_update <--[trained]-- train
+                              (weight thread)              (sync + metrics)
+
+    stage         waits for (WAITING_INPUT)                   output (WAITING_OUTPUT_SPACE)
+    dataloader    nothing (a source of num_steps batches)     prompts queue has space
+    generate      a prompt batch; engine weights >= s - N      rollouts queue has space
+    reward        rollouts                                     scored queue has space
+    validation    a due version loaded and not yet evaluated   (metrics: never waits)
+    logp          samples of step s; logp weights = v_s        logp queue has space
+    ref_logp      logp results                                 ref queue has space
+    train         ref results                                  trained queue has space
+    param_update  trained step (Megatron) / a new version      engines idle (generate side)
+
+    `==` crosses ranks over a gloo group owned by one thread per rank (samples: the sender and
+    receiver threads; weights: the weight thread), so a blocking collective never stalls the
+    scheduler. Every wait is bounded by `stage_timeout_s`.
+
+Owned here: `StageTask` (a machine, its work, its queues and start condition) and `Scheduler`.
+Called by `jobs/grpo_async.py` on every rank. The scheduler thread only moves machines and picks
+work; the main thread runs the work (engine calls, Megatron forward/backward), one item at a
+time, so roles sharing a rank window are serialised on it. When several tasks can start, the one
+furthest downstream (last added) goes first: finishing a step beats starting the next, which
+keeps every rank's collectives in step order. A task that waits longer than the timeout stops
+the run with `StageTimeout` naming role, rank, stage, state and what it waited for.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_async_rl.scheduler.machine import StageMachine
+from megatron_async_rl.scheduler.queues import BoundedQueue, QueueClosed
+from megatron_async_rl.scheduler.states import StageState, StageTimeout
+
+S = StageState
+POLL_S = 0.002
+"""How often the scheduler thread re-checks waiting tasks (queues and guards change in other
+threads). Small against a step: a poll costs microseconds."""
+
+
+@dataclass
+class StageTask:
+    """One stage on this rank.
+
+    `work(item)` runs on the main thread and returns the item for `output` (None: the result
+    is dropped). A source task (`inputs` None) produces `num_items` items; `work(index)`.
+    `guard(item)` says what the task still waits for before it may start on `item` (None:
+    nothing): e.g. engine weights new enough for the item's step.
+    """
+
+    machine: StageMachine
+    work: Callable[[Any], Any]
+    inputs: BoundedQueue | None = None
+    output: BoundedQueue | None = None
+    guard: Callable[[Any], str | None] | None = None
+    num_items: int | None = None
+    done_when: Callable[[], bool] | None = None
+    """For a task without inputs and without `num_items`: when it is finished."""
+    produced: int = field(default=0, init=False)
+    held: Any = field(default=None, init=False)
+    """A result waiting for space in `output`."""
+    waiting_since: float | None = field(default=None, init=False)
+    waiting_for: str | None = field(default=None, init=False)
+    """What the task waits for right now (None while it runs or is idle)."""
+
+    @property
+    def name(self) -> str:
+        return self.machine.stage.value
+
+
+class Scheduler:
+    """Steps the machines of one rank's tasks; `run()` on the main thread does their work."""
+
+    def __init__(self, tasks: list[StageTask], *, role: str, rank: int, timeout_s: float):
+        self.tasks, self.role, self.rank, self.timeout_s = tasks, role, rank, timeout_s
+        self._to_main: queue.Queue = queue.Queue(maxsize=1)
+        self._from_main: queue.Queue = queue.Queue(maxsize=1)
+        self._wake = threading.Event()
+        self.error: BaseException | None = None
+
+    def wake(self) -> None:
+        """Tell the scheduler that a queue or a guard changed in another thread."""
+        self._wake.set()
+
+    def run(self) -> None:
+        """Run every task to DONE (blocking, main thread); re-raises the first error."""
+        thread = threading.Thread(target=self._loop, name=f"scheduler-{self.role}", daemon=True)
+        thread.start()
+        try:
+            while True:
+                try:
+                    kind, task, item = self._to_main.get(timeout=1.0)
+                except queue.Empty:
+                    if not thread.is_alive():
+                        raise RuntimeError(self._who("the scheduler thread ended")) from None
+                    continue
+                if kind == "stop":
+                    break
+                if kind == "error":
+                    raise item
+                try:
+                    result = task.work(item)
+                except BaseException as err:
+                    self._from_main.put((False, err))
+                    raise
+                self._from_main.put((True, result))
+        finally:
+            for task in self.tasks:
+                if task.output is not None:
+                    task.output.close()
+            self._wake.set()
+            thread.join(timeout=5.0)
+
+    # -- the scheduler thread -----------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not all(task.machine.is_terminal for task in self.tasks):
+                ready = None
+                for task in reversed(self.tasks):  # downstream first
+                    if not task.machine.is_terminal and self._poll(task):
+                        ready = task
+                        break
+                if ready is None:
+                    self._check_timeouts()
+                    self._wake.wait(POLL_S)
+                    self._wake.clear()
+                    continue
+                self._start(ready)
+            self._to_main.put(("stop", None, None))
+        except BaseException as err:  # noqa: BLE001 - handed to the main thread
+            self.error = err
+            for task in self.tasks:
+                if not task.machine.is_terminal:
+                    task.machine.fail(err)
+            try:
+                self._to_main.put_nowait(("error", None, err))
+            except queue.Full:  # the main thread already stopped with its own error
+                pass
+
+    def _poll(self, task: StageTask) -> bool:
+        """Move `task` by what it waits for; True when it can start now."""
+        machine = task.machine
+        if task.held is not None:  # a result waiting for space downstream
+            if task.output.try_put(task.held):
+                task.held, task.waiting_since, task.waiting_for = None, None, None
+                machine.transition(S.IDLE, f"result handed to {task.output.name}")
+            else:
+                self._check_wait(task, f"space in queue {task.output.name}")
+            return False
+        waiting_for = self._waiting_for(task)
+        if waiting_for == "done":
+            machine.transition(S.DONE, "no more input")
+            if task.output is not None:
+                task.output.close()
+            return False
+        if waiting_for is None:
+            return True
+        if machine.state == S.IDLE:
+            machine.transition(S.WAITING_INPUT, waiting_for)
+            task.waiting_since = time.monotonic()
+        self._check_wait(task, waiting_for)
+        return False
+
+    def _waiting_for(self, task: StageTask) -> str | None:
+        """'done', None (can start) or what the task waits for."""
+        if task.inputs is None:
+            if task.num_items is not None and task.produced >= task.num_items:
+                return "done"
+            if task.done_when is not None and task.done_when():
+                return "done"
+            return task.guard(None) if task.guard is not None else None
+        try:
+            has_item, item = task.inputs.peek()
+        except QueueClosed:
+            return "done"
+        if not has_item:
+            return f"an item in queue {task.inputs.name}"
+        return task.guard(item) if task.guard is not None else None
+
+    def _start(self, task: StageTask) -> None:
+        machine = task.machine
+        if task.inputs is None:
+            item = task.produced
+        else:
+            _, item = task.inputs.try_get()
+        task.produced += 1
+        task.waiting_since, task.waiting_for = None, None
+        machine.transition(S.RUNNING, f"item {task.produced - 1}")
+        self._to_main.put(("work", task, item))
+        ok, result = self._from_main.get()
+        if not ok:
+            raise result
+        if result is None or task.output is None or task.output.try_put(result):
+            machine.transition(S.IDLE, "done")
+        else:
+            task.held = result
+            machine.transition(S.WAITING_OUTPUT_SPACE, f"queue {task.output.name} is full")
+            task.waiting_since = time.monotonic()
+
+    def _check_wait(self, task: StageTask, waiting_for: str) -> None:
+        task.waiting_for = waiting_for
+        if task.waiting_since is None:
+            task.waiting_since = time.monotonic()
+
+    def _check_timeouts(self) -> None:
+        """Raise for the most upstream task that waited too long: downstream tasks waiting for
+        its output are symptoms, it is the cause."""
+        now = time.monotonic()
+        for task in self.tasks:
+            if task.waiting_since is None or task.machine.is_terminal:
+                continue
+            waited = now - task.waiting_since
+            if waited > self.timeout_s:
+                context = {"role": self.role, "rank": self.rank, **task.machine.context()}
+                queue_name = task.inputs.name if task.inputs is not None else None
+                raise StageTimeout(task.waiting_for, waited, self.timeout_s, context, queue_name)
+
+    def _who(self, what: str) -> str:
+        return f"role {self.role}, rank {self.rank}: {what}"
+
+    def metrics(self) -> dict[str, float]:
+        """Busy/idle seconds of every machine and the sizes and waits of every queue."""
+        out: dict[str, float] = {}
+        for task in self.tasks:
+            out.update(task.machine.metrics())
+            if task.output is not None:
+                out.update(task.output.metrics(prefix="scheduler/queue"))
+        return out
