@@ -24,8 +24,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = (
-    "generate", "reward", "admit", "load_weights", "wait_samples", "logp", "ref", "train",
-    "weight_sync",
+    "generate", "reward", "wait_samples", "logp", "ref", "train", "weight_sync",
+    "weight_sync/receive",
 )  # fmt: skip
 
 

@@ -59,6 +59,7 @@ class WeightReceiver(threading.Thread):
     def __init__(self, job: Job, cfg, wake):
         super().__init__(name="weight-receiver", daemon=True)
         self.job, self.sched, self.wake = job, cfg.scheduler, wake
+        self.config = cfg.weight_sync
         self.num_versions = cfg.trainer.num_steps
         self.in_flight = self.sched.weight_update_mode == "in_flight"
         self.machine = StageMachine(Stage.PARAM_UPDATE)
@@ -69,7 +70,9 @@ class WeightReceiver(threading.Thread):
         self.validated = -1  # newest due version evaluated
         self.validation_open = job.validator is not None
         self.needs_flush = False
-        self.load_s = 0.0  # seconds spent loading since the last generate
+        # since the last generate: seconds the engine could not generate because of a load
+        # (paused in place, or held idle), and seconds spent receiving (it kept generating)
+        self.stats = dict.fromkeys(("weight_sync/stall_s", "timing/weight_sync/receive_s"), 0.0)
         self.error: BaseException | None = None
 
     def pending_validation(self) -> int | None:
@@ -114,7 +117,9 @@ class WeightReceiver(threading.Thread):
         try:
             for version in range(1, self.num_versions + 1):
                 machine.transition(S.WAITING_INPUT, f"receiving v{version}")
-                tensors, _ = broadcast_weights(self.job.groups, {})
+                received = time.perf_counter()
+                tensors, _ = broadcast_weights(self.job.groups, {}, self.config, version)
+                received = time.perf_counter() - received  # generation kept running
                 machine.transition(S.WAITING_OUTPUT_SPACE, f"engine ready for v{version}")
                 self._wait_for_validation(version)
                 # wait mode: after the engine's current batch; either mode: never mid-validation
@@ -128,7 +133,8 @@ class WeightReceiver(threading.Thread):
                 with self.cond:
                     self.loaded = version
                     self.needs_flush |= self.in_flight
-                    self.load_s += time.perf_counter() - start
+                    self.stats["weight_sync/stall_s"] += time.perf_counter() - start
+                    self.stats["timing/weight_sync/receive_s"] += received
                     self.cond.notify_all()
                 self.wake()
             machine.transition(S.DONE, "every version loaded")
@@ -194,7 +200,8 @@ def _generate_side(job: Job, cfg, staleness: StalenessController) -> None:
         step, timer = item["step"], item["timer"]
         with receiver.cond:
             flush, receiver.needs_flush = receiver.needs_flush, False
-            item["load_s"], receiver.load_s = receiver.load_s, 0.0
+            item["weight_sync"] = dict(receiver.stats)
+            receiver.stats = dict.fromkeys(receiver.stats, 0.0)
         with receiver.engine_lock:
             if flush:  # KV computed with older weights; the engine is idle now
                 job.engine.flush_cache()
@@ -203,7 +210,7 @@ def _generate_side(job: Job, cfg, staleness: StalenessController) -> None:
 
     def score(item):
         samples, report = job.score(item["step"], item["samples"], item["timer"])
-        report["timing/load_weights_s"] = item["load_s"]
+        report.update(item["weight_sync"])
         while val_reports:
             report.update(val_reports.pop(0))
         report.update(item["timer"].metrics(prefix="timing"))
@@ -300,7 +307,7 @@ def _learn_side(job: Job, cfg, staleness: StalenessController) -> None:
     def param_update(item):
         step, timer, report = item["step"], item["timer"], item["report"]
         with job.stages("weight_sync", step, timer):
-            report.update(sync_weights(job.groups, job.roles, None, version=step + 1))
+            report.update(sync_weights(job.groups, job.roles, None, step + 1, cfg.weight_sync))
         state["logp_version"] = step + 1
         report.update(timer.metrics(prefix="timing"))
         report.update(scheduler.metrics())
@@ -332,7 +339,9 @@ def run_grpo_async(cfg, groups, platform) -> None:
     staleness = StalenessController(cfg.scheduler.generate_ahead_steps)
     dist.barrier(group=groups.control)  # engines are up
     try:
-        if job.engine is not None:
+        if groups.layout.is_engine_follower(job.rank):
+            pass  # its host's engine uses this rank's devices; it only joins the end of run
+        elif job.engine is not None:
             if job.roles:
                 raise RuntimeError(
                     f"rank {job.rank}: the asynchronous loop needs generate ranks of their own "

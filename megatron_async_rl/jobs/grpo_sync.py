@@ -56,7 +56,9 @@ def run_grpo_sync(cfg, groups, platform) -> None:
                 report, batch_metrics = job.learn(step, samples, timer)
                 batch_metrics.update(staleness.check_batch(step, token_versions(samples)))
             with job.stages("weight_sync", step, timer):
-                report.update(sync_weights(groups, job.roles, job.engine, version=step + 1))
+                report.update(
+                    sync_weights(groups, job.roles, job.engine, step + 1, cfg.weight_sync)
+                )
             report.update(timer.metrics(prefix="timing"))
             if job.roles:
                 job.log_step(step, report, batch_metrics, time.perf_counter() - start, gen_reports)

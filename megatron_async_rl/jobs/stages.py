@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -144,15 +145,24 @@ class Job:
         self.stages = Stages(self.rank, groups.local_roles())
         self.steps_logged = 0
 
+    def engine_index(self) -> tuple[int, int]:
+        """(this rank's engine among all engines, how many engines): prompts are shared by
+        engine, not by generate rank (an engine of engine.tp_size spans that many ranks)."""
+        hosts = self.groups.layout.engine_host_ranks()
+        return hosts.index(self.rank), len(hosts)
+
     def _start_engine(self):
-        if "generate" not in self.groups.local_roles():
-            return None
+        layout = self.groups.layout
+        if "generate" not in self.groups.local_roles() or not layout.is_engine_host(self.rank):
+            return None  # an engine follower: its devices belong to its host's engine
         from megatron_async_rl.engines.sglang_engine import SGLangEngine
 
         rank_in_role = self.groups.layout.rank_in_role("generate", self.rank)
         config = self.cfg.engine.sglang_config(
             self.cfg.model.hf_path, self.platform.device_type, self.cfg.seed
         )
+        if self.platform.device_type == "cuda":  # the engine's TP ranks start at our device
+            config.server_args.setdefault("base_gpu_id", int(os.environ.get("LOCAL_RANK", "0")))
         engine = SGLangEngine(config, rank_in_role=rank_in_role, global_rank=self.rank)
         logger.info("generate rank %d: engine up in %.1f s", rank_in_role, engine.startup_s)
         return engine
@@ -167,11 +177,9 @@ class Job:
             key_prefix="validation.data",
         )  # fmt: skip
         records = dataset.records[: val.num_prompts] if val.num_prompts else dataset.records
-        layout = self.groups.layout
         return Validator(
             val, cfg.rollout, records, SafeReward(get_reward(cfg.reward), cfg.reward.name),
-            layout.rank_in_role("generate", self.rank), layout.window_of("generate").size,
-            cfg.seed,
+            *self.engine_index(), cfg.seed,
         )  # fmt: skip
 
     # -- generate ranks ---------------------------------------------------------------------
@@ -192,11 +200,8 @@ class Job:
 
     def generate(self, step: int, records, timer: StepTimer) -> list[Sample]:
         """The generate stage: this rank's share of the step's prompts, sampled."""
-        cfg, layout = self.cfg, self.groups.layout
-        mine = served_prompts(
-            len(records), layout.rank_in_role("generate", self.rank),
-            layout.window_of("generate").size,
-        )  # fmt: skip
+        cfg = self.cfg
+        mine = served_prompts(len(records), *self.engine_index())
         ids = {
             i: records[i].prompt_ids
             or encode_prompt(records[i], self.tokenizer, cfg.rollout.use_chat_template)
@@ -328,7 +333,10 @@ class Job:
 
 
 def exchange_samples(groups, samples: list[Sample], report: dict):
-    """All ranks get every generate rank's samples (in prompt order) and reports (`samples`)."""
+    """All ranks get every engine's samples (in prompt order) and reports (`samples` group;
+    engine followers are not in it and get nothing)."""
+    if groups.samples is None:
+        return [], []
     parts = [None] * dist.get_world_size(groups.samples)
     dist.all_gather_object(parts, ([s.to_dict() for s in samples], report), group=groups.samples)
     merged = sorted(
