@@ -55,6 +55,12 @@ def _mean(rows: list[dict], key: str) -> float:
     return sum(r.get(key, 0.0) for r in rows) / len(rows)
 
 
+def _step_of(event: dict) -> int:
+    """The step a span belongs to; a weight load of version v serves the step v - 1 produced."""
+    step = event["args"].get("step", -1)
+    return step - 1 if event["name"] == "load_weights" else step
+
+
 def _ideal_step_s(run_dir: Path, warmup: int, steps: int) -> tuple[float, dict]:
     """Busy seconds per step of each rank group over the measured steps of the async run."""
     from megatron_async_rl.observability.utilization import busy_idle, ideal_step_s
@@ -65,7 +71,7 @@ def _ideal_step_s(run_dir: Path, warmup: int, steps: int) -> tuple[float, dict]:
         if e["ph"] == "M" and e["name"] == "process_name":
             label = e["args"]["name"]  # "rank 0 (train+logp+ref)"
             roles_of_rank[e["pid"]] = tuple(label.split("(")[1].rstrip(")").split("+"))
-        elif e["ph"] == "X" and e["args"].get("step", -1) >= warmup and e["name"] not in (
+        elif e["ph"] == "X" and _step_of(e) >= warmup and e["name"] not in (
             "admit", "wait_samples",  # waiting, not work
         ):  # fmt: skip
             start = e["ts"] / 1e6

@@ -225,6 +225,16 @@ class RunConfig:
                     None,
                     "the grpo job needs a HF checkpoint (the engines load it)",
                 )
+        if self.scheduler.use_async_loop:
+            for index, group in enumerate(self.roles.groups):
+                if "generate" in group.roles and len(group.roles) > 1:
+                    raise ConfigError(
+                        f"roles.groups[{index}].roles",
+                        group.roles,
+                        "the asynchronous loop needs generate ranks of their own (engines run "
+                        "ahead while the Megatron roles train)",
+                        "give generate its own group, or use scheduler.generate_ahead_steps: 0",
+                    )
         if self.scheduler.validation_every > 0 and self.validation.data is None:
             raise ConfigError(
                 "validation.data",
