@@ -15,7 +15,10 @@ real SGLang engine TP=1 on CPU; nothing is faked except where a test injects a f
 - MoE (qwen3_moe) train EP=2 and TP=2 x EP=2: SGLang 0.5.21's `get_weights_by_name` serves Llama
   only, so the check is behavioural and exact: greedy log-probs after the reshard equal, bit for
   bit, those of the same engine after loading the trainer's gathered HF state dict (what an
-  exported checkpoint holds) as whole tensors, and differ from those before the sync.
+  exported checkpoint holds) as whole tensors, and differ from those before the sync. MoE with
+  TP>1 cannot train on CPU here (Megatron needs sequence parallel, which the local spec's torch
+  RMSNorm refuses), so TP=2 x EP=2 changes the weights by one element-wise update applied to
+  every shard and replica alike instead of an optimizer step.
 """
 
 import importlib.util
@@ -229,6 +232,14 @@ def _load(path):
     return load_hf_state_dict(path)
 
 
+def _perturb(roles):
+    """An element-wise update, the same on every shard and replica (a stand-in for a step)."""
+    if "train" in roles:
+        with torch.no_grad():
+            for param in roles["train"].module.parameters():
+                param.mul_(1.01).add_(1e-3)
+
+
 def _moe_worker(rank, world_size, tmp_dir, path, parallel, num_train):
     from megatron_async_rl.weight_sync.broadcast import load_into_engine, sync_weights
     from megatron_async_rl.weight_sync.config import WeightSyncConfig
@@ -238,11 +249,19 @@ def _moe_worker(rank, world_size, tmp_dir, path, parallel, num_train):
     out = {}
     try:
         before = _greedy(engine) if engine is not None else None
-        _train_step(roles, seed=0)
+        if parallel.get("tensor_model_parallel_size", 1) > 1:
+            _perturb(roles)
+        else:
+            _train_step(roles, seed=0)
         sync_weights(groups, roles, engine, version=1, config=config)
-        trainer = roles["train"].gather_hf_state_dict() if "train" in roles else None
+        trainer = logp = None
+        if "train" in roles:
+            trainer, logp = (
+                roles["train"].gather_hf_state_dict(),
+                roles["logp"].gather_hf_state_dict(),
+            )
         if trainer is not None:
-            out.update(trainer=trainer, logp=roles["logp"].gather_hf_state_dict())
+            out.update(trainer=trainer, logp=logp)
         # The trainer's gathered HF state dict goes to the generate rank as whole tensors.
         import torch.distributed as dist
 
@@ -263,7 +282,13 @@ def _moe_worker(rank, world_size, tmp_dir, path, parallel, num_train):
     "parallel,num_train",
     [
         ({"expert_model_parallel_size": 2}, 2),
-        ({"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2}, 4),
+        (
+            {
+                "tensor_model_parallel_size": 2,
+                "expert_model_parallel_size": 2,
+            },
+            4,
+        ),
     ],
     ids=["train_ep2", "train_tp2_ep2"],
 )
