@@ -5,16 +5,17 @@ global schedule, and its timings and memory peaks (`SyncStats`). Called by
 `weight_sync.broadcast` on train ranks (senders, and the TP / expert-TP members holding their
 shards) and on receivers (generate and logp ranks); a rank may be any mix of these.
 
-    sender s:    gather+convert+pack bucket i   | bucket i-1 on the wire (async broadcast on
-                 (TP/expert-TP gather, blocking) |   s's own gloo group {s} + receivers)
-    receiver r:  message k arriving (async)      | message k-1 checked, then loaded (sink)
+    sender s:    gather+convert+pack message j       | messages < j on the wire (async broadcast
+                 (TP/expert-TP gather, blocking)     |   on s's own gloo group {s} + receivers)
+    receiver r:  message k arriving (async)          | message k-1 checked, then loaded (sink)
 
-Double buffers: a sender packs bucket i into produce slot i % 2 after the sends of bucket i-2
-from that slot completed; a receiver posts message k into consume slot k % 2 after message k-2
-was loaded. Peak extra memory: 2 x the largest bucket (<= produce bytes) on a sender, 2 x the
-largest message (<= consume bytes) on a receiver, plus the HF tensors of the parameters a sender
-is packing ("gathered") and, on a receiver, one staged copy of a tensor split over messages
-per sender, until its last piece arrives ("staging"); all four are counted in `SyncStats.counter`.
+Double buffers: a sender packs bucket i into produce slot i % 2 once the sends of bucket i-2
+from that slot have completed, and posts each message's send as soon as it is packed; a
+receiver posts message k into consume slot k % 2 once message k-2 was loaded. Peak extra
+memory: 2 x the largest bucket (<= produce bytes) on a sender, 2 x the largest message
+(<= consume bytes) on a receiver, plus the HF tensors of the parameters a sender is packing
+("gathered") and, on a receiver, one staged copy of a tensor split over messages per sender,
+until its last piece arrives ("staging"); all four are counted in `SyncStats.counter`.
 
 Ordering contract (why nothing deadlocks): every rank walks `plan.schedule` in the same order
 and posts, in that order, only the operations it takes part in; it only ever waits for an
@@ -39,7 +40,11 @@ from megatron_async_rl.weight_sync.plan import Message, Piece, ReshardPlan
 
 
 class Sink(Protocol):
-    """Where a receiver's verified messages go (an engine, or host staging)."""
+    """Where a receiver's verified messages go (an engine, or host staging).
+
+    A sink whose `borrows_buffers` is true may change the storage of the views it gets (an
+    engine load moves them into shared memory); it gets copies of its own rank's messages.
+    """
 
     def add(
         self,
@@ -152,6 +157,60 @@ def _gather(plan, gather, rank, sender, local, tp_groups, checked) -> torch.Tens
     return name_map.unshard(shards, gather.spec) if rank == sender else None
 
 
+class _Sender:
+    """Produce slots, in-flight sends and the HF tensors being packed, on a sender."""
+
+    def __init__(self, plan, rank, version, group, stats, slot_bytes):
+        self.plan, self.rank, self.version, self.group = plan, rank, version, group
+        self.stats, self.slot_bytes = stats, slot_bytes
+        self.dtype = buffers.torch_dtype(plan.dtype)
+        self.slots: list[torch.Tensor | None] = [None, None]
+        self.sends: list[list] = [[], []]
+        self.staged: dict[str, torch.Tensor] = {}
+        self.seq = 0
+
+    def free_slot(self, index: int) -> torch.Tensor:
+        """Slot `index % 2`, once the sends of the bucket two back have completed."""
+        k = index % 2
+        start = time.perf_counter()
+        for work in self.sends[k]:
+            work.wait()
+        self.sends[k] = []
+        self.stats.send_s += time.perf_counter() - start
+        if self.slots[k] is None:
+            self.slots[k] = torch.empty(self.slot_bytes, dtype=torch.uint8)
+            self.stats.counter.add("produce", self.slot_bytes)
+        return self.slots[k]
+
+    def stage(self, gather, full: torch.Tensor) -> None:
+        for hf_name, tensor in name_map.megatron_param_to_hf(gather.param, full, self.plan.dims):
+            self.staged[hf_name] = tensor
+            self.stats.counter.add("gathered", tensor.numel() * tensor.element_size())
+
+    def pack(self, slot: torch.Tensor, message: Message) -> tuple[torch.Tensor, int]:
+        view = slot[message.offset : message.offset + message.wire_bytes]
+        buffers.pack(view, message, self.staged, self.dtype, version=self.version,
+                     sender=self.rank, seq=self.seq)  # fmt: skip
+        for param in message.releases:
+            for hf_name in name_map.hf_names_for(param, self.plan.dims):
+                tensor = self.staged.pop(hf_name)
+                self.stats.counter.sub("gathered", tensor.numel() * tensor.element_size())
+        self.seq += 1
+        return view, self.seq - 1
+
+    def send(self, view: torch.Tensor, index: int) -> None:
+        if dist.get_world_size(self.group) > 1:
+            work = dist.broadcast(view, src=self.rank, group=self.group, async_op=True)
+            self.sends[index % 2].append(work)
+
+    def drain(self) -> None:
+        start = time.perf_counter()
+        for works in self.sends:
+            for work in works:
+                work.wait()
+        self.stats.send_s += time.perf_counter() - start
+
+
 def run_plan(
     plan: ReshardPlan,
     rank: int,
@@ -171,12 +230,11 @@ def run_plan(
     the whole schedule has run.
     """
     stats, wall = SyncStats(counter=counter or buffers.MemoryCounter()), time.perf_counter()
-    dtype = buffers.torch_dtype(plan.dtype)
     mine = next((s for s in plan.senders if s.rank == rank), None)
-    slot_bytes = max((b.nbytes for b in mine.buckets), default=0) if mine else 0
-    slots: list[torch.Tensor | None] = [None, None]
-    sends: list[list] = [[], []]
-    staged: dict[str, torch.Tensor] = {}
+    sender_state = None
+    if mine is not None:
+        slot_bytes = max(b.nbytes for b in mine.buckets)
+        sender_state = _Sender(plan, rank, version, sender_groups[rank], stats, slot_bytes)
     seqs = {s.rank: 0 for s in plan.senders}
     receiver = None
     if sink is not None:
@@ -188,30 +246,33 @@ def run_plan(
     for sender_index, bucket_index in plan.schedule:
         sender = plan.senders[sender_index]
         bucket, is_sender = sender.buckets[bucket_index], sender.rank == rank
-        start = time.perf_counter()
-        for gather in bucket.gathers:
-            if local is not None and rank in gather.ranks:
-                full = _gather(plan, gather, rank, sender.rank, local, tp_groups, checked)
-                if is_sender:
-                    for hf_name, tensor in name_map.megatron_param_to_hf(
-                        gather.param, full, plan.dims
-                    ):
-                        staged[hf_name] = tensor
-                        stats.counter.add("gathered", tensor.numel() * tensor.element_size())
-        stats.gather_s += time.perf_counter() - start
-        if is_sender:
-            _send_bucket(plan, bucket, rank, version, sender_groups[rank], staged, slots, sends,
-                         bucket_index, slot_bytes, seqs, stats, receiver, dtype)  # fmt: skip
-        elif receiver is not None:
+        slot = sender_state.free_slot(bucket_index) if is_sender else None
+        # Message by message: gather what it starts, pack it, put it on the wire. A TP member
+        # that is not the sender only takes part in the gathers.
+        for message in bucket.messages:
+            start = time.perf_counter()
+            for gather in message.gathers:
+                if local is not None and rank in gather.ranks:
+                    full = _gather(plan, gather, rank, sender.rank, local, tp_groups, checked)
+                    if is_sender:
+                        sender_state.stage(gather, full)
+            if is_sender:
+                view, seq = sender_state.pack(slot, message)
+            stats.gather_s += time.perf_counter() - start
+            if is_sender:
+                if receiver is not None:
+                    # An engine load may move the buffer into shared memory: never under an
+                    # in-flight send, so a borrowing sink gets a copy of its own message.
+                    borrows = getattr(receiver.sink, "borrows_buffers", True)
+                    receiver.deliver(view.clone() if borrows else view, message, rank, seq, False)
+                sender_state.send(view, bucket_index)
+        if receiver is not None and not is_sender:
             for message in bucket.messages:
                 group = sender_groups[sender.rank]
                 receiver.post(message, sender.rank, seqs[sender.rank], group)
                 seqs[sender.rank] += 1
-    start = time.perf_counter()
-    for works in sends:
-        for work in works:
-            work.wait()
-    stats.send_s += time.perf_counter() - start
+    if sender_state is not None:
+        sender_state.drain()
     if receiver is not None:
         while receiver.in_flight:
             receiver.complete_oldest()
@@ -219,37 +280,3 @@ def run_plan(
             raise receiver.error
     stats.wall_s = time.perf_counter() - wall
     return stats
-
-
-def _send_bucket(plan, bucket, rank, version, group, staged, slots, sends, index, slot_bytes,
-                 seqs, stats, receiver, dtype) -> None:  # fmt: skip
-    """Pack `bucket` into a free produce slot, deliver it locally if needed, post its sends."""
-    k = index % 2
-    start = time.perf_counter()
-    for work in sends[k]:
-        work.wait()
-    sends[k] = []
-    stats.send_s += time.perf_counter() - start
-    start = time.perf_counter()
-    if slots[k] is None:
-        slots[k] = torch.empty(slot_bytes, dtype=torch.uint8)
-        stats.counter.add("produce", slot_bytes)
-    views = []
-    for message in bucket.messages:
-        view = slots[k][message.offset : message.offset + message.wire_bytes]
-        buffers.pack(view, message, staged, dtype, version=version, sender=rank, seq=seqs[rank])
-        views.append((view, message, seqs[rank]))
-        seqs[rank] += 1
-    for param in bucket.releases:
-        for hf_name in name_map.hf_names_for(param, plan.dims):
-            tensor = staged.pop(hf_name)
-            stats.counter.sub("gathered", tensor.numel() * tensor.element_size())
-    stats.gather_s += time.perf_counter() - start
-    # Own delivery comes before the sends are posted: a sink may move the slot's storage into
-    # shared memory (an engine load does), which must not happen under an in-flight send.
-    if receiver is not None:
-        for view, message, seq in views:
-            receiver.deliver(view, message, rank, seq, verify=False)
-    if dist.get_world_size(group) > 1:
-        for view, _, _ in views:
-            sends[k].append(dist.broadcast(view, src=rank, group=group, async_op=True))

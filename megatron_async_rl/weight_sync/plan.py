@@ -11,7 +11,8 @@ rules and names come from `models.name_map` (its pure functions only).
                                    rank (etp 0, ep e, expt_dp 0, pp p) for experts of EP rank e
     sender's parameters -> Gather (TP / expert-TP group members, in TP-rank order) -> HF tensors
       -> pieces (flat element ranges) -> messages (<= consume bytes, header included)
-      -> buckets (<= produce bytes): the sender gathers and packs one bucket at a time.
+      -> buckets (<= produce bytes): a sender fills one bucket buffer at a time, message by
+         message (gather the parameters a message starts, pack it, put it on the wire).
 
 Every PP stage and EP rank has its own sender, so stages send in parallel and no rank holds more
 than its stage's parameters. A message is the unit of sending, checksumming and loading; a
@@ -140,6 +141,10 @@ class Message:
     payload_bytes: int
     offset: int
     """Byte offset of the message (its header) in the bucket buffer."""
+    gathers: tuple[Gather, ...] = ()
+    """Parameters first needed in this message, in gather order (assembled before packing)."""
+    releases: tuple[str, ...] = ()
+    """Parameters whose last piece is in this message (the sender drops them after packing)."""
 
     @property
     def wire_bytes(self) -> int:
@@ -150,11 +155,15 @@ class Message:
 class Bucket:
     """What a sender gathers, packs and sends as one produce buffer."""
 
-    gathers: tuple[Gather, ...]
-    """Parameters first needed in this bucket, in gather order."""
     messages: tuple[Message, ...]
-    releases: tuple[str, ...]
-    """Parameters whose last piece is in this bucket (the sender drops them after packing)."""
+
+    @property
+    def gathers(self) -> tuple[Gather, ...]:
+        return tuple(g for m in self.messages for g in m.gathers)
+
+    @property
+    def releases(self) -> tuple[str, ...]:
+        return tuple(r for m in self.messages for r in m.releases)
 
     @property
     def nbytes(self) -> int:
@@ -291,7 +300,10 @@ def _sender_gathers(layout: TrainLayout, dims: ModelDims) -> dict[int, list[Gath
 
 
 class _Packer:
-    """Greedy packing of pieces into messages (<= consume) and buckets (<= produce)."""
+    """Greedy packing of pieces into messages (<= consume) and buckets (<= produce).
+
+    `gathers` / `releases` belong to the message being filled.
+    """
 
     def __init__(self, produce_bytes: int, consume_bytes: int):
         self.produce, self.payload_cap = produce_bytes, consume_bytes - HEADER_BYTES
@@ -303,7 +315,7 @@ class _Packer:
         self.releases: list[str] = []
 
     def add(self, first_of: Gather | None, hf_name, shape, start, stop, itemsize, source) -> None:
-        """Place one piece; `first_of` is the parameter it starts (gathered in this bucket)."""
+        """Place one piece; `first_of` is the parameter it starts (gathered for this message)."""
         nbytes = _align((stop - start) * itemsize)
         if self.pieces and self.payload + nbytes > self.payload_cap:
             self._close_message()
@@ -317,16 +329,22 @@ class _Packer:
 
     def _close_message(self) -> None:
         if self.pieces:
-            self.messages.append(Message(tuple(self.pieces), self.payload, self.committed))
+            message = Message(
+                tuple(self.pieces),
+                self.payload,
+                self.committed,
+                tuple(self.gathers),
+                tuple(self.releases),
+            )
+            self.messages.append(message)
             self.committed += HEADER_BYTES + self.payload
-            self.pieces, self.payload = [], 0
+            self.pieces, self.payload, self.gathers, self.releases = [], 0, [], []
 
     def close_bucket(self) -> None:
         self._close_message()
         if self.messages:
-            bucket = Bucket(tuple(self.gathers), tuple(self.messages), tuple(self.releases))
-            self.buckets.append(bucket)
-            self.messages, self.gathers, self.releases, self.committed = [], [], [], 0
+            self.buckets.append(Bucket(tuple(self.messages)))
+            self.messages, self.committed = [], 0
 
 
 @functools.lru_cache(maxsize=16)

@@ -39,6 +39,8 @@ class StagedWeights(dict):
 class StagingSink:
     """Copies every received tensor into a `StagedWeights` (the receive buffers are reused)."""
 
+    borrows_buffers = False
+
     def __init__(self, dtype: torch.dtype, counter, version: int, consume_bytes: int):
         self.assembler = buffers.Assembler(dtype, counter)
         self.counter = counter
@@ -56,6 +58,9 @@ class StagingSink:
 
 class EngineSink:
     """Loads each verified message into `engine` (between begin/end weight update)."""
+
+    #: Handing a CPU tensor to the engine's process moves its storage into shared memory.
+    borrows_buffers = True
 
     def __init__(self, engine, version: int, rank: int, counter, dtype, in_place: bool = False):
         self.engine, self.version, self.rank, self.in_place = engine, version, rank, in_place

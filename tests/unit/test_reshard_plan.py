@@ -156,21 +156,24 @@ def test_gather_rule_reassembles_every_tensor_exactly(dims_name, layout_name, mo
     for sender_index, bucket_index in plan.schedule:
         sender = plan.senders[sender_index]
         bucket = sender.buckets[bucket_index]
-        for g in bucket.gathers:
-            assert g.ranks[0] == sender.rank
-            groups = coords["etp_groups" if g.group == "expt_tp" else "tp_groups"]
-            if g.is_collective:
-                assert g.ranks in groups, (g.param, g.ranks)
-            else:
-                size = layout.etp if g.group == "expt_tp" else layout.tp
-                assert g.ranks == (sender.rank,) and (g.spec.partition_dim is None or size == 1)
-            shards = [held[r][g.local_name] for r in g.ranks]
-            tensor = nm.unshard(shards, g.spec) if g.is_collective else shards[0]
-            staged[sender.rank].update(nm.megatron_param_to_hf(g.param, tensor, dims))
         for seq, message in enumerate(bucket.messages):
+            for g in message.gathers:  # the parameters this message starts
+                assert g.ranks[0] == sender.rank
+                groups = coords["etp_groups" if g.group == "expt_tp" else "tp_groups"]
+                if g.is_collective:
+                    assert g.ranks in groups, (g.param, g.ranks)
+                else:
+                    size = layout.etp if g.group == "expt_tp" else layout.tp
+                    assert g.ranks == (sender.rank,) and (g.spec.partition_dim is None or size == 1)
+                shards = [held[r][g.local_name] for r in g.ranks]
+                tensor = nm.unshard(shards, g.spec) if g.is_collective else shards[0]
+                staged[sender.rank].update(nm.megatron_param_to_hf(g.param, tensor, dims))
             buf = torch.zeros(message.wire_bytes, dtype=torch.uint8)
             buffers.pack(buf, message, staged[sender.rank], torch.float32, version=7,
                          sender=sender.rank, seq=seq)  # fmt: skip
+            for param in message.releases:  # packed for the last time: the sender drops them
+                for hf in nm.hf_names_for(param, dims):
+                    staged[sender.rank].pop(hf)
             header = buffers.read_header(buf)
             assert header.checksum == buffers.payload_checksum(buf, message)
             assert (header.version, header.sender, header.seq) == (7, sender.rank, seq)
@@ -179,9 +182,6 @@ def test_gather_rule_reassembles_every_tensor_exactly(dims_name, layout_name, mo
                 if whole is not None:
                     received[piece.hf_name] = whole.clone()
                     assembler.release(piece, whole)
-        for param in bucket.releases:
-            for hf in nm.hf_names_for(param, dims):
-                staged[sender.rank].pop(hf)
     assert not assembler.pending and all(not s for s in staged.values())
     assert received.keys() == hf_sd.keys()
     for name, tensor in hf_sd.items():
