@@ -116,3 +116,28 @@ def test_in_flight_updates_mix_versions_inside_a_sample_within_the_bound(task, t
     mixed = [row["policy_lag/mixed_samples"] for row in rows]
     assert max(mixed) > 0, f"no sample mixed versions: {mixed}"
     assert all("weight_sync/stall_s" in row for row in rows)
+
+
+def test_logp_and_ref_on_ranks_of_their_own_run_ahead_within_the_bound(task, tmp_path):
+    # [train] [logp] [ref] [generate]: each Megatron role on its own rank, one scheduler each;
+    # logp waits for its weights of version s before scoring step s (its proximal policy).
+    model, data, _ = task
+    recipe = tmp_path / "four_windows.yaml"
+    recipe.write_text(
+        (REPO / "tests" / "e2e" / "four_windows.yaml")
+        .read_text()
+        .replace("MODEL_PATH", str(model))
+        .replace("DATA_PATH", str(data))
+    )
+    cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), str(recipe), "--run-dir",
+           str(tmp_path / "four")]  # fmt: skip
+    env = dict(os.environ, PYTHON=sys.executable, NPROC_PER_NODE="4", MASTER_PORT="29645")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    lines = (tmp_path / "four" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert len(rows) == 6
+    assert max(row["policy_lag/max"] for row in rows) == 1
+    for role in ("train", "logp", "ref", "generate"):
+        assert all(f"utilization/{role}/busy_s" in row for row in rows), role
