@@ -59,9 +59,7 @@ class Stages:
         self._since = now
         if now <= since:
             return {}
-        spans = [
-            s for s in self.trace.spans() if s["stage"] not in WAIT_SPANS and s["end_s"] > since
-        ]
+        spans = [s for s in self.trace.spans(since_s=since) if s["stage"] not in WAIT_SPANS]
         return busy_idle(spans, since, now, {self.rank: self.roles})
 
     @contextlib.contextmanager

@@ -39,6 +39,9 @@ _REQUIRED = {
 }
 _PHASES = set(_REQUIRED) | set("bneSTpFsftPNODVvRc")
 _DROPPED = "dropped_events"
+SPAN_ORDER_SLACK_S = 5.0
+"""Threads append their spans as they end, so end times are in append order up to the time
+between a span's end and its append; `spans(since_s)` reads that much further back."""
 
 
 class TraceRecorder:
@@ -129,15 +132,24 @@ class TraceRecorder:
             out.append(event)
         return out
 
-    def spans(self) -> list[dict]:
+    def spans(self, since_s: float | None = None) -> list[dict]:
         """The recorded spans as `dict(stage, rank, start_s, end_s)` (clock seconds), the input
-        of `utilization.busy_idle` and `plots.plot_stage_timeline`."""
+        of `utilization.busy_idle` and `plots.plot_stage_timeline`. With `since_s`, only those
+        ending after it, read from the newest back (a per-step caller stays O(spans per step))."""
         with self._lock:
-            recorded = list(self._events)
+            if since_s is None:
+                recorded = list(self._events)
+            else:
+                recorded = []
+                for event in reversed(self._events):
+                    if event[3] + event[4] <= since_s - SPAN_ORDER_SLACK_S:
+                        break  # events are appended as they end: the rest ended earlier
+                    recorded.append(event)
+                recorded.reverse()
         return [
             dict(stage=name, rank=self.rank, start_s=start_s, end_s=start_s + dur_s)
             for phase, name, _, start_s, dur_s, _, _ in recorded
-            if phase == "X"
+            if phase == "X" and (since_s is None or start_s + dur_s > since_s)
         ]
 
 

@@ -193,3 +193,15 @@ def test_recorder_and_merge_misuse():
     events = TraceRecorder(3, ("ref",)).events()
     with pytest.raises(ValueError, match="pid 3 has events in lists 0 and 1"):
         merge_traces([events, events])
+
+
+def test_spans_since_are_the_spans_ending_after_it():
+    clock = iter(range(100)).__next__
+    recorder = TraceRecorder(0, ("train",), clock=lambda: float(clock()))
+    for step in range(10):
+        with recorder.span("train", step=step):
+            pass
+    recorder.instant("weights_loaded")
+    for since in (0.0, 7.5, 13.0, 19.0, 50.0):
+        expected = [s for s in recorder.spans() if s["end_s"] > since]
+        assert recorder.spans(since_s=since) == expected, since
