@@ -14,31 +14,33 @@ and 256 MB. Before the first sync the trainer's weights are perturbed, so that t
 read-back (`get_weights_by_name`, SGLang's own read path) being byte-identical to the trainer's
 gathered HF tensors is not vacuous.
 
-Peak extra memory is the largest RSS growth over the sync (sampled every 5 ms) of a train rank,
-and of a generate rank together with its engine's processes (shared memory pages mapped by
-several of them count once per process, so the receiver figure is an upper bound); the table
-also shows the pipeline's own buffer accounting (`weight_sync/*_peak_MB`, summed over kinds).
-The bound is `WeightSyncConfig`'s: 2 produce buffers on a sender, 2 consume buffers on a
-receiver, plus one whole HF tensor when the largest is bigger than a message.
+Every rank syncs as a job does: with one `BufferPool` per configuration, kept from one sync to
+the next. Peak extra memory of a rank is what its pool held before the sync plus the largest
+growth during it (sampled every 5 ms) of its private memory (`RssAnon` of the rank, and on a
+generate rank of its engine's processes too) and of the machine's shared memory (`/dev/shm`,
+counted once however many processes map it, split evenly over the generate ranks, the only ones
+that allocate it); the table also shows the pipeline's own buffer accounting
+(`weight_sync/*_peak_MB`, summed over kinds). The bound is `WeightSyncConfig`'s: 2 produce
+buffers on a sender, 2 consume buffers on a receiver, plus one whole HF tensor when the largest
+is bigger than a message.
 
-Pipeline under test: `weight_sync.broadcast.sync_weights`. Once it takes a `WeightSyncConfig`
-(the planned, bucketed executor) the run covers its default configuration and the sweep; before
-that (the first version: no buckets, the whole model held on both sides) only the default, with
-the bound taken at 64 MB buckets. Last line:
+Pipeline under test: `weight_sync.broadcast.sync_weights`, at its default configuration and at
+each bucket size of the sweep. Last line:
 `RESULT ratio_vs_raw=<float> bit_identical=<true|false> peak_over_bound=<float>` where
 ratio_vs_raw = pipeline throughput at the default configuration / raw broadcast throughput (the
 faster of one N-byte broadcast and N bytes in 16 MB broadcasts), per repeat, median over repeats
 (measurements are interleaved, so a repeat's raw and pipeline share the load; target >= 0.7),
 bit_identical
 says every engine tensor read back equals the trainer's, and peak_over_bound is the default
-configuration's RSS peak / bound, the worse of sender and receiver (the sweep's are in the table).
+configuration's measured peak / bound, the worse of sender and receiver (the sweep's are in the
+table).
 A benchmark, not a test: 2 shared cores are noisy; read ratios, not absolute seconds.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
+import os
 import statistics
 import sys
 import tempfile
@@ -49,7 +51,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKETS_MB = (1, 4, 16, 64, 256)
-V1_BOUND_BUCKET_MB = 64
 RAW_CHUNKS = (None, 16 * (1 << 20))
 MB = 1 << 20
 
@@ -57,38 +58,31 @@ MB = 1 << 20
 # -- the pipeline under test: the only code that knows its API ----------------------------------
 
 
-def _pipeline_kind() -> str:
-    """Returns "executor" once `sync_weights` takes a `WeightSyncConfig`, else "v1" (no buckets)."""
-    from megatron_async_rl.weight_sync import broadcast
-
-    return "executor" if "config" in inspect.signature(broadcast.sync_weights).parameters else "v1"
-
-
 def _sync(ctx: dict, bucket_mb: int | None) -> dict:
     """One end-to-end weight sync (collective over all ranks); this rank's metrics.
 
-    `bucket_mb`: produce and consume bucket size; None for the default configuration.
+    `bucket_mb`: produce and consume bucket size; None for the default configuration. Each
+    configuration has its own `BufferPool`, as a job running it would.
     """
     from megatron_async_rl.weight_sync.broadcast import sync_weights
-
-    ctx["version"] += 1
-    call = (ctx["groups"], ctx["roles"], ctx["engine"], ctx["version"])
-    if bucket_mb is None:
-        return sync_weights(*call) or {}
+    from megatron_async_rl.weight_sync.buffers import BufferPool
     from megatron_async_rl.weight_sync.config import WeightSyncConfig
 
-    config = WeightSyncConfig(produce_bucket_mb=bucket_mb, consume_bucket_mb=bucket_mb)
-    return sync_weights(*call, config=config) or {}
+    ctx["version"] += 1
+    config = WeightSyncConfig()
+    if bucket_mb is not None:
+        config = WeightSyncConfig(produce_bucket_mb=bucket_mb, consume_bucket_mb=bucket_mb)
+    pool = ctx["pools"].setdefault(bucket_mb, BufferPool())
+    ctx["held"] = pool.held_bytes
+    return sync_weights(ctx["groups"], ctx["roles"], ctx["engine"], ctx["version"], config, pool)
 
 
-def _bound_bytes(kind: str, bucket_mb: int | None, largest_tensor: int) -> tuple[int, int]:
+def _bound_bytes(bucket_mb: int | None, largest_tensor: int) -> tuple[int, int]:
     """(sender, receiver) peak extra memory the configuration promises (`WeightSyncConfig`):
     2 produce buffers / 2 consume buffers, plus one whole HF tensor larger than a message."""
-    if kind == "v1":
-        produce = consume = V1_BOUND_BUCKET_MB * MB
-    elif bucket_mb is None:
-        from megatron_async_rl.weight_sync.config import WeightSyncConfig
+    from megatron_async_rl.weight_sync.config import WeightSyncConfig
 
+    if bucket_mb is None:
         default = WeightSyncConfig()
         produce, consume = default.produce_bytes, default.consume_bytes
     else:
@@ -100,30 +94,42 @@ def _bound_bytes(kind: str, bucket_mb: int | None, largest_tensor: int) -> tuple
 # -- measurement ---------------------------------------------------------------------------
 
 
-class PeakRss:
-    """Largest RSS growth of this process (and the given others) while running."""
+def _private_bytes(pid: int) -> int:
+    """`RssAnon` of a process (0 once it is gone): its own pages, no file or shared ones."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
-    def __init__(self, others=()):
-        import psutil
 
-        self.procs = [psutil.Process(), *others]
-        self.base = self._rss()
+def _shared_bytes() -> int:
+    """Bytes in use in /dev/shm (torch's shared tensors live there, unlinked but counted)."""
+    stat = os.statvfs("/dev/shm")
+    return (stat.f_blocks - stat.f_bfree) * stat.f_frsize
+
+
+class PeakMemory:
+    """Largest growth, while running, of the given processes' private memory (this one's by
+    default) plus, if `shared_share` > 0, that fraction of the machine's shared memory."""
+
+    def __init__(self, pids=(), shared_share: float = 0.0):
+        self.pids, self.share = [os.getpid(), *pids], shared_share
+        self.base = self._now()
         self.peak = self.base
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
-    def _rss(self) -> int:
-        total = 0
-        for proc in self.procs:
-            try:
-                total += proc.memory_info().rss
-            except Exception:  # noqa: BLE001 - a process gone is a process holding nothing
-                pass
-        return total
+    def _now(self) -> float:
+        shared = _shared_bytes() * self.share if self.share else 0.0
+        return sum(_private_bytes(pid) for pid in self.pids) + shared
 
     def _sample(self) -> None:
         while not self._stop.wait(0.005):
-            self.peak = max(self.peak, self._rss())
+            self.peak = max(self.peak, self._now())
 
     def __enter__(self):
         self._thread.start()
@@ -132,22 +138,23 @@ class PeakRss:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self._rss())
+        self.peak = max(self.peak, self._now())
 
     @property
     def extra(self) -> int:
-        return self.peak - self.base
+        return int(self.peak - self.base)
 
 
 def _timed(ctx: dict, fn) -> tuple[float, int, float, dict]:
     """Seconds from the first rank's start to the last rank's end of `fn`, this rank's peak
-    extra memory (RSS) during it, the MiB of buffers the pipeline itself counted, and its stage
-    timings on this rank."""
+    extra memory during it (with what its buffer pool already held), the MiB of buffers the
+    pipeline itself counted, and its stage timings on this rank."""
     import torch
     import torch.distributed as dist
 
     dist.barrier()
-    with PeakRss(ctx["engine_procs"]) as rss:
+    ctx["held"] = 0
+    with PeakMemory(ctx["engine_pids"], ctx["shared_share"]) as memory:
         start = time.perf_counter()
         metrics = fn() or {}
         end = time.perf_counter()
@@ -155,7 +162,7 @@ def _timed(ctx: dict, fn) -> tuple[float, int, float, dict]:
     dist.all_reduce(span, op=dist.ReduceOp.MAX)
     counted = sum(v for k, v in metrics.items() if k.endswith("_peak_MB"))
     stages = {k.rsplit("/", 1)[1]: v for k, v in metrics.items() if k.startswith("timing/")}
-    return float(span[0] + span[1]), rss.extra, counted, stages
+    return float(span[0] + span[1]), memory.extra + ctx["held"], counted, stages
 
 
 def _raw_broadcast(ctx: dict, num_bytes: int, chunk_bytes: int | None) -> tuple:
@@ -205,7 +212,7 @@ def _engine_matches(engine, expected: dict) -> list[str]:
 # -- ranks ---------------------------------------------------------------------------------
 
 
-def _worker(rank, world_size, tmp_dir, model_path, train_tp, repeats, num_bytes, kind):
+def _worker(rank, world_size, tmp_dir, model_path, train_tp, repeats, num_bytes):
     import torch
     import torch.distributed as dist
 
@@ -229,7 +236,8 @@ def _worker(rank, world_size, tmp_dir, model_path, train_tp, repeats, num_bytes,
     layout = plan_layout(world_size, specs, {"train": par})
     platform = detect_platform("cpu", "gloo")
     groups = build_world_groups(layout, platform.backend)
-    ctx = {"groups": groups, "roles": {}, "engine": None, "engine_procs": [], "version": 0}
+    ctx = {"groups": groups, "roles": {}, "engine": None, "engine_pids": [], "version": 0}
+    ctx.update(pools={}, shared_share=0.0, held=0)
     if rank < train_tp:
         role = MegatronRole("train", args, par, groups.roles["train"], platform, seed=1)
         role.load_hf_checkpoint(model_path)
@@ -243,14 +251,13 @@ def _worker(rank, world_size, tmp_dir, model_path, train_tp, repeats, num_bytes,
             model_path=model_path, dtype="float32", max_total_tokens=2048, call_timeout_s=600
         )
         ctx["engine"] = SGLangEngine(config, rank_in_role=rank - train_tp, global_rank=rank)
-        from megatron_async_rl.engines.sglang_host import processes
-
-        ctx["engine_procs"] = processes([ctx["engine"].host_pid, *ctx["engine"].engine_child_pids])
+        ctx["engine_pids"] = [ctx["engine"].host_pid, *ctx["engine"].engine_child_pids]
+        ctx["shared_share"] = 1.0 / (world_size - train_tp)
     out = {"rank": rank, "role": "train" if rank < train_tp else "generate"}
     try:
         _raw_broadcast(ctx, 1 << 20, None)  # warm the connections
         _sync(ctx, None)  # warm-up: first load into the engine, first gather
-        buckets = (None, *BUCKETS_MB) if kind == "executor" else (None,)
+        buckets = (None, *BUCKETS_MB)
         out["raw"] = {chunk: [] for chunk in RAW_CHUNKS}
         out["pipeline"] = {bucket: [] for bucket in buckets}
         for _ in range(repeats):  # interleaved, so that each repeat shares the machine's load
@@ -330,15 +337,14 @@ def main() -> None:
         num_key_value_heads=args.hidden_size // 128,
     )
     num_bytes, largest = _model_bytes(model)
-    kind = _pipeline_kind()
     world = args.train_tp + args.num_generate
     started = time.perf_counter()
-    results = spawn(_worker, world, root, str(model), args.train_tp, args.repeats, num_bytes, kind)
+    results = spawn(_worker, world, root, str(model), args.train_tp, args.repeats, num_bytes)
     gb = num_bytes / 1e9
 
     print(f"model {num_bytes / MB:.0f} MiB fp32 (largest tensor {largest / MB:.0f} MiB), "
           f"train TP {args.train_tp}, {args.num_generate} generate rank(s), median of "
-          f"{args.repeats}; pipeline: {kind}")  # fmt: skip
+          f"{args.repeats}")  # fmt: skip
     print(f"{'':<28}{'s':>8}{'GB/s':>8}{'send MiB':>10}{'recv MiB':>10}{'bound MiB':>11}"
           f"{'peak/bnd':>9}{'counted MiB':>13}")  # fmt: skip
     for chunk in RAW_CHUNKS:
@@ -349,7 +355,7 @@ def main() -> None:
     rows = {}
     for bucket in results[0]["pipeline"]:
         row = _summary(results, lambda r, b=bucket: r["pipeline"][b])
-        bound = _bound_bytes(kind, bucket, largest)
+        bound = _bound_bytes(bucket, largest)
         row["over"] = max(row["send"] / bound[0], row["recv"] / bound[1])
         rows[bucket] = row
         label = "pipeline, default config" if bucket is None else f"pipeline, {bucket} MB buckets"
@@ -357,10 +363,9 @@ def main() -> None:
               f"{row['recv'] / MB:>10.0f}{bound[0] / MB:>5.0f}/{bound[1] / MB:<5.0f}"
               f"{row['over']:>9.2f}{row['send_counted_MB']:>6.0f}/"
               f"{row['recv_counted_MB']:<6.0f}")  # fmt: skip
-    if kind == "v1":
-        print(f"(v1 has no buckets: no sweep; bound shown at {V1_BOUND_BUCKET_MB} MB buckets)")
-    print("send/recv MiB: peak RSS growth (receiver: generate rank + its engine's processes); "
-          "bound: sender/receiver; counted: the pipeline's own buffer accounting")  # fmt: skip
+    print("send/recv MiB: peak extra memory (pool held + growth of private memory, receiver's "
+          "with its engine's processes, and of /dev/shm); bound: sender/receiver; counted: the "
+          "pipeline's own buffer accounting")  # fmt: skip
     mismatched = sorted({name for r in results for name in r.get("mismatched", [])})
     checked = sum(r.get("num_checked", 0) for r in results)
     print(f"engine read-back vs trainer: {checked} tensors checked, {len(mismatched)} differ "

@@ -118,7 +118,9 @@ class WeightReceiver(threading.Thread):
             for version in range(1, self.num_versions + 1):
                 machine.transition(S.WAITING_INPUT, f"receiving v{version}")
                 received = time.perf_counter()
-                tensors, _ = broadcast_weights(self.job.groups, {}, self.config, version)
+                tensors, _ = broadcast_weights(
+                    self.job.groups, {}, self.config, version, self.job.weight_buffers
+                )
                 received = time.perf_counter() - received  # generation kept running
                 machine.transition(S.WAITING_OUTPUT_SPACE, f"engine ready for v{version}")
                 self._wait_for_validation(version)
@@ -307,7 +309,11 @@ def _learn_side(job: Job, cfg, staleness: StalenessController) -> None:
     def param_update(item):
         step, timer, report = item["step"], item["timer"], item["report"]
         with job.stages("weight_sync", step, timer):
-            report.update(sync_weights(job.groups, job.roles, None, step + 1, cfg.weight_sync))
+            report.update(
+                sync_weights(
+                    job.groups, job.roles, None, step + 1, cfg.weight_sync, job.weight_buffers
+                )
+            )
         state["logp_version"] = step + 1
         report.update(timer.metrics(prefix="timing"))
         report.update(scheduler.metrics())

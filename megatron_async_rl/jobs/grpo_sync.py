@@ -57,7 +57,14 @@ def run_grpo_sync(cfg, groups, platform) -> None:
                 batch_metrics.update(staleness.check_batch(step, token_versions(samples)))
             with job.stages("weight_sync", step, timer):
                 report.update(
-                    sync_weights(groups, job.roles, job.engine, step + 1, cfg.weight_sync)
+                    sync_weights(
+                        groups,
+                        job.roles,
+                        job.engine,
+                        step + 1,
+                        cfg.weight_sync,
+                        job.weight_buffers,
+                    )
                 )
             report.update(timer.metrics(prefix="timing"))
             if job.roles:

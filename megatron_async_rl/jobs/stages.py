@@ -35,6 +35,7 @@ from megatron_async_rl.rollout.generation import Sample, generate_samples, serve
 from megatron_async_rl.rollout.validation import Validator
 from megatron_async_rl.scheduler.machine import StageMachine
 from megatron_async_rl.scheduler.states import Stage
+from megatron_async_rl.weight_sync.buffers import BufferPool
 
 logger = logging.getLogger(__name__)
 LOSS_KEYS = ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy_loss")
@@ -138,6 +139,8 @@ class Job:
         self.reward = SafeReward(get_reward(cfg.reward), cfg.reward.name) if self.engine else None
         self.validator = self._validator()
         self.validation_machine = StageMachine(Stage.VALIDATION)
+        self.weight_buffers = BufferPool()
+        """This rank's weight-sync buffers, reused from one version to the next."""
         self.writer = MetricsWriter(cfg.run_dir) if self.is_leader else None
         self.progress = Progress(cfg.trainer.num_steps, enabled=self.is_leader)
         self.stages = Stages(self.rank, groups.local_roles())

@@ -293,30 +293,40 @@ def pad_vocab(tensor: Tensor, padded_size: int) -> Tensor:
     return torch.cat([tensor, pad])
 
 
-def unpad_vocab(tensor: Tensor, vocab_size: int) -> Tensor:
-    return tensor if tensor.shape[0] == vocab_size else tensor[:vocab_size].clone()
+def unpad_vocab(tensor: Tensor, vocab_size: int, copy: bool = True) -> Tensor:
+    if tensor.shape[0] == vocab_size:
+        return tensor
+    return tensor[:vocab_size].clone() if copy else tensor[:vocab_size]
 
 
-def megatron_param_to_hf(name: str, tensor: Tensor, dims: ModelDims) -> list[tuple[str, Tensor]]:
+def megatron_param_to_hf(
+    name: str, tensor: Tensor, dims: ModelDims, copy: bool = True
+) -> list[tuple[str, Tensor]]:
     """One full (gathered, global-named) Megatron tensor -> its HF tensors, each owning storage.
 
-    Owning matters: a view keeps (and pickles / IPC-shares) the whole fused storage.
+    Owning matters: a view keeps (and pickles / IPC-shares) the whole fused storage. With
+    `copy=False` the HF tensors are views of `tensor` instead (no copy; q/k/v then keep their
+    per-query-group shape, e.g. [groups, heads per group, head dim, hidden], whose row-major
+    order is the HF tensor's): for a caller that copies them into a buffer right away.
     """
     hf, kind, _ = _rule(name, dims)
     if kind == "copy":
         return [(hf[0], tensor)]
     if kind == "vocab":
-        return [(n, unpad_vocab(tensor, dims.vocab_size)) for n in hf]
+        return [(n, unpad_vocab(tensor, dims.vocab_size, copy)) for n in hf]
     if kind == "glu":
         gate, up = tensor.chunk(2, dim=0)
-        return [(hf[0], gate.clone()), (hf[1], up.clone())]
+        return [(hf[0], gate.clone() if copy else gate), (hf[1], up.clone() if copy else up)]
     ng, d = dims.num_query_groups, dims.head_dim
     per_group = dims.num_attention_heads // ng
     grouped = tensor.reshape(ng, per_group + 2, d, *tensor.shape[1:])
+    q, k, v = grouped[:, :per_group], grouped[:, per_group], grouped[:, per_group + 1]
+    if not copy:
+        return list(zip(hf, (q, k, v), strict=True))
     rest = tuple(tensor.shape[1:])
-    q = grouped[:, :per_group].reshape(ng * per_group * d, *rest).clone()
-    k = grouped[:, per_group].reshape(ng * d, *rest).clone()
-    v = grouped[:, per_group + 1].reshape(ng * d, *rest).clone()
+    q = q.reshape(ng * per_group * d, *rest).clone()
+    k = k.reshape(ng * d, *rest).clone()
+    v = v.reshape(ng * d, *rest).clone()
     return list(zip(hf, (q, k, v), strict=True))
 
 

@@ -17,7 +17,8 @@ Per call, on every participant:
 
 Metrics (this rank's): `timing/weight_sync/{gather,send,load}_s`, `weight_sync/GB` (the plan's
 bytes), `weight_sync/GB_per_s` (over this rank's wall time) and peak buffer sizes
-`weight_sync/{produce,consume,gathered,staging}_peak_MB`.
+`weight_sync/{produce,consume,gathered,staging}_peak_MB`; with a `buffers.BufferPool`, the bytes
+it keeps between syncs, `weight_sync/pool_MB`.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def _metrics(stats: executor.SyncStats, reshard: plan.ReshardPlan) -> dict[str, 
     return out
 
 
-def _reshard(groups, roles: dict, version: int | None, config, make_sink):
+def _reshard(groups, roles: dict, version: int | None, config, make_sink, pool):
     """Take part in one reshard; returns (sink or None, metrics). Collective."""
     rank, train = groups.rank, roles.get("train")
     receiving = rank in groups.weight_receivers
@@ -117,37 +118,52 @@ def _reshard(groups, roles: dict, version: int | None, config, make_sink):
     sink = make_sink(reshard, key, counter) if receiving else None
     stats = executor.run_plan(
         reshard, rank, key.version, groups.weight_senders, local=local, tp_groups=tp_groups,
-        sink=sink, counter=counter,
+        sink=sink, counter=counter, pool=pool,
     )  # fmt: skip
-    return sink, _metrics(stats, reshard)
-
-
-def _staging(reshard, key, counter) -> StagingSink:
-    dtype = buffers.torch_dtype(reshard.dtype)
-    return StagingSink(dtype, counter, key.version, key.consume_bytes)
+    metrics = _metrics(stats, reshard)
+    if pool is not None:
+        metrics["weight_sync/pool_MB"] = pool.held_bytes / 2**20
+    return sink, metrics
 
 
 def broadcast_weights(
-    groups, roles: dict, config: WeightSyncConfig | None = None, version: int | None = None
+    groups,
+    roles: dict,
+    config: WeightSyncConfig | None = None,
+    version: int | None = None,
+    pool: buffers.BufferPool | None = None,
 ) -> tuple[StagedWeights | None, dict[str, float]]:
     """Reshard with receivers staging whole tensors in host memory (collective).
 
     Returns the `StagedWeights` on receivers (None elsewhere) and this rank's metrics. An
     asynchronous generate rank calls it from its weight thread with no roles (generation keeps
     running), then pauses, `load_into_engine`s the result in consume chunks and resumes.
+    `pool`: buffers kept from one call to the next (the staging arena among them: the result
+    is valid until the next call with the same pool).
     """
-    sink, metrics = _reshard(groups, roles, version, config, _staging)
+
+    def staging(reshard, key, counter) -> StagingSink:
+        return StagingSink(reshard, counter, key.version, key.consume_bytes, pool)
+
+    sink, metrics = _reshard(groups, roles, version, config, staging, pool)
     return (sink.weights if sink is not None else None), metrics
 
 
 def sync_weights(
-    groups, roles: dict, engine, version: int, config: WeightSyncConfig | None = None
+    groups,
+    roles: dict,
+    engine,
+    version: int,
+    config: WeightSyncConfig | None = None,
+    pool: buffers.BufferPool | None = None,
 ) -> dict[str, float]:
     """Push the train role's weights to engines and the logp role (collective); returns metrics.
 
     A generate rank with an engine (and no logp role) streams into it within the consume bound;
-    other receivers stage the whole model first. Raises RuntimeError naming parameters, sender
-    and receiver ranks and the version on a checksum mismatch or a chunk the engine rejects.
+    other receivers stage the whole model first. `pool`: this rank's buffers, kept from one
+    sync to the next (a job passes the same one every step). Raises RuntimeError naming
+    parameters, sender and receiver ranks and the version on a checksum mismatch or a chunk
+    the engine rejects.
     """
     streaming = engine is not None and "logp" not in roles
     if streaming:
@@ -155,18 +171,18 @@ def sync_weights(
 
         def make(reshard, key, counter):
             dtype = buffers.torch_dtype(reshard.dtype)
-            sink = EngineSink(engine, key.version, groups.rank, counter, dtype)
+            sink = EngineSink(engine, key.version, groups.rank, counter, dtype, pool=pool)
             sink.begin()
             holder.append(sink)
             return sink
 
         try:
-            _, metrics = _reshard(groups, roles, version, config, make)
+            _, metrics = _reshard(groups, roles, version, config, make, pool)
         finally:
             for sink in holder:
                 sink.finish()
         return metrics
-    staged, metrics = broadcast_weights(groups, roles, config, version)
+    staged, metrics = broadcast_weights(groups, roles, config, version, pool)
     if staged is None:
         return metrics
     start = metrics.get("timing/weight_sync/load_s", 0.0)

@@ -2,20 +2,30 @@
 
 Owned here: how one planned `Message` lies in a flat uint8 buffer (a 32-byte header of int64
 version, checksum, sender rank and sequence number, then each piece at its planned offset), the
-checksum (CRC-32 of the payload: cheap, deterministic, computed by the sender and verified by
+checksum (63 bits of xxHash's XXH3-64 of the payload, computed by the sender and verified by
 every receiver before anything is loaded), `Assembler` (pieces of split HF tensors back into
-whole tensors) and `MemoryCounter` (peak bytes held in each kind of buffer, reported as metrics
-and asserted by tests). Called by `weight_sync.executor` and `weight_sync.sinks`; pure torch,
-no collectives, so the unit tests pack and unpack through this very code.
+whole tensors), `BufferPool` (the buffers a rank reuses from one sync to the next) and
+`MemoryCounter` (peak bytes held in each kind of buffer, reported as metrics and asserted by
+tests). Called by `weight_sync.executor` and `weight_sync.sinks`; pure torch, no collectives,
+so the unit tests pack and unpack through this very code.
+
+Costs that shaped it (measured on the 2-core CPU machines, 241 MiB): CRC-32 130 ms, XXH3 23 ms;
+a copy ~85 ms; fresh memory costs as much as a copy (page faults: 128 MiB of new anonymous or
+shared memory 65-110 ms to allocate and touch), hence the pool; and a CPU tensor handed to an
+engine process crosses as a shared-memory handle only if its storage already is in shared
+memory: otherwise torch copies it there, per storage (39 separate tensors: 4-14 s; the same
+bytes as views of one shared buffer: 85 ms). Buffers that go to an engine are therefore
+allocated in shared memory (`empty_bytes(shared=True)`), and many tensors share one storage.
 """
 
 from __future__ import annotations
 
-import zlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from megatron_async_rl.weight_sync.plan import HEADER_BYTES, Message, Piece
 
@@ -32,9 +42,25 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+CHECKSUM_MASK = (1 << 63) - 1
+
+
 def checksum(payload: torch.Tensor) -> int:
-    """CRC-32 of a contiguous uint8 CPU tensor."""
-    return zlib.crc32(payload.numpy())
+    """XXH3-64 of a contiguous uint8 CPU tensor, cut to 63 bits (it is stored as an int64)."""
+    return xxhash.xxh3_64_intdigest(payload.numpy()) & CHECKSUM_MASK
+
+
+def empty_bytes(nbytes: int, shared: bool = False) -> torch.Tensor:
+    """A new uint8 CPU buffer; in shared memory when `shared` (handed to an engine as a handle)."""
+    if not shared:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
+    return torch.empty(0, dtype=torch.uint8).set_(storage)[:nbytes]
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy `src` (any strides) into the contiguous `dst` of as many elements, row-major."""
+    dst.view(src.shape).copy_(src)
 
 
 def pack(
@@ -47,13 +73,20 @@ def pack(
     sender: int,
     seq: int,
 ) -> None:
-    """Write `message` (its pieces taken from whole HF tensors in `staged`) into `buf`."""
+    """Write `message` (its pieces taken from whole HF tensors in `staged`) into `buf`.
+
+    A tensor in `staged` may be any view of the right row-major order (e.g. q of a fused QKV);
+    one split over several messages should be contiguous (else each piece copies it whole).
+    """
     payload = buf[HEADER_BYTES : message.wire_bytes]
+    itemsize = torch.empty((), dtype=dtype).element_size()
     for piece in message.pieces:
-        flat = staged[piece.hf_name].reshape(-1)
-        itemsize = flat.element_size()
+        src = staged[piece.hf_name]
         dst = payload[piece.offset : piece.offset + piece.numel * itemsize].view(dtype)
-        dst.copy_(flat[piece.start : piece.stop])
+        if piece.is_whole:
+            copy_into(dst, src)  # one (strided) copy, whatever view the HF tensor is
+        else:
+            dst.copy_(src.reshape(-1)[piece.start : piece.stop])
     header = torch.tensor([version, checksum(payload), sender, seq], dtype=torch.int64)
     buf[:HEADER_BYTES].view(torch.int64).copy_(header)
 
@@ -98,20 +131,35 @@ class Assembler:
     """Reassembles HF tensors from pieces; whole pieces pass through without a copy.
 
     A tensor cut into several pieces is staged in a buffer of its full size until its last
-    piece arrives; the staged bytes are counted under `kind` in `counter`.
+    piece arrives; the staged bytes are counted under `kind` in `counter`. With a `pool`, that
+    buffer is the pool's ("split", key) buffer: the caller passes a key (e.g. the sender) under
+    which at most one tensor is staged at a time, and releases it before the next one starts.
     """
 
-    def __init__(self, dtype: torch.dtype, counter: MemoryCounter, kind: str = "staging"):
-        self.dtype, self.counter, self.kind = dtype, counter, kind
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        counter: MemoryCounter,
+        kind: str = "staging",
+        shared: bool = False,
+        pool: BufferPool | None = None,
+    ):
+        self.dtype, self.counter, self.kind, self.shared = dtype, counter, kind, shared
+        self.pool = pool
         self._partial: dict[str, tuple[torch.Tensor, int]] = {}
 
-    def add(self, piece: Piece, values: torch.Tensor) -> torch.Tensor | None:
+    def add(self, piece: Piece, values: torch.Tensor, key: int = 0) -> torch.Tensor | None:
         """The whole tensor once `piece` completes it (a view of `values` if it is whole)."""
         if piece.is_whole:
             return values.view(piece.shape)
         full, filled = self._partial.get(piece.hf_name, (None, 0))
         if full is None:
-            full = torch.empty(piece.shape, dtype=self.dtype)
+            nbytes = math.prod(piece.shape) * torch.empty((), dtype=self.dtype).element_size()
+            if self.pool is not None:
+                buf = self.pool.get("split", key, nbytes, self.shared)
+            else:
+                buf = empty_bytes(nbytes, self.shared)
+            full = buf.view(self.dtype).view(piece.shape)
             self.counter.add(self.kind, full.numel() * full.element_size())
         full.view(-1)[piece.start : piece.stop].copy_(values)
         filled += piece.numel
@@ -129,3 +177,30 @@ class Assembler:
     @property
     def pending(self) -> list[str]:
         return sorted(self._partial)
+
+
+class BufferPool:
+    """Buffers one rank reuses from one weight sync to the next, by (kind, index).
+
+    Whoever syncs repeatedly (the jobs, the benchmark) holds one and passes it to every sync:
+    it keeps what a sync used (within the configured bound: 2 produce slots, 2 consume slots,
+    or the staging of one model), so later syncs neither allocate nor fault pages. A buffer is
+    replaced when a sync needs it larger or in the other kind of memory. Without a pool, a sync
+    allocates its buffers and frees them when it returns.
+    """
+
+    def __init__(self):
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+
+    def get(self, kind: str, index: int, nbytes: int, shared: bool = False) -> torch.Tensor:
+        """A uint8 buffer of `nbytes` (its old contents, if any, are garbage)."""
+        key = (kind, index)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < nbytes or buf.is_shared() != shared:
+            self._buffers.pop(key, None)  # freed before the new one is allocated
+            buf = self._buffers[key] = empty_bytes(nbytes, shared)
+        return buf[:nbytes]
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(buf.numel() for buf in self._buffers.values())

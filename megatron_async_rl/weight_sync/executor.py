@@ -42,8 +42,9 @@ from megatron_async_rl.weight_sync.plan import Message, Piece, ReshardPlan
 class Sink(Protocol):
     """Where a receiver's verified messages go (an engine, or host staging).
 
-    A sink whose `borrows_buffers` is true may change the storage of the views it gets (an
-    engine load moves them into shared memory); it gets copies of its own rank's messages.
+    A sink whose `borrows_buffers` is true hands the views it gets to other processes (an
+    engine's): its receive slots are allocated in shared memory, so that they cross as a
+    handle, not a copy, and it gets its own rank's messages copied there.
     """
 
     def add(
@@ -71,9 +72,10 @@ class SyncStats:
 class _Receiver:
     """Consume slots and the FIFO of messages in flight to this rank."""
 
-    def __init__(self, plan, rank, version, sink, stats, slot_bytes, num_messages):
+    def __init__(self, plan, rank, version, sink, stats, slot_bytes, num_messages, pool):
         self.plan, self.rank, self.version, self.sink, self.stats = plan, rank, version, sink, stats
         self.dtype = buffers.torch_dtype(plan.dtype)
+        self.pool, self.shared = pool, getattr(sink, "borrows_buffers", True)
         self.slots: list[torch.Tensor | None] = [None, None]
         self.slot_bytes, self.remaining = slot_bytes, num_messages
         self.in_flight: collections.deque = collections.deque()
@@ -85,7 +87,7 @@ class _Receiver:
         if len(self.in_flight) == 2:
             self.complete_oldest()
         if self.slots[index] is None:
-            self.slots[index] = torch.empty(self.slot_bytes, dtype=torch.uint8)
+            self.slots[index] = self.pool.get("consume", index, self.slot_bytes, self.shared)
             self.stats.counter.add("consume", self.slot_bytes)
         view = self.slots[index][: message.wire_bytes]
         work = dist.broadcast(view, src=sender, group=group, async_op=True)
@@ -160,13 +162,15 @@ def _gather(plan, gather, rank, sender, local, tp_groups, checked) -> torch.Tens
 class _Sender:
     """Produce slots, in-flight sends and the HF tensors being packed, on a sender."""
 
-    def __init__(self, plan, rank, version, group, stats, slot_bytes):
+    def __init__(self, plan, rank, version, group, stats, slot_bytes, pool):
         self.plan, self.rank, self.version, self.group = plan, rank, version, group
-        self.stats, self.slot_bytes = stats, slot_bytes
+        self.stats, self.slot_bytes, self.pool = stats, slot_bytes, pool
         self.dtype = buffers.torch_dtype(plan.dtype)
         self.slots: list[torch.Tensor | None] = [None, None]
         self.sends: list[list] = [[], []]
         self.staged: dict[str, torch.Tensor] = {}
+        self.owned: dict[str, int] = {}
+        """Bytes of each staged HF tensor that are this sync's own (not a view of a parameter)."""
         self.seq = 0
 
     def free_slot(self, index: int) -> torch.Tensor:
@@ -178,23 +182,39 @@ class _Sender:
         self.sends[k] = []
         self.stats.send_s += time.perf_counter() - start
         if self.slots[k] is None:
-            self.slots[k] = torch.empty(self.slot_bytes, dtype=torch.uint8)
+            self.slots[k] = self.pool.get("produce", k, self.slot_bytes)
             self.stats.counter.add("produce", self.slot_bytes)
         return self.slots[k]
 
     def stage(self, gather, full: torch.Tensor) -> None:
-        for hf_name, tensor in name_map.megatron_param_to_hf(gather.param, full, self.plan.dims):
+        """The HF tensors of one assembled parameter, as views of it (packing copies them once).
+
+        A parameter this rank holds whole is not copied at all; a gathered one is this sync's
+        own memory until its last piece is packed ("gathered").
+        """
+        hf = name_map.megatron_param_to_hf(gather.param, full, self.plan.dims, copy=False)
+        for hf_name, tensor in hf:
             self.staged[hf_name] = tensor
-            self.stats.counter.add("gathered", tensor.numel() * tensor.element_size())
+            nbytes = tensor.numel() * tensor.element_size()
+            self._own(hf_name, nbytes if gather.is_collective else 0)
+
+    def _own(self, hf_name: str, nbytes: int) -> None:
+        self.owned[hf_name] = self.owned.get(hf_name, 0) + nbytes
+        self.stats.counter.add("gathered", nbytes)
 
     def pack(self, slot: torch.Tensor, message: Message) -> tuple[torch.Tensor, int]:
+        for piece in message.pieces:  # a tensor split over messages: contiguous, once
+            tensor = self.staged[piece.hf_name]
+            if not piece.is_whole and not tensor.is_contiguous():
+                self.staged[piece.hf_name] = tensor.contiguous()
+                self._own(piece.hf_name, tensor.numel() * tensor.element_size())
         view = slot[message.offset : message.offset + message.wire_bytes]
         buffers.pack(view, message, self.staged, self.dtype, version=self.version,
                      sender=self.rank, seq=self.seq)  # fmt: skip
         for param in message.releases:
             for hf_name in name_map.hf_names_for(param, self.plan.dims):
-                tensor = self.staged.pop(hf_name)
-                self.stats.counter.sub("gathered", tensor.numel() * tensor.element_size())
+                del self.staged[hf_name]
+                self.stats.counter.sub("gathered", self.owned.pop(hf_name))
         self.seq += 1
         return view, self.seq - 1
 
@@ -221,27 +241,30 @@ def run_plan(
     tp_groups: dict | None = None,
     sink: Sink | None = None,
     counter: buffers.MemoryCounter | None = None,
+    pool: buffers.BufferPool | None = None,
 ) -> SyncStats:
     """Take this rank's part in `plan` (collective over every participant).
 
     `local`/`tp_groups`: the train role's state dict (local names) and its {"tp", "expt_tp"}
     groups, on train ranks. `sink`: on receivers. `counter`: where buffer bytes are counted
-    (shared with the sink's own staging). Raises the first receive or sink error after
-    the whole schedule has run.
+    (shared with the sink's own staging). `pool`: where produce and consume slots come from
+    (kept for the next sync; by default, allocated for this one). Raises the first receive or
+    sink error after the whole schedule has run.
     """
     stats, wall = SyncStats(counter=counter or buffers.MemoryCounter()), time.perf_counter()
+    pool = pool if pool is not None else buffers.BufferPool()
     mine = next((s for s in plan.senders if s.rank == rank), None)
     sender_state = None
     if mine is not None:
         slot_bytes = max(b.nbytes for b in mine.buckets)
-        sender_state = _Sender(plan, rank, version, sender_groups[rank], stats, slot_bytes)
+        sender_state = _Sender(plan, rank, version, sender_groups[rank], stats, slot_bytes, pool)
     seqs = {s.rank: 0 for s in plan.senders}
     receiver = None
     if sink is not None:
         others = [m for s in plan.senders if s.rank != rank for b in s.buckets for m in b.messages]
         total = sum(len(b.messages) for s in plan.senders for b in s.buckets)
         slot = max((m.wire_bytes for m in others), default=0)
-        receiver = _Receiver(plan, rank, version, sink, stats, slot, total)
+        receiver = _Receiver(plan, rank, version, sink, stats, slot, total, pool)
     checked: set[str] = set()
     for sender_index, bucket_index in plan.schedule:
         sender = plan.senders[sender_index]
@@ -261,10 +284,14 @@ def run_plan(
             stats.gather_s += time.perf_counter() - start
             if is_sender:
                 if receiver is not None:
-                    # An engine load may move the buffer into shared memory: never under an
-                    # in-flight send, so a borrowing sink gets a copy of its own message.
-                    borrows = getattr(receiver.sink, "borrows_buffers", True)
-                    receiver.deliver(view.clone() if borrows else view, message, rank, seq, False)
+                    # An engine's processes read what they load from shared memory: a
+                    # borrowing sink gets its own message copied there (never the slot of an
+                    # in-flight send).
+                    own = view
+                    if receiver.shared:
+                        own = buffers.empty_bytes(view.numel(), shared=True)
+                        own.copy_(view)
+                    receiver.deliver(own, message, rank, seq, False)
                 sender_state.send(view, bucket_index)
         if receiver is not None and not is_sender:
             for message in bucket.messages:

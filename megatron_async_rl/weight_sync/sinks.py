@@ -16,12 +16,15 @@ carries `v<version>`: an engine whose sync fails half-way still reports the prev
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
 from megatron_async_rl.weight_sync import buffers
 
 logger = logging.getLogger(__name__)
+ARENA_ALIGN = 64
+"""Bytes each staged tensor's start is aligned to."""
 
 
 def engine_version_label(version: int) -> str:
@@ -29,7 +32,12 @@ def engine_version_label(version: int) -> str:
 
 
 class StagedWeights(dict):
-    """HF name -> whole tensor, as received for version `version` (host memory)."""
+    """HF name -> whole tensor, as received for version `version` (host memory).
+
+    Staged by a `StagingSink`, the tensors are views of one shared-memory arena: loading them
+    into an engine hands over one handle. With a `BufferPool`, the arena is reused by the next
+    sync into the same pool: load (or copy) them before that.
+    """
 
     def __init__(self, version: int, consume_bytes: int):
         super().__init__()
@@ -37,34 +45,51 @@ class StagedWeights(dict):
 
 
 class StagingSink:
-    """Copies every received tensor into a `StagedWeights` (the receive buffers are reused)."""
+    """Copies every received piece straight to its place in one staging arena (shared memory).
+
+    The arena holds every HF tensor of `reshard` (one model: the staging bound), laid out in
+    model order; a tensor is in `weights` once all its pieces have arrived.
+    """
 
     borrows_buffers = False
 
-    def __init__(self, dtype: torch.dtype, counter, version: int, consume_bytes: int):
-        self.assembler = buffers.Assembler(dtype, counter)
-        self.counter = counter
+    def __init__(self, reshard, counter, version: int, consume_bytes: int, pool=None):
+        dtype = buffers.torch_dtype(reshard.dtype)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        spans, total = {}, 0
+        for name, shape in reshard.hf_shapes:
+            nbytes = math.prod(shape) * itemsize
+            spans[name] = (total, nbytes, shape)
+            total += -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
+        pool = pool if pool is not None else buffers.BufferPool()
+        arena = pool.get("staging", 0, total, shared=True)
+        counter.add("staging", total)
+        self.views = {
+            name: arena[start : start + nbytes].view(dtype).view(shape)
+            for name, (start, nbytes, shape) in spans.items()
+        }
+        self.missing = {name: math.prod(shape) for name, shape in reshard.hf_shapes}
         self.weights = StagedWeights(version, consume_bytes)
 
     def add(self, message, pieces, sender: int, seq: int, last: bool) -> None:
         for piece, values in pieces:
-            whole = self.assembler.add(piece, values)
-            if whole is not None and piece.is_whole:
-                whole = whole.clone()
-                self.counter.add("staging", whole.numel() * whole.element_size())
-            if whole is not None:
-                self.weights[piece.hf_name] = whole
+            self.views[piece.hf_name].view(-1)[piece.start : piece.stop].copy_(values)
+            self.missing[piece.hf_name] -= piece.numel
+            if self.missing[piece.hf_name] == 0:
+                self.weights[piece.hf_name] = self.views[piece.hf_name]
 
 
 class EngineSink:
     """Loads each verified message into `engine` (between begin/end weight update)."""
 
-    #: Handing a CPU tensor to the engine's process moves its storage into shared memory.
+    #: What it loads crosses to the engine's processes: it must lie in shared memory.
     borrows_buffers = True
 
-    def __init__(self, engine, version: int, rank: int, counter, dtype, in_place: bool = False):
+    def __init__(
+        self, engine, version: int, rank: int, counter, dtype, in_place: bool = False, pool=None
+    ):
         self.engine, self.version, self.rank, self.in_place = engine, version, rank, in_place
-        self.assembler = buffers.Assembler(dtype, counter)
+        self.assembler = buffers.Assembler(dtype, counter, shared=True, pool=pool)
         self.old_label = ""
         self.opened = False
 
@@ -84,32 +109,38 @@ class EngineSink:
                 self.engine.resume()
 
     def add(self, message, pieces, sender: int, seq: int, last: bool) -> None:
-        whole, split = [], []
+        """Load the message's whole tensors in one call; a split tensor as soon as its last
+        piece is in (so that one staging buffer per sender suffices). The last call of the last
+        message stamps the new version (with nothing left to load, an empty call does)."""
+        whole = []
         for piece, values in pieces:
-            tensor = self.assembler.add(piece, values)
-            if tensor is not None:
-                (whole if piece.is_whole else split).append((piece, tensor))
-        calls = ([whole] if whole else []) + [[item] for item in split]
-        if last and not calls:
-            calls = [[]]
-        for i, call in enumerate(calls):
-            final = last and i == len(calls) - 1
-            named = [(piece.hf_name, tensor) for piece, tensor in call]
-            try:
-                self.engine.update_weights(
-                    named,
-                    version=engine_version_label(self.version) if final else self.old_label,
-                    flush_cache=final and not self.in_place,
-                )
-            except Exception as exc:
-                names = [n for n, _ in named]
-                raise RuntimeError(
-                    f"weight sync v{self.version}: the engine on receiver global rank "
-                    f"{self.rank} rejected {names[:8]}{' ...' if len(names) > 8 else ''} "
-                    f"(message {seq} from sender global rank {sender}): {exc}"
-                ) from exc
-            for piece, tensor in call:
-                self.assembler.release(piece, tensor)
+            tensor = self.assembler.add(piece, values, key=sender)
+            if tensor is None:
+                continue
+            if piece.is_whole:
+                whole.append((piece, tensor))
+            else:
+                self._load([(piece, tensor)], sender, seq, final=False)
+        if whole or last:
+            self._load(whole, sender, seq, final=last)
+
+    def _load(self, call: list, sender: int, seq: int, final: bool) -> None:
+        named = [(piece.hf_name, tensor) for piece, tensor in call]
+        try:
+            self.engine.update_weights(
+                named,
+                version=engine_version_label(self.version) if final else self.old_label,
+                flush_cache=final and not self.in_place,
+            )
+        except Exception as exc:
+            names = [n for n, _ in named]
+            raise RuntimeError(
+                f"weight sync v{self.version}: the engine on receiver global rank "
+                f"{self.rank} rejected {names[:8]}{' ...' if len(names) > 8 else ''} "
+                f"(message {seq} from sender global rank {sender}): {exc}"
+            ) from exc
+        for piece, tensor in call:
+            self.assembler.release(piece, tensor)
 
 
 def load_into_engine(
@@ -135,6 +166,7 @@ def load_into_engine(
             size = 0
         chunks[-1].append((name, tensor))
         size += nbytes
+    chunks = [_in_shared_memory(chunk) for chunk in chunks]
     if in_place:
         engine.pause("in_place")
     try:
@@ -153,3 +185,19 @@ def load_into_engine(
     finally:
         if in_place:
             engine.resume()
+
+
+def _in_shared_memory(chunk: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """`chunk` as it should cross to an engine's processes: as is if every CPU tensor already
+    lies in shared memory (or on a GPU: CUDA IPC), else copied into one shared buffer. Torch
+    would otherwise move each CPU storage there on its own, seconds for a few hundred MiB."""
+    if all(t.device.type != "cpu" or t.is_shared() for _, t in chunk):
+        return chunk
+    nbytes = [-(-t.numel() * t.element_size() // ARENA_ALIGN) * ARENA_ALIGN for _, t in chunk]
+    arena, out, start = buffers.empty_bytes(sum(nbytes), shared=True), [], 0
+    for (name, tensor), size in zip(chunk, nbytes, strict=True):
+        view = arena[start : start + tensor.numel() * tensor.element_size()]
+        buffers.copy_into(view.view(tensor.dtype), tensor.to("cpu"))
+        out.append((name, view.view(tensor.dtype).view(tensor.shape)))
+        start += size
+    return out

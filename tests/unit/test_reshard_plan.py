@@ -150,8 +150,9 @@ def test_gather_rule_reassembles_every_tensor_exactly(dims_name, layout_name, mo
             pp_size=layout.pp, ep_rank=c["ep_rank"], ep_size=layout.ep,
             etp_rank=c["etp_rank"], etp_size=layout.etp,
         )  # fmt: skip
-    counter = buffers.MemoryCounter()
-    assembler, received = buffers.Assembler(torch.float32, counter), {}
+    counter, pool = buffers.MemoryCounter(), buffers.BufferPool()
+    # One split-tensor buffer per sender, reused (as a streaming engine sink does).
+    assembler, received = buffers.Assembler(torch.float32, counter, pool=pool), {}
     staged: dict[str, dict[str, torch.Tensor]] = {s.rank: {} for s in plan.senders}
     for sender_index, bucket_index in plan.schedule:
         sender = plan.senders[sender_index]
@@ -167,7 +168,9 @@ def test_gather_rule_reassembles_every_tensor_exactly(dims_name, layout_name, mo
                     assert g.ranks == (sender.rank,) and (g.spec.partition_dim is None or size == 1)
                 shards = [held[r][g.local_name] for r in g.ranks]
                 tensor = nm.unshard(shards, g.spec) if g.is_collective else shards[0]
-                staged[sender.rank].update(nm.megatron_param_to_hf(g.param, tensor, dims))
+                # Views, as the executor packs them (q/k/v of a fused QKV are strided).
+                hf = nm.megatron_param_to_hf(g.param, tensor, dims, copy=False)
+                staged[sender.rank].update(hf)
             buf = torch.zeros(message.wire_bytes, dtype=torch.uint8)
             buffers.pack(buf, message, staged[sender.rank], torch.float32, version=7,
                          sender=sender.rank, seq=seq)  # fmt: skip
@@ -178,7 +181,7 @@ def test_gather_rule_reassembles_every_tensor_exactly(dims_name, layout_name, mo
             assert header.checksum == buffers.payload_checksum(buf, message)
             assert (header.version, header.sender, header.seq) == (7, sender.rank, seq)
             for piece, values in buffers.unpack(buf, message, torch.float32):
-                whole = assembler.add(piece, values)
+                whole = assembler.add(piece, values, key=sender.rank)
                 if whole is not None:
                     received[piece.hf_name] = whole.clone()
                     assembler.release(piece, whole)

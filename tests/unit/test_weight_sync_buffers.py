@@ -1,0 +1,146 @@
+"""Contract of `weight_sync.buffers` and the staging side of `weight_sync.sinks`, no process group.
+
+The checksum catches a flipped byte; packing from strided views (q/k/v of a fused QKV, as the
+executor stages them with `megatron_param_to_hf(copy=False)`) writes the same bytes as packing
+owned copies; a `BufferPool` hands back the same memory from one sync to the next (shared
+memory when asked) and replaces a buffer only when it must; `StagingSink` puts every tensor of a
+plan into one shared-memory arena, however the pieces arrive; `load_into_engine` hands an engine
+chunks whose CPU tensors all lie in shared memory, as one storage per chunk when they did not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_async_rl.models import name_map as nm
+from megatron_async_rl.weight_sync import buffers, sinks
+from megatron_async_rl.weight_sync.plan import TrainLayout, build_plan
+
+DIMS = nm.ModelDims(
+    num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16,
+    ffn_hidden_size=96, vocab_size=100, padded_vocab_size=128, tied_embeddings=False,
+    add_qkv_bias=False, qk_layernorm=False,
+)  # fmt: skip
+
+
+def _plan(consume_bytes: int):
+    layout = TrainLayout(offset=0, tp=1, pp=1, dp=1)
+    return build_plan(layout, DIMS, "float32", 4 * consume_bytes, consume_bytes)
+
+
+def _hf_tensors(plan) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {n: torch.randn(shape, generator=gen) for n, shape in plan.hf_shapes}
+
+
+def _messages(plan):
+    return [m for s in plan.senders for b in s.buckets for m in b.messages]
+
+
+def test_checksum_changes_with_any_flipped_byte():
+    payload = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
+    base = buffers.checksum(payload)
+    assert 0 <= base <= buffers.CHECKSUM_MASK
+    for index in (0, 1, 2047, 16383):
+        flipped = payload.clone()
+        flipped[index] ^= 1
+        assert buffers.checksum(flipped) != base, index
+
+
+def test_packing_strided_views_writes_the_bytes_of_owned_copies():
+    qkv = torch.randn(2 * (2 + 2) * 16, 64)  # groups x (2 q heads + k + v) x head dim, hidden
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    views = dict(nm.megatron_param_to_hf(name, qkv, DIMS, copy=False))
+    owned = dict(nm.megatron_param_to_hf(name, qkv, DIMS))
+    assert not views["model.layers.0.self_attn.q_proj.weight"].is_contiguous()
+    plan = _plan(consume_bytes=2**20)
+    message = next(m for m in _messages(plan) if any(p.hf_name in views for p in m.pieces))
+    staged = {**_hf_tensors(plan)}
+    out = []
+    for source in (views, owned):
+        buf = torch.zeros(message.wire_bytes, dtype=torch.uint8)
+        buffers.pack(buf, message, {**staged, **source}, torch.float32, version=1, sender=0, seq=0)
+        out.append(buf)
+    assert torch.equal(out[0], out[1])
+    got = dict(buffers.unpack(out[0], message, torch.float32))
+    for piece, values in got.items():
+        if piece.hf_name in owned:
+            assert torch.equal(values, owned[piece.hf_name].reshape(-1)[piece.start : piece.stop])
+
+
+def test_buffer_pool_reuses_memory_and_replaces_only_when_it_must():
+    pool = buffers.BufferPool()
+    first = pool.get("consume", 0, 1000, shared=True)
+    assert first.is_shared() and first.numel() == 1000
+    again = pool.get("consume", 0, 800, shared=True)
+    assert again.data_ptr() == first.data_ptr() and again.numel() == 800
+    assert pool.get("consume", 1, 1000, shared=True).data_ptr() != first.data_ptr()
+    assert pool.held_bytes == 2000
+    bigger = pool.get("consume", 0, 4000, shared=True)
+    assert bigger.numel() == 4000 and pool.held_bytes == 5000
+    private = pool.get("consume", 0, 100, shared=False)
+    assert not private.is_shared() and pool.held_bytes == 1000 + 100
+
+
+def test_staging_sink_fills_one_shared_arena_from_split_pieces():
+    plan = _plan(consume_bytes=8192)  # small: some tensors arrive in several pieces
+    hf = _hf_tensors(plan)
+    assert any(not p.is_whole for m in _messages(plan) for p in m.pieces), "nothing split"
+    counter = buffers.MemoryCounter()
+    sink = sinks.StagingSink(plan, counter, version=3, consume_bytes=8192)
+    messages = _messages(plan)
+    for seq, message in enumerate(messages):
+        buf = torch.zeros(message.wire_bytes, dtype=torch.uint8)
+        buffers.pack(buf, message, hf, torch.float32, version=3, sender=0, seq=seq)
+        pieces = buffers.unpack(buf, message, torch.float32)
+        sink.add(message, pieces, sender=0, seq=seq, last=seq == len(messages) - 1)
+    weights = sink.weights
+    assert weights.version == 3 and weights.keys() == hf.keys()
+    storages = {t.untyped_storage().data_ptr() for t in weights.values()}
+    assert len(storages) == 1 and all(t.is_shared() for t in weights.values())
+    for name, tensor in hf.items():
+        assert torch.equal(weights[name], tensor), name
+    assert counter.peak["staging"] >= sum(t.numel() * 4 for t in hf.values())
+
+
+def test_staging_arena_is_reused_by_the_next_sync_into_the_same_pool():
+    plan, pool = _plan(consume_bytes=2**20), buffers.BufferPool()
+    a = sinks.StagingSink(plan, buffers.MemoryCounter(), 1, 2**20, pool)
+    b = sinks.StagingSink(plan, buffers.MemoryCounter(), 2, 2**20, pool)
+    name = plan.hf_shapes[0][0]
+    assert a.views[name].data_ptr() == b.views[name].data_ptr()
+
+
+class _RecordingEngine:
+    """Records what `load_into_engine` hands over (the code under test is the chunking)."""
+
+    def __init__(self):
+        self.calls: list[tuple[list, str, bool]] = []
+
+    def weight_version(self) -> str:
+        return "v0"
+
+    def begin_weight_update(self) -> None: ...
+
+    def end_weight_update(self) -> None: ...
+
+    def update_weights(self, named, version, flush_cache) -> None:
+        self.calls.append((named, version, flush_cache))
+
+
+def test_load_into_engine_hands_over_shared_memory_in_consume_chunks():
+    tensors = {f"t{i}": torch.full((256,), float(i)) for i in range(8)}  # 1 KiB each, private
+    engine = _RecordingEngine()
+    sinks.load_into_engine(engine, tensors, version=4, consume_bytes=3 * 1024)
+    assert [len(named) for named, _, _ in engine.calls] == [3, 3, 2]
+    assert [v for _, v, _ in engine.calls] == ["v0", "v0", "v4"]
+    assert [f for _, _, f in engine.calls] == [False, False, True]
+    for named, _, _ in engine.calls:
+        assert all(t.is_shared() for _, t in named)
+        assert len({t.untyped_storage().data_ptr() for _, t in named}) == 1
+        for name, tensor in named:
+            assert torch.equal(tensor, tensors[name]), name
+    shared = {n: t.clone().share_memory_() for n, t in tensors.items()}
+    engine = _RecordingEngine()
+    sinks.load_into_engine(engine, shared, version=5, consume_bytes=1 << 20)
+    assert all(t is shared[n] for n, t in engine.calls[0][0])
