@@ -35,7 +35,11 @@ pytestmark = [
 PRODUCE_MB, CONSUME_MB = 0.03, 0.01
 
 
-def _setup(rank, world_size, path, parallel, num_train):
+def _setup(
+    rank, world_size, path, parallel, num_train, engine_tp_size=1, role_names=("train", "logp")
+):
+    """Ranks below `num_train` hold `role_names` (one layout `parallel`), the last rank an
+    SGLang engine of TP size `engine_tp_size`; returns (groups, roles, engine)."""
     import torch.distributed as dist
 
     from megatron_async_rl.config.schema import RoleGroupSpec
@@ -49,17 +53,19 @@ def _setup(rank, world_size, path, parallel, num_train):
     args = _role_args(path, **parallel)
     args.update(lr=1e-2, clip_grad=0.0)
     par = Parallelism.from_megatron_args(args)
-    specs = [RoleGroupSpec(["train", "logp"], num_ranks=num_train), RoleGroupSpec(["generate"], 1)]
-    layout = plan_layout(world_size, specs, {"train": par, "logp": par})
+    specs = [RoleGroupSpec(list(role_names), num_ranks=num_train), RoleGroupSpec(["generate"], 1)]
+    layout = plan_layout(world_size, specs, dict.fromkeys(role_names, par))
     platform = detect_platform("cpu", "gloo")
     groups = build_world_groups(layout, platform.backend)
     roles, engine = {}, None
     if rank < num_train:
-        for name in ("train", "logp"):
+        for name in role_names:
             roles[name] = MegatronRole(name, args, par, groups.roles[name], platform, seed=5)
             roles[name].load_hf_checkpoint(path)
     else:
-        config = SGLangEngineConfig(model_path=path, dtype="float32", max_total_tokens=4096)
+        config = SGLangEngineConfig(
+            model_path=path, dtype="float32", max_total_tokens=4096, tp_size=engine_tp_size
+        )
         engine = SGLangEngine(config, rank_in_role=0, global_rank=rank)
     dist.barrier()
     return groups, roles, engine
@@ -133,6 +139,16 @@ def _dense_worker(rank, world_size, tmp_dir, path, parallel):
     return out
 
 
+def _check_served(engine_weights, trainer):
+    """Every HF tensor read back from the engine is bit-identical to the trainer's."""
+    assert engine_weights.keys() == trainer.keys()
+    for name, ours in trainer.items():
+        got = engine_weights[name]
+        # SGLang pads the vocab rows of embed/lm_head with zeros (to a multiple of 64 x TP).
+        assert torch.equal(got[: ours.shape[0]].to(ours.dtype), ours), name
+        assert not got[ours.shape[0] :].any(), name
+
+
 def _error_of(fn):
     try:
         fn()
@@ -178,12 +194,8 @@ def test_dense_reshard_is_bit_identical_bounded_and_checked(parallel, llama_path
     assert not trainer["model.layers.0.mlp.up_proj.weight"].equal(
         start["model.layers.0.mlp.up_proj.weight"]
     ), "the train step did not change the weights: the check would be vacuous"
-    assert served["engine"].keys() == trainer.keys()
+    _check_served(served["engine"], trainer)
     for name, ours in trainer.items():
-        got = served["engine"][name]
-        # SGLang pads the vocab rows of embed/lm_head to a multiple of 64 with zeros.
-        assert torch.equal(got[: ours.shape[0]].to(ours.dtype), ours), name
-        assert not got[ours.shape[0] :].any(), name
         assert torch.equal(logp[name], ours), name
     assert served["versions"] and set(served["versions"]) == {"v1"}
 
@@ -240,11 +252,11 @@ def _perturb(roles):
                 param.mul_(1.01).add_(1e-3)
 
 
-def _moe_worker(rank, world_size, tmp_dir, path, parallel, num_train):
+def _moe_worker(rank, world_size, tmp_dir, path, parallel, num_train, engine_tp_size=1):
     from megatron_async_rl.weight_sync.broadcast import load_into_engine, sync_weights
     from megatron_async_rl.weight_sync.config import WeightSyncConfig
 
-    groups, roles, engine = _setup(rank, world_size, path, parallel, num_train)
+    groups, roles, engine = _setup(rank, world_size, path, parallel, num_train, engine_tp_size)
     config = WeightSyncConfig(produce_bucket_mb=PRODUCE_MB, consume_bucket_mb=CONSUME_MB)
     out = {}
     try:
@@ -278,22 +290,25 @@ def _moe_worker(rank, world_size, tmp_dir, path, parallel, num_train):
     return out
 
 
-@pytest.mark.parametrize(
+# (train layout, number of train ranks) of the MoE tests, here and with engine TP=2.
+MOE_LAYOUTS = pytest.mark.parametrize(
     "parallel,num_train",
     [
         ({"expert_model_parallel_size": 2}, 2),
-        (
-            {
-                "tensor_model_parallel_size": 2,
-                "expert_model_parallel_size": 2,
-            },
-            4,
-        ),
+        ({"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2}, 4),
     ],
     ids=["train_ep2", "train_tp2_ep2"],
 )
+
+
+@MOE_LAYOUTS
 def test_moe_reshard_serves_the_trainers_weights(parallel, num_train, moe_path, tmp_path):
-    results = spawn(_moe_worker, num_train + 1, tmp_path, moe_path, parallel, num_train)
+    _check_moe(spawn(_moe_worker, num_train + 1, tmp_path, moe_path, parallel, num_train))
+
+
+def _check_moe(results):
+    """The `_moe_worker` contract: logp holds the trainer's weights; the engine, after the sync,
+    computes exactly what it computes from the trainer's gathered HF state dict, not the old."""
     trainer = next(r["trainer"] for r in results if "trainer" in r)
     logp = next(r["logp"] for r in results if "logp" in r)
     for name, tensor in trainer.items():
