@@ -7,7 +7,7 @@ Spawns gloo ranks on CPU (`tests/distributed/harness.py`): `--train-tp` Megatron
 holding a tiny-architecture Llama made large (~250 MB fp32 by default, `models/tiny.py`) and
 `--num-generate` generate ranks, each hosting a real SGLang engine. In one run it measures
 (1) a raw gloo broadcast of the model's byte count from the train role's first rank to the
-generate ranks over the `weight_sync` group (whole, and in 16 MB chunks), (2) our weight-sync
+generate ranks (whole, and in 16 MB chunks), (2) our weight-sync
 pipeline end to end (gather -> send -> load into every engine; time to the slowest receiver) at
 its default configuration, (3) the pipeline at produce = consume bucket sizes of 1, 4, 16, 64
 and 256 MB. Before the first sync the trainer's weights are perturbed, so that the engines'
@@ -15,7 +15,7 @@ read-back (`get_weights_by_name`, SGLang's own read path) being byte-identical t
 gathered HF tensors is not vacuous.
 
 Every rank syncs as a job does: with one `BufferPool` per configuration, kept from one sync to
-the next. Peak extra memory of a rank is what its pool held before the sync plus the largest
+the next (each configuration syncs once before the measured repeats: a job's steady state). Peak extra memory of a rank is what its pool held before the sync plus the largest
 growth during it (sampled every 5 ms) of its private memory (`RssAnon` of the rank, and on a
 generate rank of its engine's processes too) and of the machine's shared memory (`/dev/shm`,
 counted once however many processes map it, split evenly over the generate ranks, the only ones
@@ -166,13 +166,13 @@ def _timed(ctx: dict, fn) -> tuple[float, int, float, dict]:
 
 
 def _raw_broadcast(ctx: dict, num_bytes: int, chunk_bytes: int | None) -> tuple:
-    """`num_bytes` from the train role's first rank to the `weight_sync` group: one broadcast,
-    or back-to-back broadcasts of `chunk_bytes` (gloo pipelines those better on this box)."""
+    """`num_bytes` from the train role's first rank to the generate ranks: one broadcast, or
+    back-to-back broadcasts of `chunk_bytes`."""
     import torch
     import torch.distributed as dist
 
-    group, src = ctx["groups"].weight_sync, ctx["groups"].weight_sync_ranks[0]
-    if group is None:  # a train rank outside the weight_sync group: just keep the timing
+    group, src = ctx["raw_group"], 0
+    if group is None:  # a train rank that sends nothing: just keep the timing
         return _timed(ctx, lambda: None)
     buf = torch.empty(num_bytes, dtype=torch.uint8)
     if dist.get_rank() == src:
@@ -238,6 +238,9 @@ def _worker(rank, world_size, tmp_dir, model_path, train_tp, repeats, num_bytes)
     groups = build_world_groups(layout, platform.backend)
     ctx = {"groups": groups, "roles": {}, "engine": None, "engine_pids": [], "version": 0}
     ctx.update(pools={}, shared_share=0.0, held=0)
+    raw_ranks = [0, *range(train_tp, world_size)]  # the train role's first rank + receivers
+    raw_group = dist.new_group(raw_ranks, backend="gloo")
+    ctx["raw_group"] = raw_group if rank in raw_ranks else None
     if rank < train_tp:
         role = MegatronRole("train", args, par, groups.roles["train"], platform, seed=1)
         role.load_hf_checkpoint(model_path)
@@ -256,8 +259,9 @@ def _worker(rank, world_size, tmp_dir, model_path, train_tp, repeats, num_bytes)
     out = {"rank": rank, "role": "train" if rank < train_tp else "generate"}
     try:
         _raw_broadcast(ctx, 1 << 20, None)  # warm the connections
-        _sync(ctx, None)  # warm-up: first load into the engine, first gather
         buckets = (None, *BUCKETS_MB)
+        for bucket in buckets:  # warm-up: first load into the engine, each pool filled once
+            _sync(ctx, bucket)
         out["raw"] = {chunk: [] for chunk in RAW_CHUNKS}
         out["pipeline"] = {bucket: [] for bucket in buckets}
         for _ in range(repeats):  # interleaved, so that each repeat shares the machine's load

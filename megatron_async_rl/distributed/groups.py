@@ -66,7 +66,8 @@ class WorldGroups:
     control: dist.ProcessGroup
     roles: dict[str, RoleGroups]
     bridges: dict[tuple[str, str], Optional[dist.ProcessGroup]]
-    #: train's first rank + engine hosts + logp ranks: the weight broadcast of `weight_sync`.
+    #: every rank taking part in a reshard (gloo): the train role's ranks, engine hosts and
+    #: logp ranks. Carries the agreement on each sync's outcome (`weight_sync.broadcast`).
     weight_sync: Optional[dist.ProcessGroup] = None
     weight_sync_ranks: tuple[int, ...] = ()
     #: every rank holding a Megatron role (gloo): their per-step results and metrics.
@@ -214,12 +215,11 @@ def build_world_groups(layout: RoleLayout, backend: str) -> WorldGroups:
     sync_ranks: tuple[int, ...] = ()
     weight_sync = None
     if "train" in placed and ({"generate", "logp"} & placed):
-        members = {layout.window_of("train").offset}
+        members = set(layout.window_of("train").ranks)
         for role in ("generate", "logp"):
             if role in placed:
                 members |= set(layout.window_of(role).ranks) - followers
         sync_ranks = tuple(sorted(members))
-        # gloo: the first version moves whole tensors through the train rank's host memory.
         group = dist.new_group(list(sync_ranks), backend="gloo")
         weight_sync = group if rank in sync_ranks else None
     weight_senders, receivers = _weight_sender_groups(layout, followers)

@@ -23,6 +23,7 @@ from megatron_async_rl.engines.protocol import (
     GenerateRequest,
     GenerateResult,
     PauseMode,
+    WeightSessions,
     check_pause_mode,
 )
 
@@ -41,6 +42,7 @@ class FakeEngine:
         self.paused: str | None = None
         self._version = INITIAL_VERSION
         self._in_update = False
+        self.sessions = WeightSessions(name)
         self._switches: list[tuple[int, str]] = []
         self._died: str | None = None
         self._shut_down = False
@@ -71,6 +73,7 @@ class FakeEngine:
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         self._enter("generate", rids=[r.rid for r in requests])
+        self.sessions.check_whole()
         results = [self._generate_one(r) for r in requests]
         if self._switches:
             self._version = self._switches[-1][1]
@@ -107,6 +110,7 @@ class FakeEngine:
         if self._in_update:
             raise RuntimeError(f"{self.name}: a weight-update session is already open")
         self._in_update = True
+        self.sessions.begin()
 
     def update_weights(
         self,
@@ -128,12 +132,14 @@ class FakeEngine:
         for name, tensor in named_tensors:
             self.weights[name] = tensor.detach().clone()
         self._version = str(version)
+        self.sessions.loaded()
 
-    def end_weight_update(self) -> None:
+    def end_weight_update(self, complete: bool = True) -> None:
         self._enter("end_weight_update")
         if not self._in_update:
             raise RuntimeError(f"{self.name}: no weight-update session is open")
         self._in_update = False
+        self.sessions.end(complete)
 
     def weight_version(self) -> str:
         self._enter("weight_version")

@@ -15,7 +15,9 @@ Lifecycle of a weight update, the ordering every implementation accepts:
     pause(mode)?  ->  begin_weight_update()  ->  update_weights(...) x N  ->  end_weight_update()
                   ->  resume()  (if paused)
 
-`update_weights` outside a begin/end pair raises `RuntimeError`.
+`update_weights` outside a begin/end pair raises `RuntimeError`. A caller that gives up half-way
+ends with `end_weight_update(complete=False)`: the engine then never generates from the mixed
+weights (`WeightSessions`, `EngineTornError`).
 """
 
 from __future__ import annotations
@@ -115,12 +117,51 @@ class EngineTimeoutError(TimeoutError):
     """An engine call did not answer within its timeout; names the call and the limit."""
 
 
+class EngineTornError(RuntimeError):
+    """The engine's weights are partly of a new version (an update was abandoned half-way):
+    it refuses to generate until a weight update completes."""
+
+
+class WeightSessions:
+    """What an engine knows of its weight-update sessions: whether its weights are whole.
+
+    Every engine holds one. A session ended incomplete (`end(complete=False)`) after at least
+    one load leaves the weights torn: `check_whole` raises `EngineTornError` (from `generate`)
+    until a later session ends complete. Ended incomplete before any load, nothing changed.
+    """
+
+    def __init__(self, where: str):
+        self.where, self.loads = where, 0
+        self.torn: str | None = None
+
+    def begin(self) -> None:
+        self.loads = 0
+
+    def loaded(self) -> None:
+        self.loads += 1
+
+    def end(self, complete: bool) -> None:
+        if complete:
+            self.torn = None
+        elif self.loads:
+            self.torn = (
+                f"[{self.where}] a weight update was abandoned after {self.loads} load call(s): "
+                "part of the weights are new, part old; the engine refuses to generate until "
+                "a weight update completes"
+            )
+
+    def check_whole(self) -> None:
+        if self.torn:
+            raise EngineTornError(self.torn)
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A generation engine with versioned in-place weight updates."""
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
-        """Generate for every request; results in request order. Blocks until all finish."""
+        """Generate for every request; results in request order. Blocks until all finish.
+        Raises `EngineTornError` while the weights are torn (see `end_weight_update`)."""
         ...
 
     def begin_weight_update(self) -> None:
@@ -136,8 +177,9 @@ class Engine(Protocol):
         """Load `named_tensors` (HF names) and stamp `version` on tokens generated from now on."""
         ...
 
-    def end_weight_update(self) -> None:
-        """Close the weight-update session."""
+    def end_weight_update(self, complete: bool = True) -> None:
+        """Close the weight-update session. `complete=False`: the caller abandons it; if
+        anything was loaded, `generate` raises `EngineTornError` until a session completes."""
         ...
 
     def weight_version(self) -> str:

@@ -66,6 +66,7 @@ from megatron_async_rl.engines.protocol import (
     GenerateRequest,
     GenerateResult,
     PauseMode,
+    WeightSessions,
     check_pause_mode,
 )
 from megatron_async_rl.engines.sglang_host import (  # noqa: F401 - CPU_SHIMS_DIR re-exported
@@ -151,6 +152,7 @@ class SGLangEngine:
         self._death_notice: str | None = None
         self._closed = False
         self._pause_mode: str | None = None
+        self.sessions = WeightSessions(self.where)
         ctx = mp.get_context("spawn")
         self._conn, host_conn = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
@@ -174,6 +176,7 @@ class SGLangEngine:
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         if not requests:
             return []
+        self.sessions.check_whole()
         try:
             return self._call("generate", self.config.generate_timeout_s, requests=list(requests))
         except EngineTimeoutError:
@@ -183,6 +186,7 @@ class SGLangEngine:
 
     def begin_weight_update(self) -> None:
         self._call("begin_weight_update")
+        self.sessions.begin()
 
     def update_weights(
         self,
@@ -202,9 +206,11 @@ class SGLangEngine:
             version=str(version),
             flush_cache=flush_cache,
         )
+        self.sessions.loaded()
 
-    def end_weight_update(self) -> None:
+    def end_weight_update(self, complete: bool = True) -> None:
         self._call("end_weight_update")
+        self.sessions.end(complete)
 
     def weight_version(self) -> str:
         return self._call("weight_version")

@@ -8,17 +8,23 @@ done by `plan` (what moves where), `executor` (gather, send, receive, verify) an
 Per call, on every participant:
 1. the plan key (train layout, model dims, dtype, bucket sizes, version) goes from the first
    sender to the receivers over that sender's group; train ranks compute it themselves, and
-   every rank builds the same cached `ReshardPlan`;
+   every rank builds the same cached `ReshardPlan`; every participant (`groups.weight_sync`)
+   learns whether any cannot take part (a parameter the plan cannot map, a version mismatch):
+   then all raise, before anything is sent;
 2. `executor.run_plan`: each PP stage / EP rank's sender gathers its buckets from its TP and
    expert-TP members and streams them to every receiver over its own gloo group;
 3. a generate rank streams each checked message into its engine (`EngineSink`, SGLang's own
    `update_weights_from_tensor` between begin/end, version stamped by the last call); a logp
-   rank stages the whole model, then copies its shard into its Megatron model.
+   rank stages the whole model, then copies its shard into its Megatron model;
+4. every participant learns every receiver's outcome: after a checksum mismatch or a rejected
+   load anywhere, all run steps 1-3 again (`WeightSyncConfig.max_attempts`), then all raise the
+   same error. An engine left with partly new weights refuses to generate until an update
+   completes (`engines.protocol.WeightSessions`).
 
 Metrics (this rank's): `timing/weight_sync/{gather,send,load}_s`, `weight_sync/GB` (the plan's
 bytes), `weight_sync/GB_per_s` (over this rank's wall time) and peak buffer sizes
 `weight_sync/{produce,consume,gathered,staging}_peak_MB`; with a `buffers.BufferPool`, the bytes
-it keeps between syncs, `weight_sync/pool_MB`.
+it keeps between syncs, `weight_sync/pool_MB`; `weight_sync/attempts`.
 """
 
 from __future__ import annotations
@@ -92,38 +98,84 @@ def _metrics(stats: executor.SyncStats, reshard: plan.ReshardPlan) -> dict[str, 
     return out
 
 
-def _reshard(groups, roles: dict, version: int | None, config, make_sink, pool):
-    """Take part in one reshard; returns (sink or None, metrics). Collective."""
-    rank, train = groups.rank, roles.get("train")
-    receiving = rank in groups.weight_receivers
-    if not groups.weight_senders or (train is None and not receiving):
-        return None, {}
-    key = _train_key(groups, train, version, config or WeightSyncConfig()) if train else None
+def _agree(groups, error: str | None) -> list[str]:
+    """Every participant's error of this attempt, "global rank r: ..." (collective)."""
+    box: list = [None] * dist.get_world_size(groups.weight_sync)
+    dist.all_gather_object(box, (groups.rank, error), group=groups.weight_sync)
+    return [f"global rank {r}: {e}" for r, e in box if e]
+
+
+def _attempt(groups, train, receiving: bool, version, config, make_sink, pool):
+    """One run of the reshard: (sink, metrics, errors of every participant, retryable)."""
+    rank = groups.rank
+    key = _train_key(groups, train, version, config) if train else None
     first = min(groups.weight_senders)
     if groups.weight_senders[first] is not None:
         box = [key]
         dist.broadcast_object_list(box, src=first, group=groups.weight_senders[first])
         key = box[0]
+    error = None
     if version is not None and key.version != version:
-        raise RuntimeError(
-            f"weight sync: global rank {rank} expects version {version} but sender global rank "
-            f"{first} sends version {key.version}"
-        )
+        error = f"expects version {version} but sender global rank {first} sends {key.version}"
     reshard = plan.build_plan(key.layout, key.dims, key.dtype, key.produce_bytes, key.consume_bytes)
     local = tp_groups = None
-    if train is not None:
-        local = _local_state(train, reshard, rank)
+    if train is not None and error is None:
+        try:
+            local = _local_state(train, reshard, rank)
+        except ValueError as exc:  # a parameter the plan cannot map, or lacks
+            error = str(exc)
         tp_groups = {"tp": train.pgc.tp, "expt_tp": train.pgc.expt_tp}
+    errors = _agree(groups, error)  # before anything moves: nothing to undo
+    if errors:
+        return None, {}, errors, False
     counter = buffers.MemoryCounter()
     sink = make_sink(reshard, key, counter) if receiving else None
-    stats = executor.run_plan(
-        reshard, rank, key.version, groups.weight_senders, local=local, tp_groups=tp_groups,
-        sink=sink, counter=counter, pool=pool,
-    )  # fmt: skip
+    stats = None
+    try:
+        stats = executor.run_plan(
+            reshard, rank, key.version, groups.weight_senders, local=local, tp_groups=tp_groups,
+            sink=sink, counter=counter, pool=pool,
+        )  # fmt: skip
+    finally:
+        if hasattr(sink, "finish"):
+            sink.finish(complete=stats is not None and stats.error is None)
+    errors = _agree(groups, str(stats.error) if stats.error is not None else None)
     metrics = _metrics(stats, reshard)
     if pool is not None:
         metrics["weight_sync/pool_MB"] = pool.held_bytes / 2**20
-    return sink, metrics
+    return sink, metrics, errors, True
+
+
+def _reshard(groups, roles: dict, version: int | None, config, make_sink, pool):
+    """Take part in one reshard; returns (sink or None, metrics). Collective.
+
+    Every participant (train ranks and receivers, `groups.weight_sync`) learns every other's
+    outcome: a receiver's checksum or load failure makes all of them run the reshard again (up
+    to `config.max_attempts` in all), then raise the same error naming every failing rank; a
+    plan or version mismatch raises at once, before anything is sent.
+    """
+    rank, train = groups.rank, roles.get("train")
+    receiving = rank in groups.weight_receivers
+    if not groups.weight_senders or (train is None and not receiving):
+        return None, {}
+    config = config or WeightSyncConfig()
+    for attempt in range(1, config.max_attempts + 1):
+        sink, metrics, errors, retryable = _attempt(
+            groups, train, receiving, version, config, make_sink, pool
+        )
+        if not errors:
+            metrics["weight_sync/attempts"] = attempt
+            return sink, metrics
+        if not retryable or attempt == config.max_attempts:
+            raise RuntimeError(
+                f"weight sync v{version}: failed after {attempt} attempt(s) (max_attempts "
+                f"{config.max_attempts}) on {len(errors)} rank(s): " + " | ".join(errors)
+            )
+        logger.warning(
+            "weight sync v%s: attempt %d of %d failed on %d rank(s), sending it again: %s",
+            version, attempt, config.max_attempts, len(errors), " | ".join(errors),
+        )  # fmt: skip
+    raise AssertionError("unreachable")
 
 
 def broadcast_weights(
@@ -161,27 +213,20 @@ def sync_weights(
 
     A generate rank with an engine (and no logp role) streams into it within the consume bound;
     other receivers stage the whole model first. `pool`: this rank's buffers, kept from one
-    sync to the next (a job passes the same one every step). Raises RuntimeError naming
-    parameters, sender and receiver ranks and the version on a checksum mismatch or a chunk
-    the engine rejects.
+    sync to the next (a job passes the same one every step). Raises RuntimeError, on every
+    participant, naming parameters, sender and receiver ranks and the version on a checksum
+    mismatch or a chunk the engine rejects that persists over `config.max_attempts`.
     """
     streaming = engine is not None and "logp" not in roles
     if streaming:
-        holder: list = []
 
         def make(reshard, key, counter):
             dtype = buffers.torch_dtype(reshard.dtype)
             sink = EngineSink(engine, key.version, groups.rank, counter, dtype, pool=pool)
             sink.begin()
-            holder.append(sink)
             return sink
 
-        try:
-            _, metrics = _reshard(groups, roles, version, config, make, pool)
-        finally:
-            for sink in holder:
-                sink.finish()
-        return metrics
+        return _reshard(groups, roles, version, config, make, pool)[1]
     staged, metrics = broadcast_weights(groups, roles, config, version, pool)
     if staged is None:
         return metrics

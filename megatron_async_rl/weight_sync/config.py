@@ -30,6 +30,10 @@ class WeightSyncConfig:
     consume_bucket_mb: float = 128
     """MiB one message carries: the unit of sending, checksum and engine load. A receiver holds
     two such buffers; a tensor larger than this is sent in pieces and staged whole once."""
+    max_attempts: int = 2
+    """Times one version is sent before the sync fails: a message that fails its checksum, or
+    that an engine rejects, on any receiver makes every participant run the reshard again from
+    the start (the trainer's weights have not moved). 1: no second attempt."""
 
     def __post_init__(self) -> None:
         for name in ("produce_bucket_mb", "consume_bucket_mb"):
@@ -38,6 +42,9 @@ class WeightSyncConfig:
                 raise ConfigError(name, value, "must be a number of MiB > 0")
             if value * MIB < 4096:
                 raise ConfigError(name, value, "must be at least 4 KiB (0.004 MiB)")
+        attempts = self.max_attempts
+        if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+            raise ConfigError("max_attempts", attempts, "must be an integer >= 1")
 
     @property
     def produce_bytes(self) -> int:

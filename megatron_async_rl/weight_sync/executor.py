@@ -20,8 +20,9 @@ until its last piece arrives ("staging"); all four are counted in `SyncStats.cou
 Ordering contract (why nothing deadlocks): every rank walks `plan.schedule` in the same order
 and posts, in that order, only the operations it takes part in; it only ever waits for an
 operation it posted earlier. A receiver checks each message (version, sender, sequence number,
-CRC-32) before its sink sees it; after the first failure it keeps receiving (so that no sender
-waits forever) but loads nothing more, and raises at the end. Every collective names `group=`.
+checksum) before its sink sees it; after the first failure it keeps receiving (so that no sender
+waits forever) but loads nothing more, and reports the failure at the end (`SyncStats.error`).
+Every collective names `group=`.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class SyncStats:
     """In the sink: loading into the engine, or copying into host staging."""
     wall_s: float = 0.0
     counter: buffers.MemoryCounter = dataclasses.field(default_factory=buffers.MemoryCounter)
+    error: Exception | None = None
+    """A receiver's first check or sink error (the schedule still ran to its end)."""
 
 
 class _Receiver:
@@ -248,8 +251,9 @@ def run_plan(
     `local`/`tp_groups`: the train role's state dict (local names) and its {"tp", "expt_tp"}
     groups, on train ranks. `sink`: on receivers. `counter`: where buffer bytes are counted
     (shared with the sink's own staging). `pool`: where produce and consume slots come from
-    (kept for the next sync; by default, allocated for this one). Raises the first receive or
-    sink error after the whole schedule has run.
+    (kept for the next sync; by default, allocated for this one). A receiver's first check or
+    sink error is returned in `SyncStats.error` once the whole schedule has run (so that every
+    participant reaches the end); any other error is raised where it happens.
     """
     stats, wall = SyncStats(counter=counter or buffers.MemoryCounter()), time.perf_counter()
     pool = pool if pool is not None else buffers.BufferPool()
@@ -303,7 +307,6 @@ def run_plan(
     if receiver is not None:
         while receiver.in_flight:
             receiver.complete_oldest()
-        if receiver.error is not None:
-            raise receiver.error
+        stats.error = receiver.error
     stats.wall_s = time.perf_counter() - wall
     return stats

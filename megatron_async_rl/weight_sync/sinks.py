@@ -9,8 +9,11 @@ for the logp role and for loading later while generation keeps running) and `loa
 
 Version stamps: SGLang stamps the version of every `update_weights` call on the tokens it
 generates next, so every call but the last carries the engine's current label and the last one
-carries `v<version>`: an engine whose sync fails half-way still reports the previous version
-(its weights, though, may be partly new; a failure before the first load leaves them intact).
+carries `v<version>`: an engine whose sync fails half-way still reports the previous version.
+Its weights, though, are then partly new: the session is ended incomplete and the engine
+refuses to generate (`EngineTornError`) until a later update completes (`sync_weights` sends
+the version again first: `WeightSyncConfig.max_attempts`). A failure before the first load
+leaves the weights intact and the engine serving.
 """
 
 from __future__ import annotations
@@ -100,10 +103,12 @@ class EngineSink:
         self.engine.begin_weight_update()
         self.opened = True
 
-    def finish(self) -> None:
+    def finish(self, complete: bool) -> None:
+        """Close the engine's session; incomplete after a load, the engine refuses to generate
+        (its weights are torn) until a later update completes."""
         try:
             if self.opened:
-                self.engine.end_weight_update()
+                self.engine.end_weight_update(complete=complete)
         finally:
             if self.in_place:
                 self.engine.resume()
@@ -172,6 +177,7 @@ def load_into_engine(
     try:
         old_label = engine.weight_version()
         engine.begin_weight_update()
+        complete = False
         try:
             for i, chunk in enumerate(chunks):
                 final = i == len(chunks) - 1
@@ -180,8 +186,9 @@ def load_into_engine(
                     version=engine_version_label(version) if final else old_label,
                     flush_cache=final and not in_place,
                 )
+            complete = True
         finally:
-            engine.end_weight_update()
+            engine.end_weight_update(complete=complete)
     finally:
         if in_place:
             engine.resume()

@@ -9,9 +9,13 @@ real SGLang engine TP=1 on CPU; nothing is faked except where a test injects a f
 - the memory bound: the executor's own counters (bytes held in produce / consume buffers, and in
   staging of split tensors) stay within 2 x produce on senders and 2 x consume on the receiver.
 - errors: a message corrupted on the wire (a sender flips a payload byte after its checksum)
-  raises on every receiver, naming the parameters, sender and receiver ranks and the version,
-  before anything is loaded: the engine still reports `v1` and serves the `v1` weights. An engine
-  that rejects a chunk raises naming the same; its version label is still `v1`.
+  fails its check on every receiver before anything is loaded; every participant sends the
+  version again, then raises the same error naming the parameters, sender and receiver ranks
+  and the version: the engine still reports and serves `v1`. Corrupted on the first attempt
+  only, the second attempt delivers the new version bit for bit (`weight_sync/attempts` 2). An
+  engine that rejects a chunk after two loads makes every participant raise naming the same;
+  its label stays `v2` and it refuses to generate from the mixed weights until the next
+  complete update, after which it serves that version bit for bit.
 - MoE (qwen3_moe) train EP=2 and TP=2 x EP=2: SGLang 0.5.21's `get_weights_by_name` serves Llama
   only, so the check is behavioural and exact: greedy log-probs after the reshard equal, bit for
   bit, those of the same engine after loading the trainer's gathered HF state dict (what an
@@ -22,6 +26,7 @@ real SGLang engine TP=1 on CPU; nothing is faked except where a test injects a f
 """
 
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -107,36 +112,67 @@ def _dense_worker(rank, world_size, tmp_dir, path, parallel):
         if engine is not None:
             out["engine"] = {n: engine.get_weights_by_name(n) for n in _dense_names(path)}
             out["versions"] = _greedy(engine)[2]
-        # v2 with one payload byte flipped on the wire by the first sender, after its checksum.
+        # v2 with one payload byte flipped on the wire by the first sender, after its checksum:
+        # on every attempt (the sync fails), then on the first attempt only (the second heals).
         _train_step(roles, seed=1)
-        original = buffers.pack
+        original, flips = buffers.pack, []
 
         def corrupt(buf, message, *args, seq, **kwargs):
             original(buf, message, *args, seq=seq, **kwargs)
-            if seq == 0:
+            if seq == 0 and (persistent or not flips):
                 buf[buffers.HEADER_BYTES] ^= 0x10
+                flips.append(seq)
 
         if rank == min(groups.weight_senders):
             buffers.pack = corrupt
         try:
+            persistent = True
             out["corrupt"] = _error_of(lambda: sync_weights(groups, roles, engine, 2, config))
+            if engine is not None:
+                served = {n: engine.get_weights_by_name(n) for n in _dense_names(path)}
+                out["after_corrupt"] = (engine.weight_version(), served, _greedy(engine)[2])
+            persistent, flips = False, []
+            out["healed"] = sync_weights(groups, roles, engine, 2, config)
         finally:
             buffers.pack = original
+        _collect(out, roles, engine, path, "v2")
+        # v3: the engine rejects its third load call of every attempt (two loads went in).
         if engine is not None:
-            served = {n: engine.get_weights_by_name(n) for n in _dense_names(path)}
-            out["after_corrupt"] = (engine.weight_version(), served)
+            load, begin, calls = engine.update_weights, engine.begin_weight_update, [0]
 
             def reject(named_tensors, version, flush_cache=True):
-                raise ValueError("shape mismatch, say")
+                calls[0] += 1
+                if calls[0] == 3:
+                    raise ValueError("shape mismatch, say")
+                load(named_tensors, version, flush_cache)
 
-            engine.update_weights = reject
+            def begin_counting():
+                calls[0] = 0
+                begin()
+
+            engine.update_weights, engine.begin_weight_update = reject, begin_counting
+        _train_step(roles, seed=2)
         out["rejected"] = _error_of(lambda: sync_weights(groups, roles, engine, 3, config))
         if engine is not None:
-            out["after_reject"] = engine.weight_version()
+            out["after_reject"] = (engine.weight_version(), _error_of(lambda: _greedy(engine)))
+            engine.update_weights, engine.begin_weight_update = load, begin
+        sync_weights(groups, roles, engine, 3, config)  # a complete update: serving again
+        _collect(out, roles, engine, path, "v3")
     finally:
         if engine is not None:
             engine.shutdown()
     return out
+
+
+def _collect(out, roles, engine, path, label):
+    """The trainer's gathered weights and the engine's read-back and versions, under `label`."""
+    if "train" in roles:
+        trainer = roles["train"].gather_hf_state_dict()
+        if trainer is not None:
+            out[f"trainer_{label}"] = trainer
+    if engine is not None:
+        engine_weights = {n: engine.get_weights_by_name(n) for n in _dense_names(path)}
+        out[f"engine_{label}"] = (engine_weights, _greedy(engine)[2])
 
 
 def _check_served(engine_weights, trainer):
@@ -216,26 +252,44 @@ def test_dense_reshard_is_bit_identical_bounded_and_checked(parallel, llama_path
     assert 0 < engine_peaks["weight_sync/staging_peak_MB"] * 2**20 <= num_senders * largest
     assert "weight_sync/produce_peak_MB" not in engine_peaks
 
-    for result in results[1:]:  # every receiver but the corrupting sender itself
-        assert result["corrupt"] is not None, result["rank"]
-        assert (
-            "weight sync v2: message 0 from sender global rank 0 to receiver global "
-            in (result["corrupt"])
-        )
-        assert "failed its checksum" in result["corrupt"]
-        assert "model.embed_tokens.weight" in result["corrupt"]
-        assert "nothing of it was loaded" in result["corrupt"]
-    assert f"receiver global rank {len(results) - 1}" in served["corrupt"]
-    version, weights = served["after_corrupt"]
-    assert version == "v1"
+    # A corrupted message fails on every receiver, before it is loaded; after two attempts
+    # every participant (the sender too) raises the same error, naming every failing receiver.
+    receivers = range(1, len(results))
+    for result in results:
+        corrupt = result["corrupt"]
+        assert corrupt is not None, result["rank"]
+        assert corrupt.startswith("weight sync v2: failed after 2 attempt(s) (max_attempts 2)")
+        for receiver in receivers:
+            assert (
+                f"weight sync v2: message 0 from sender global rank 0 to receiver global rank "
+                f"{receiver} failed its checksum" in corrupt
+            ), (result["rank"], receiver)
+        assert "model.embed_tokens.weight" in corrupt and "nothing of it was loaded" in corrupt
+    version, weights, versions = served["after_corrupt"]
+    assert version == "v1" and set(versions) == {"v1"}, "the engine no longer serves v1"
     for name, tensor in served["engine"].items():
         assert torch.equal(weights[name], tensor), name
-    rejected = served["rejected"]
-    assert rejected.startswith(
-        f"weight sync v3: the engine on receiver global rank {len(results) - 1} rejected ["
-    )
-    assert "from sender global rank 0): shape mismatch, say" in rejected
-    assert served["after_reject"] == "v1"
+    # Corrupted on the first attempt only: the second attempt delivers v2 everywhere.
+    for result in results:
+        assert result["healed"]["weight_sync/attempts"] == 2, result["rank"]
+    for label in ("v2", "v3"):
+        trainer = next(r[f"trainer_{label}"] for r in results if f"trainer_{label}" in r)
+        engine_weights, versions = served[f"engine_{label}"]
+        _check_served(engine_weights, trainer)
+        assert set(versions) == {label}
+    # Rejected after two loads, twice: the same error everywhere; the engine keeps its v2 label
+    # but refuses to generate from the mixed weights until the next complete update (v3 above).
+    for result in results:
+        rejected = result["rejected"]
+        assert rejected.startswith("weight sync v3: failed after 2 attempt(s)"), result["rank"]
+        assert (
+            f"global rank {len(results) - 1}: weight sync v3: the engine on receiver global "
+            f"rank {len(results) - 1} rejected [" in rejected
+        )
+        assert re.search(r"\(message \d+ from sender global rank \d\): shape mismatch", rejected)
+    label, refusal = served["after_reject"]
+    assert label == "v2"
+    assert refusal is not None and "abandoned after 2 load call(s)" in refusal
 
 
 def _load(path):

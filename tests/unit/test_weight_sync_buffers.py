@@ -10,6 +10,7 @@ chunks whose CPU tensors all lie in shared memory, as one storage per chunk when
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_async_rl.models import name_map as nm
@@ -114,17 +115,21 @@ def test_staging_arena_is_reused_by_the_next_sync_into_the_same_pool():
 class _RecordingEngine:
     """Records what `load_into_engine` hands over (the code under test is the chunking)."""
 
-    def __init__(self):
+    def __init__(self, reject_call: int | None = None):
         self.calls: list[tuple[list, str, bool]] = []
+        self.reject_call, self.ended_complete = reject_call, None
 
     def weight_version(self) -> str:
         return "v0"
 
     def begin_weight_update(self) -> None: ...
 
-    def end_weight_update(self) -> None: ...
+    def end_weight_update(self, complete: bool = True) -> None:
+        self.ended_complete = complete
 
     def update_weights(self, named, version, flush_cache) -> None:
+        if len(self.calls) == self.reject_call:
+            raise RuntimeError("shape mismatch, say")
         self.calls.append((named, version, flush_cache))
 
 
@@ -135,6 +140,7 @@ def test_load_into_engine_hands_over_shared_memory_in_consume_chunks():
     assert [len(named) for named, _, _ in engine.calls] == [3, 3, 2]
     assert [v for _, v, _ in engine.calls] == ["v0", "v0", "v4"]
     assert [f for _, _, f in engine.calls] == [False, False, True]
+    assert engine.ended_complete is True
     for named, _, _ in engine.calls:
         assert all(t.is_shared() for _, t in named)
         assert len({t.untyped_storage().data_ptr() for _, t in named}) == 1
@@ -144,3 +150,33 @@ def test_load_into_engine_hands_over_shared_memory_in_consume_chunks():
     engine = _RecordingEngine()
     sinks.load_into_engine(engine, shared, version=5, consume_bytes=1 << 20)
     assert all(t is shared[n] for n, t in engine.calls[0][0])
+
+
+def test_load_into_engine_ends_a_session_it_abandons_incomplete():
+    tensors = {f"t{i}": torch.full((256,), float(i)) for i in range(8)}
+    engine = _RecordingEngine(reject_call=1)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        sinks.load_into_engine(engine, tensors, version=4, consume_bytes=3 * 1024)
+    assert len(engine.calls) == 1 and engine.ended_complete is False
+
+
+def test_an_engine_left_torn_refuses_to_generate_until_an_update_completes():
+    from megatron_async_rl.engines.fake import FakeEngine
+    from megatron_async_rl.engines.protocol import EngineTornError, GenerateRequest, SamplingParams
+
+    engine = FakeEngine()
+    request = [
+        GenerateRequest(input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=2), rid="r")
+    ]
+    engine.begin_weight_update()
+    engine.end_weight_update(complete=False)  # nothing loaded: nothing changed
+    assert engine.generate(request)
+    engine.begin_weight_update()
+    engine.update_weights([("w", torch.ones(2))], version="v1", flush_cache=False)
+    engine.end_weight_update(complete=False)
+    with pytest.raises(EngineTornError, match="abandoned after 1 load call"):
+        engine.generate(request)
+    engine.begin_weight_update()
+    engine.update_weights([("w", torch.ones(2))], version="v1")
+    engine.end_weight_update()
+    assert engine.generate(request)
