@@ -7,22 +7,24 @@ Spawns gloo ranks on CPU (`tests/distributed/harness.py`): `--train-tp` Megatron
 holding a tiny-architecture Llama made large (~250 MB fp32 by default, `models/tiny.py`) and
 `--num-generate` generate ranks, each hosting a real SGLang engine. In one run it measures
 (1) a raw gloo broadcast of the model's byte count from the train role's first rank to the
-generate ranks (whole, and in 16 MB chunks), (2) our weight-sync
-pipeline end to end (gather -> send -> load into every engine; time to the slowest receiver) at
-its default configuration, (3) the pipeline at produce = consume bucket sizes of 1, 4, 16, 64
-and 256 MB. Before the first sync the trainer's weights are perturbed, so that the engines'
+generate ranks (whole, and in 16 MB chunks), (2) our weight-sync pipeline end to end (gather ->
+send -> load into every engine; time to the slowest receiver) at its default configuration (on
+one host: the shared-memory transport), and the same with `transport: broadcast` (whole
+messages over gloo), (3) the pipeline at produce = consume bucket sizes of 1, 4, 16, 64 and
+256 MB. Before the first sync the trainer's weights are perturbed, so that the engines'
 read-back (`get_weights_by_name`, SGLang's own read path) being byte-identical to the trainer's
 gathered HF tensors is not vacuous.
 
 Every rank syncs as a job does: with one `BufferPool` per configuration, kept from one sync to
-the next (each configuration syncs once before the measured repeats: a job's steady state). Peak extra memory of a rank is what its pool held before the sync plus the largest
-growth during it (sampled every 5 ms) of its private memory (`RssAnon` of the rank, and on a
-generate rank of its engine's processes too) and of the machine's shared memory (`/dev/shm`,
-counted once however many processes map it, split evenly over the generate ranks, the only ones
-that allocate it); the table also shows the pipeline's own buffer accounting
-(`weight_sync/*_peak_MB`, summed over kinds). The bound is `WeightSyncConfig`'s: 2 produce
-buffers on a sender, 2 consume buffers on a receiver, plus one whole HF tensor when the largest
-is bigger than a message.
+the next (each configuration syncs once before the measured repeats: a job's steady state); the
+raw broadcast likewise reuses one buffer, written once. Peak extra memory of a rank is what its
+pool held before the sync plus the largest growth during it (sampled every 5 ms) of its private
+memory (`RssAnon` of the rank, and on a generate rank of its engine's processes too) and of the
+machine's shared memory (`/dev/shm`, counted once however many processes map it, split evenly
+over the generate ranks, the only ones that allocate it); the table also shows the pipeline's
+own buffer accounting (`weight_sync/*_peak_MB`, summed over kinds). The bound is
+`WeightSyncConfig`'s: 2 produce buffers on a sender, 2 consume buffers on a receiver, plus one
+whole HF tensor when the largest is bigger than a message.
 
 Pipeline under test: `weight_sync.broadcast.sync_weights`, at its default configuration and at
 each bucket size of the sweep. Last line:
@@ -61,8 +63,9 @@ MB = 1 << 20
 def _sync(ctx: dict, bucket_mb: int | None) -> dict:
     """One end-to-end weight sync (collective over all ranks); this rank's metrics.
 
-    `bucket_mb`: produce and consume bucket size; None for the default configuration. Each
-    configuration has its own `BufferPool`, as a job running it would.
+    `bucket_mb`: produce and consume bucket size; None for the default configuration,
+    "broadcast" for it with `transport: broadcast` (whole messages over gloo even between ranks
+    of one host). Each configuration has its own `BufferPool`, as a job running it would.
     """
     from megatron_async_rl.weight_sync.broadcast import sync_weights
     from megatron_async_rl.weight_sync.buffers import BufferPool
@@ -70,19 +73,21 @@ def _sync(ctx: dict, bucket_mb: int | None) -> dict:
 
     ctx["version"] += 1
     config = WeightSyncConfig()
-    if bucket_mb is not None:
+    if bucket_mb == "broadcast":
+        config = WeightSyncConfig(transport="broadcast")
+    elif bucket_mb is not None:
         config = WeightSyncConfig(produce_bucket_mb=bucket_mb, consume_bucket_mb=bucket_mb)
     pool = ctx["pools"].setdefault(bucket_mb, BufferPool())
     ctx["held"] = pool.held_bytes
     return sync_weights(ctx["groups"], ctx["roles"], ctx["engine"], ctx["version"], config, pool)
 
 
-def _bound_bytes(bucket_mb: int | None, largest_tensor: int) -> tuple[int, int]:
+def _bound_bytes(bucket_mb: int | str | None, largest_tensor: int) -> tuple[int, int]:
     """(sender, receiver) peak extra memory the configuration promises (`WeightSyncConfig`):
     2 produce buffers / 2 consume buffers, plus one whole HF tensor larger than a message."""
     from megatron_async_rl.weight_sync.config import WeightSyncConfig
 
-    if bucket_mb is None:
+    if bucket_mb in (None, "broadcast"):
         default = WeightSyncConfig()
         produce, consume = default.produce_bytes, default.consume_bytes
     else:
@@ -167,16 +172,18 @@ def _timed(ctx: dict, fn) -> tuple[float, int, float, dict]:
 
 def _raw_broadcast(ctx: dict, num_bytes: int, chunk_bytes: int | None) -> tuple:
     """`num_bytes` from the train role's first rank to the generate ranks: one broadcast, or
-    back-to-back broadcasts of `chunk_bytes`."""
+    back-to-back broadcasts of `chunk_bytes`. The buffer is allocated and written once per rank
+    and reused, as the pipeline's pooled buffers are (fresh pages would cost it a copy's time)."""
     import torch
     import torch.distributed as dist
 
     group, src = ctx["raw_group"], 0
     if group is None:  # a train rank that sends nothing: just keep the timing
         return _timed(ctx, lambda: None)
-    buf = torch.empty(num_bytes, dtype=torch.uint8)
-    if dist.get_rank() == src:
-        buf.random_(generator=torch.Generator().manual_seed(0))
+    buf = ctx.get("raw_buffer")
+    if buf is None or buf.numel() != num_bytes:
+        buf = ctx["raw_buffer"] = torch.empty(num_bytes, dtype=torch.uint8)
+        buf.random_(generator=torch.Generator().manual_seed(dist.get_rank()))
     chunks = buf.split(chunk_bytes) if chunk_bytes else [buf]
 
     def send() -> None:
@@ -258,8 +265,8 @@ def _worker(rank, world_size, tmp_dir, model_path, train_tp, repeats, num_bytes)
         ctx["shared_share"] = 1.0 / (world_size - train_tp)
     out = {"rank": rank, "role": "train" if rank < train_tp else "generate"}
     try:
-        _raw_broadcast(ctx, 1 << 20, None)  # warm the connections
-        buckets = (None, *BUCKETS_MB)
+        _raw_broadcast(ctx, num_bytes, None)  # warm the connections and the raw buffer
+        buckets = (None, "broadcast", *BUCKETS_MB)
         for bucket in buckets:  # warm-up: first load into the engine, each pool filled once
             _sync(ctx, bucket)
         out["raw"] = {chunk: [] for chunk in RAW_CHUNKS}
@@ -362,7 +369,8 @@ def main() -> None:
         bound = _bound_bytes(bucket, largest)
         row["over"] = max(row["send"] / bound[0], row["recv"] / bound[1])
         rows[bucket] = row
-        label = "pipeline, default config" if bucket is None else f"pipeline, {bucket} MB buckets"
+        label = {None: "pipeline, default config", "broadcast": "  same, broadcast transport"}
+        label = label.get(bucket, f"pipeline, {bucket} MB buckets")
         print(f"{label:<28}{row['s']:>8.3f}{gb / row['s']:>8.3f}{row['send'] / MB:>10.0f}"
               f"{row['recv'] / MB:>10.0f}{bound[0] / MB:>5.0f}/{bound[1] / MB:<5.0f}"
               f"{row['over']:>9.2f}{row['send_counted_MB']:>6.0f}/"

@@ -24,7 +24,8 @@ Per call, on every participant:
 Metrics (this rank's): `timing/weight_sync/{gather,send,load}_s`, `weight_sync/GB` (the plan's
 bytes), `weight_sync/GB_per_s` (over this rank's wall time) and peak buffer sizes
 `weight_sync/{produce,consume,gathered,staging}_peak_MB`; with a `buffers.BufferPool`, the bytes
-it keeps between syncs, `weight_sync/pool_MB`; `weight_sync/attempts`.
+it keeps between syncs, `weight_sync/pool_MB`; `weight_sync/attempts`;
+`weight_sync/shared_memory_senders` (senders this rank dealt with over shared memory).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def _metrics(stats: executor.SyncStats, reshard: plan.ReshardPlan) -> dict[str, 
         "timing/weight_sync/load_s": stats.load_s,
         "weight_sync/GB": gb,
         "weight_sync/GB_per_s": gb / stats.wall_s if stats.wall_s > 0 else 0.0,
+        "weight_sync/shared_memory_senders": float(stats.shared_memory_senders),
     }
     for kind, peak in stats.counter.peak.items():
         out[f"weight_sync/{kind}_peak_MB"] = peak / 2**20
@@ -134,7 +136,7 @@ def _attempt(groups, train, receiving: bool, version, config, make_sink, pool):
     try:
         stats = executor.run_plan(
             reshard, rank, key.version, groups.weight_senders, local=local, tp_groups=tp_groups,
-            sink=sink, counter=counter, pool=pool,
+            sink=sink, counter=counter, pool=pool, transport=config.transport,
         )  # fmt: skip
     finally:
         if hasattr(sink, "finish"):

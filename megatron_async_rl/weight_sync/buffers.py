@@ -21,6 +21,8 @@ allocated in shared memory (`empty_bytes(shared=True)`), and many tensors share 
 from __future__ import annotations
 
 import math
+import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -179,6 +181,18 @@ class Assembler:
         return sorted(self._partial)
 
 
+@dataclass(frozen=True)
+class SharedHandle:
+    """Where another process on the same host finds a shared buffer: /proc/<pid>/fd/<fd>."""
+
+    host: str
+    pid: int
+    fd: int
+    nbytes: int
+    uid: int
+    """Changes whenever the owner allocates the buffer anew (fd numbers are reused)."""
+
+
 class BufferPool:
     """Buffers one rank reuses from one weight sync to the next, by (kind, index).
 
@@ -186,11 +200,15 @@ class BufferPool:
     it keeps what a sync used (within the configured bound: 2 produce slots, 2 consume slots,
     or the staging of one model), so later syncs neither allocate nor fault pages. A buffer is
     replaced when a sync needs it larger or in the other kind of memory. Without a pool, a sync
-    allocates its buffers and frees them when it returns.
+    allocates its buffers and frees them when it returns. A shared buffer can be `share`d with
+    processes on the same host, which `attach` it (the mappings are kept here too).
     """
 
     def __init__(self):
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+        self._uids: dict[tuple[str, int], int] = {}
+        self._attached: dict[tuple, tuple[int, torch.Tensor]] = {}
+        self._next_uid = 0
 
     def get(self, kind: str, index: int, nbytes: int, shared: bool = False) -> torch.Tensor:
         """A uint8 buffer of `nbytes` (its old contents, if any, are garbage)."""
@@ -199,8 +217,37 @@ class BufferPool:
         if buf is None or buf.numel() < nbytes or buf.is_shared() != shared:
             self._buffers.pop(key, None)  # freed before the new one is allocated
             buf = self._buffers[key] = empty_bytes(nbytes, shared)
+            self._uids[key], self._next_uid = self._next_uid, self._next_uid + 1
         return buf[:nbytes]
+
+    def share(self, kind: str, index: int) -> SharedHandle:
+        """The handle of shared buffer (kind, index), for `attach` in another process."""
+        storage = self._buffers[(kind, index)].untyped_storage()
+        fd, nbytes = storage._share_fd_cpu_()
+        uid = self._uids[(kind, index)]
+        return SharedHandle(socket.gethostname(), os.getpid(), fd, nbytes, uid)
+
+    def attach(self, key, handle: SharedHandle) -> torch.Tensor:
+        """Map another process's shared buffer (kept under `key` until its uid changes).
+
+        Raises OSError when it cannot be mapped (another host, or /proc/<pid>/fd not open to
+        this process)."""
+        held = self._attached.get(key)
+        if held is not None and held[0] == (handle.host, handle.pid, handle.uid):
+            return held[1]
+        self._attached.pop(key, None)
+        if handle.host != socket.gethostname():
+            raise OSError(f"buffer on host {handle.host}, this is {socket.gethostname()}")
+        fd = os.open(f"/proc/{handle.pid}/fd/{handle.fd}", os.O_RDWR)
+        try:
+            storage = torch.UntypedStorage._new_shared_fd_cpu(fd, handle.nbytes)
+        finally:
+            os.close(fd)
+        tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
+        self._attached[key] = ((handle.host, handle.pid, handle.uid), tensor)
+        return tensor
 
     @property
     def held_bytes(self) -> int:
-        return sum(buf.numel() for buf in self._buffers.values())
+        """Bytes of the buffers this pool allocated (attached ones are their owner's)."""
+        return sum(buf.untyped_storage().nbytes() for buf in self._buffers.values())

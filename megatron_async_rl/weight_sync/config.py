@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from megatron_async_rl.config.errors import ConfigError
 
 MIB = 1 << 20
+TRANSPORTS = ("auto", "broadcast")
 
 
 @dataclass
@@ -30,6 +31,12 @@ class WeightSyncConfig:
     consume_bucket_mb: float = 128
     """MiB one message carries: the unit of sending, checksum and engine load. A receiver holds
     two such buffers; a tensor larger than this is sent in pieces and staged whole once."""
+    transport: str = "auto"
+    """How a sender's messages reach its receivers. "auto": when every receiver runs on the
+    sender's host and can map its memory, the sender packs into shared memory that receivers
+    (and their engines) read in place, and only a 32-byte header per message goes over the
+    group (the CPU counterpart of CUDA IPC for co-located ranks); otherwise, and with
+    "broadcast", each message is broadcast whole over the sender's gloo group."""
     max_attempts: int = 2
     """Times one version is sent before the sync fails: a message that fails its checksum, or
     that an engine rejects, on any receiver makes every participant run the reshard again from
@@ -42,6 +49,8 @@ class WeightSyncConfig:
                 raise ConfigError(name, value, "must be a number of MiB > 0")
             if value * MIB < 4096:
                 raise ConfigError(name, value, "must be at least 4 KiB (0.004 MiB)")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError("transport", self.transport, f"must be one of {list(TRANSPORTS)}")
         attempts = self.max_attempts
         if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
             raise ConfigError("max_attempts", attempts, "must be an integer >= 1")

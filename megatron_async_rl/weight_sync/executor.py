@@ -17,11 +17,23 @@ memory: 2 x the largest bucket (<= produce bytes) on a sender, 2 x the largest m
 ("gathered") and, on a receiver, one staged copy of a tensor split over messages per sender,
 until its last piece arrives ("staging"); all four are counted in `SyncStats.counter`.
 
+Transports, agreed per sender at the start of each sync (`_negotiate`, over the sender's
+group): when every receiver runs on the sender's host and can map its produce slots (shared
+memory, `BufferPool.share` / `attach`), receivers read each message in place and the wire
+carries only its 32-byte header ("ready"); each receiver acknowledges message k (an all-reduce
+on the group) once it is loaded, and the sender refills a slot only after every receiver
+acknowledged the last message of the bucket two back. A receiver then holds no consume slots,
+and an engine gets handles to the sender's memory: no byte is copied between pack and load.
+Otherwise (another host, or `transport: broadcast`) each message is broadcast whole.
+
 Ordering contract (why nothing deadlocks): every rank walks `plan.schedule` in the same order
 and posts, in that order, only the operations it takes part in; it only ever waits for an
-operation it posted earlier. A receiver checks each message (version, sender, sequence number,
-checksum) before its sink sees it; after the first failure it keeps receiving (so that no sender
-waits forever) but loads nothing more, and reports the failure at the end (`SyncStats.error`).
+operation it posted earlier. On a shared-memory group every member posts the acknowledgement
+of message k - 2 just before the header of message k, and the last two after the schedule
+(senders post theirs before draining as receivers, since a rank may be both). A receiver
+checks each message (version, sender, sequence number, checksum) before its sink sees it;
+after the first failure it keeps receiving (so that no sender waits forever) but loads nothing
+more, and reports the failure at the end (`SyncStats.error`).
 Every collective names `group=`.
 """
 
@@ -29,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
 from typing import Protocol
 
@@ -37,7 +50,9 @@ import torch.distributed as dist
 
 from megatron_async_rl.models import name_map
 from megatron_async_rl.weight_sync import buffers
-from megatron_async_rl.weight_sync.plan import Message, Piece, ReshardPlan
+from megatron_async_rl.weight_sync.plan import HEADER_BYTES, Message, Piece, ReshardPlan
+
+logger = logging.getLogger(__name__)
 
 
 class Sink(Protocol):
@@ -70,10 +85,13 @@ class SyncStats:
     counter: buffers.MemoryCounter = dataclasses.field(default_factory=buffers.MemoryCounter)
     error: Exception | None = None
     """A receiver's first check or sink error (the schedule still ran to its end)."""
+    shared_memory_senders: int = 0
+    """Senders of this rank's groups whose receivers read their slots in shared memory."""
 
 
 class _Receiver:
-    """Consume slots and the FIFO of messages in flight to this rank."""
+    """Consume slots and the FIFO of messages in flight to this rank (broadcast transport);
+    the senders' mapped slots and a FIFO per sender (shared-memory transport)."""
 
     def __init__(self, plan, rank, version, sink, stats, slot_bytes, num_messages, pool):
         self.plan, self.rank, self.version, self.sink, self.stats = plan, rank, version, sink, stats
@@ -84,8 +102,22 @@ class _Receiver:
         self.in_flight: collections.deque = collections.deque()
         self.posted = 0
         self.error: Exception | None = None
+        self.mapped: dict[int, list[torch.Tensor]] = {}
+        """Shared-memory senders: their produce slots, mapped here."""
+        self.queues: dict[int, collections.deque] = {}
+        self.acks: list = []
 
-    def post(self, message: Message, sender: int, seq: int, group) -> None:
+    def attach(self, sender: int, handles) -> None:
+        """Map `sender`'s produce slots (raises OSError when they cannot be mapped)."""
+        self.mapped[sender] = [
+            self.pool.attach(("produce", sender, i), handle) for i, handle in enumerate(handles)
+        ]
+        self.queues[sender] = collections.deque()
+
+    def post(self, message: Message, sender: int, seq: int, group, bucket_index: int) -> None:
+        if sender in self.mapped:
+            self._post_shared(message, sender, seq, group, bucket_index)
+            return
         index = self.posted % 2
         if len(self.in_flight) == 2:
             self.complete_oldest()
@@ -103,6 +135,44 @@ class _Receiver:
         work.wait()
         self.stats.send_s += time.perf_counter() - start
         self.deliver(view, message, sender, seq, verify=True)
+
+    def _post_shared(self, message: Message, sender: int, seq: int, group, bucket_index) -> None:
+        """Message `seq` of `sender` is in its slot `bucket_index % 2`; its header on the wire
+        says it is ready. Message seq - 2 is loaded (and acknowledged) first."""
+        queue = self.queues[sender]
+        if len(queue) == 2:
+            self._complete_shared(sender)
+        header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        work = dist.broadcast(header, src=sender, group=group, async_op=True)
+        slot = self.mapped[sender][bucket_index % 2]
+        view = slot[message.offset : message.offset + message.wire_bytes]
+        queue.append((work, header, view, message, seq, group))
+
+    def _complete_shared(self, sender: int) -> None:
+        work, header, view, message, seq, group = self.queues[sender].popleft()
+        start = time.perf_counter()
+        work.wait()
+        self.stats.send_s += time.perf_counter() - start
+        if self.error is None and not torch.equal(header, view[:HEADER_BYTES]):
+            self.error = RuntimeError(
+                f"weight sync v{self.version}: message {seq} from sender global rank {sender} "
+                f"to receiver global rank {self.rank}: the header announced differs from the "
+                "one in shared memory; nothing of it was loaded"
+            )
+        self.deliver(view, message, sender, seq, verify=True)
+        # The sender may write this slot again once every receiver has acknowledged.
+        self.acks.append(dist.all_reduce(torch.ones(1), group=group, async_op=True))
+
+    def drain(self) -> None:
+        while self.in_flight:
+            self.complete_oldest()
+        for sender, queue in self.queues.items():
+            while queue:
+                self._complete_shared(sender)
+        start = time.perf_counter()
+        for work in self.acks:
+            work.wait()
+        self.stats.send_s += time.perf_counter() - start
 
     def deliver(self, view, message: Message, sender: int, seq: int, verify: bool) -> None:
         self.remaining -= 1
@@ -171,15 +241,31 @@ class _Sender:
         self.dtype = buffers.torch_dtype(plan.dtype)
         self.slots: list[torch.Tensor | None] = [None, None]
         self.sends: list[list] = [[], []]
+        self.shared_memory = False
+        """Receivers read the slots in place (shared memory); only headers go on the wire."""
+        self.acks: dict[int, object] = {}
+        self.bucket_last: dict[int, int] = {}
         self.staged: dict[str, torch.Tensor] = {}
         self.owned: dict[str, int] = {}
         """Bytes of each staged HF tensor that are this sync's own (not a view of a parameter)."""
         self.seq = 0
 
+    def offer_shared_memory(self, num_buckets: int) -> list[buffers.SharedHandle]:
+        """Allocate the slots in shared memory; their handles, for the receivers to map."""
+        for k in range(min(2, num_buckets)):
+            self.slots[k] = self.pool.get("produce", k, self.slot_bytes, shared=True)
+            self.stats.counter.add("produce", self.slot_bytes)
+        return [self.pool.share("produce", k) for k in range(min(2, num_buckets))]
+
     def free_slot(self, index: int) -> torch.Tensor:
-        """Slot `index % 2`, once the sends of the bucket two back have completed."""
+        """Slot `index % 2`, once the bucket two back is off it: its sends completed, or (shared
+        memory) every receiver acknowledged its last message."""
         k = index % 2
         start = time.perf_counter()
+        if self.shared_memory:
+            self._post_acks(self.seq - 2)  # in message order, as the receivers post theirs
+            if index >= 2:
+                self.acks[self.bucket_last[index - 2]].wait()
         for work in self.sends[k]:
             work.wait()
         self.sends[k] = []
@@ -188,6 +274,11 @@ class _Sender:
             self.slots[k] = self.pool.get("produce", k, self.slot_bytes)
             self.stats.counter.add("produce", self.slot_bytes)
         return self.slots[k]
+
+    def _post_acks(self, upto: int) -> None:
+        """Join the acknowledgements of messages up to `upto` (each is an all-reduce)."""
+        for seq in range(len(self.acks), upto + 1):
+            self.acks[seq] = dist.all_reduce(torch.ones(1), group=self.group, async_op=True)
 
     def stage(self, gather, full: torch.Tensor) -> None:
         """The HF tensors of one assembled parameter, as views of it (packing copies them once).
@@ -222,16 +313,64 @@ class _Sender:
         return view, self.seq - 1
 
     def send(self, view: torch.Tensor, index: int) -> None:
+        """Put a packed message on the wire (shared memory: its header, saying it is ready)."""
         if dist.get_world_size(self.group) > 1:
+            if self.shared_memory:
+                self._post_acks(self.seq - 3)  # acks of messages < seq - 2 precede this header
+                view = view[:HEADER_BYTES]
             work = dist.broadcast(view, src=self.rank, group=self.group, async_op=True)
             self.sends[index % 2].append(work)
+            self.bucket_last[index] = self.seq - 1
+
+    def post_last_acks(self) -> None:
+        """Join the acknowledgements not joined yet (before this rank drains as a receiver: a
+        receiver acknowledges its last messages only then)."""
+        if self.shared_memory:
+            self._post_acks(self.seq - 1)
 
     def drain(self) -> None:
         start = time.perf_counter()
+        for work in self.acks.values():
+            work.wait()
         for works in self.sends:
             for work in works:
                 work.wait()
         self.stats.send_s += time.perf_counter() - start
+
+
+def _negotiate(plan, rank, sender_groups, sender_state, receiver, transport, stats) -> None:
+    """Per sender (in plan order, over its group): shared memory if the sender offers its slots
+    and every receiver maps them, else the broadcast of whole messages. Collective."""
+    for sender in plan.senders:
+        group = sender_groups.get(sender.rank)
+        if group is None or dist.get_world_size(group) == 1:
+            continue
+        box: list = [None]
+        if sender.rank == rank and transport != "broadcast":
+            box = [sender_state.offer_shared_memory(len(sender.buckets))]
+        dist.broadcast_object_list(box, src=sender.rank, group=group)
+        problem = "the sender offers none" if box[0] is None else None
+        if box[0] is not None and receiver is not None and sender.rank != rank:
+            try:
+                receiver.attach(sender.rank, box[0])
+            except OSError as exc:
+                problem = f"receiver global rank {rank} cannot map them: {exc}"
+        flags = [None] * dist.get_world_size(group)
+        dist.all_gather_object(flags, problem, group=group)
+        problems = [p for p in flags if p]
+        if not problems:
+            if sender.rank == rank:
+                sender_state.shared_memory = True
+            stats.shared_memory_senders += 1
+            continue
+        if receiver is not None:
+            receiver.mapped.pop(sender.rank, None)
+            receiver.queues.pop(sender.rank, None)
+        if transport == "auto" and box[0] is not None and rank == sender.rank:
+            logger.info(
+                "weight sync: sender global rank %d broadcasts whole messages: %s",
+                sender.rank, problems[0],
+            )  # fmt: skip
 
 
 def run_plan(
@@ -245,13 +384,16 @@ def run_plan(
     sink: Sink | None = None,
     counter: buffers.MemoryCounter | None = None,
     pool: buffers.BufferPool | None = None,
+    transport: str = "auto",
 ) -> SyncStats:
     """Take this rank's part in `plan` (collective over every participant).
 
     `local`/`tp_groups`: the train role's state dict (local names) and its {"tp", "expt_tp"}
     groups, on train ranks. `sink`: on receivers. `counter`: where buffer bytes are counted
     (shared with the sink's own staging). `pool`: where produce and consume slots come from
-    (kept for the next sync; by default, allocated for this one). A receiver's first check or
+    (kept for the next sync; by default, allocated for this one). `transport`: "auto" (shared
+    memory for a sender whose receivers all map its slots, else broadcast) or "broadcast".
+    A receiver's first check or
     sink error is returned in `SyncStats.error` once the whole schedule has run (so that every
     participant reaches the end); any other error is raised where it happens.
     """
@@ -269,6 +411,7 @@ def run_plan(
         total = sum(len(b.messages) for s in plan.senders for b in s.buckets)
         slot = max((m.wire_bytes for m in others), default=0)
         receiver = _Receiver(plan, rank, version, sink, stats, slot, total, pool)
+    _negotiate(plan, rank, sender_groups, sender_state, receiver, transport, stats)
     checked: set[str] = set()
     for sender_index, bucket_index in plan.schedule:
         sender = plan.senders[sender_index]
@@ -300,13 +443,14 @@ def run_plan(
         if receiver is not None and not is_sender:
             for message in bucket.messages:
                 group = sender_groups[sender.rank]
-                receiver.post(message, sender.rank, seqs[sender.rank], group)
+                receiver.post(message, sender.rank, seqs[sender.rank], group, bucket_index)
                 seqs[sender.rank] += 1
     if sender_state is not None:
-        sender_state.drain()
+        sender_state.post_last_acks()
     if receiver is not None:
-        while receiver.in_flight:
-            receiver.complete_oldest()
+        receiver.drain()
         stats.error = receiver.error
+    if sender_state is not None:
+        sender_state.drain()
     stats.wall_s = time.perf_counter() - wall
     return stats

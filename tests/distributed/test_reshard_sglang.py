@@ -2,12 +2,14 @@
 
 Contracts, each after one real optimizer step of the train role (megatron-core on gloo ranks, the
 real SGLang engine TP=1 on CPU; nothing is faked except where a test injects a fault):
-- dense llama, train TP=2 x PP=2 and PP=2 x DP=2 (4 train+logp ranks + 1 generate rank), small
-  buckets so tensors are cut into pieces: every HF tensor read back through SGLang's own
+- dense llama, train TP=2 x PP=2 (shared-memory transport: every rank on one host) and PP=2 x
+  DP=2 (broadcast transport) (4 train+logp ranks + 1 generate rank), small buckets so tensors
+  are cut into pieces: every HF tensor read back through SGLang's own
   `get_weights_by_name` is bit-identical to the trainer's gathered one, the engine stamps `v1`,
   the logp role holds the same weights. (TP=2 and PP=2 on 2 train ranks: test_weight_sync_sglang.)
 - the memory bound: the executor's own counters (bytes held in produce / consume buffers, and in
-  staging of split tensors) stay within 2 x produce on senders and 2 x consume on the receiver.
+  staging of split tensors) stay within 2 x produce on senders and 2 x consume on the receiver
+  (none with shared memory: it reads the senders' slots in place).
 - errors: a message corrupted on the wire (a sender flips a payload byte after its checksum)
   fails its check on every receiver before anything is loaded; every participant sends the
   version again, then raises the same error naming the parameters, sender and receiver ranks
@@ -91,13 +93,15 @@ def _greedy(engine):
     return result.output_ids, result.output_logprobs, result.token_versions
 
 
-def _dense_worker(rank, world_size, tmp_dir, path, parallel):
+def _dense_worker(rank, world_size, tmp_dir, path, parallel, transport):
     from megatron_async_rl.weight_sync import buffers
     from megatron_async_rl.weight_sync.broadcast import sync_weights
     from megatron_async_rl.weight_sync.config import WeightSyncConfig
 
     groups, roles, engine = _setup(rank, world_size, path, parallel, world_size - 1)
-    config = WeightSyncConfig(produce_bucket_mb=PRODUCE_MB, consume_bucket_mb=CONSUME_MB)
+    config = WeightSyncConfig(
+        produce_bucket_mb=PRODUCE_MB, consume_bucket_mb=CONSUME_MB, transport=transport
+    )
     out = {"rank": rank}
     try:
         _train_step(roles, seed=0)
@@ -214,15 +218,17 @@ def moe_path(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "parallel",
+    "parallel,transport",
     [
-        {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
-        {"pipeline_model_parallel_size": 2},
+        ({"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, "auto"),
+        ({"pipeline_model_parallel_size": 2}, "broadcast"),
     ],
-    ids=["train_tp2_pp2", "train_pp2_dp2"],
+    ids=["train_tp2_pp2_shared_memory", "train_pp2_dp2_broadcast"],
 )
-def test_dense_reshard_is_bit_identical_bounded_and_checked(parallel, llama_path, tmp_path):
-    results = spawn(_dense_worker, 5, tmp_path, llama_path, parallel)
+def test_dense_reshard_is_bit_identical_bounded_and_checked(
+    parallel, transport, llama_path, tmp_path
+):
+    results = spawn(_dense_worker, 5, tmp_path, llama_path, parallel, transport)
     trainer = next(r["trainer"] for r in results if "trainer" in r)
     logp = next(r["logp"] for r in results if "logp" in r)
     served = next(r for r in results if "engine" in r)
@@ -245,10 +251,17 @@ def test_dense_reshard_is_bit_identical_bounded_and_checked(parallel, llama_path
         peak = {k: v * 2**20 for k, v in metrics.items() if k.endswith("_peak_MB")}
         assert peak.get("weight_sync/produce_peak_MB", 0) <= 2 * produce
         assert peak.get("weight_sync/consume_peak_MB", 0) <= 2 * consume
-    # The streaming generate rank: at most one split tensor per sender staged at a time.
+    # The streaming generate rank: at most one split tensor per sender staged at a time; it
+    # receives into 2 consume buffers (broadcast), or reads the senders' slots in place.
     engine_peaks = served["metrics"]
-    assert 0 < engine_peaks["weight_sync/consume_peak_MB"] * 2**20 <= 2 * consume
     num_senders = 2 if "pipeline_model_parallel_size" in parallel else 1
+    for result in results:
+        shared = result["metrics"]["weight_sync/shared_memory_senders"]
+        assert shared == (num_senders if transport == "auto" else 0), result["rank"]
+    if transport == "broadcast":
+        assert 0 < engine_peaks["weight_sync/consume_peak_MB"] * 2**20 <= 2 * consume
+    else:
+        assert "weight_sync/consume_peak_MB" not in engine_peaks
     assert 0 < engine_peaks["weight_sync/staging_peak_MB"] * 2**20 <= num_senders * largest
     assert "weight_sync/produce_peak_MB" not in engine_peaks
 

@@ -1,11 +1,12 @@
 """Weight sync into a real SGLang engine: what the engine serves equals what the trainer holds.
 
 Contract: after one real optimizer step of the train role (TP=2, and PP=2), `sync_weights`
-gathers the sharded model, sends it to the generate rank and loads it through SGLang's own
-weight-update API; every tensor read back from the engine (`get_weights_by_name`, SGLang's own
-read path) is bit-identical to the trainer's gathered HF-named tensor, the engine reports the new
-version on the tokens it generates next, and the logp role (on the train ranks) holds the same
-weights. Nothing is faked: megatron-core on gloo ranks, the real SGLang engine on CPU.
+gathers the sharded model, sends it to the generate rank (TP=2: broadcast transport; PP=2:
+shared-memory transport, both senders) and loads it through SGLang's own weight-update API;
+every tensor read back from the engine (`get_weights_by_name`, SGLang's own read path) is
+bit-identical to the trainer's gathered HF-named tensor, the engine reports the new version on
+the tokens it generates next, and the logp role (on the train ranks) holds the same weights.
+Nothing is faked: megatron-core on gloo ranks, the real SGLang engine on CPU.
 """
 
 import importlib.util
@@ -21,7 +22,7 @@ pytestmark = [
 ]
 
 
-def _worker(rank, world_size, tmp_dir, path, parallel):
+def _worker(rank, world_size, tmp_dir, path, parallel, transport):
     import torch.distributed as dist
 
     from megatron_async_rl.config.schema import RoleGroupSpec
@@ -32,6 +33,7 @@ def _worker(rank, world_size, tmp_dir, path, parallel):
     from megatron_async_rl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
     from megatron_async_rl.roles.megatron_role import MegatronRole
     from megatron_async_rl.weight_sync.broadcast import sync_weights
+    from megatron_async_rl.weight_sync.config import WeightSyncConfig
     from tests.distributed.test_hf_parity import _role_args
 
     args = _role_args(path, **parallel)
@@ -53,8 +55,8 @@ def _worker(rank, world_size, tmp_dir, path, parallel):
         config = SGLangEngineConfig(model_path=path, dtype="float32", max_total_tokens=4096)
         engine = SGLangEngine(config, rank_in_role=0, global_rank=rank)
     dist.barrier()
-    sync_weights(groups, roles, engine, version=1)
-    out = {}
+    metrics = sync_weights(groups, roles, engine, 1, WeightSyncConfig(transport=transport))
+    out = {"metrics": metrics}
     if "train" in roles:
         trainer = roles["train"].gather_hf_state_dict()
         logp = roles["logp"].gather_hf_state_dict()
@@ -94,14 +96,22 @@ def tiny_path(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "parallel",
-    [{"tensor_model_parallel_size": 2}, {"pipeline_model_parallel_size": 2}],
-    ids=["train_tp2", "train_pp2"],
+    "parallel,transport,shared_senders",
+    [
+        ({"tensor_model_parallel_size": 2}, "broadcast", 0),
+        ({"pipeline_model_parallel_size": 2}, "auto", 2),
+    ],
+    ids=["train_tp2_broadcast", "train_pp2_shared_memory"],
 )
-def test_engine_weights_are_the_trainers_bit_for_bit(parallel, tiny_path, tmp_path):
+def test_engine_weights_are_the_trainers_bit_for_bit(
+    parallel, transport, shared_senders, tiny_path, tmp_path
+):
     from megatron_async_rl.models.hf_checkpoint import load_hf_state_dict
 
-    results = spawn(_worker, 3, tmp_path, tiny_path, parallel)
+    results = spawn(_worker, 3, tmp_path, tiny_path, parallel, transport)
+    # On one host, "auto" has every sender's receivers read its slots in shared memory.
+    for result in results:
+        assert result["metrics"]["weight_sync/shared_memory_senders"] == shared_senders
     trainer = next(r["trainer"] for r in results if "trainer" in r)
     logp = next(r["logp"] for r in results if "logp" in r)
     engine = next(r["engine"] for r in results if "engine" in r)

@@ -10,6 +10,9 @@ chunks whose CPU tensors all lie in shared memory, as one storage per chunk when
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -180,3 +183,30 @@ def test_an_engine_left_torn_refuses_to_generate_until_an_update_completes():
     engine.update_weights([("w", torch.ones(2))], version="v1")
     engine.end_weight_update()
     assert engine.generate(request)
+
+
+def test_a_shared_buffer_maps_in_another_process_by_its_handle(tmp_path):
+    """`attach` maps /proc/<pid>/fd/<fd> of the owner: here a child process writes into it."""
+    import subprocess
+    import sys
+
+    owner = buffers.BufferPool()
+    buf = owner.get("produce", 0, 4096, shared=True)
+    buf.fill_(7)
+    handle = owner.share("produce", 0)
+    code = (
+        "import sys, torch\n"
+        "from megatron_async_rl.weight_sync.buffers import BufferPool, SharedHandle\n"
+        f"handle = SharedHandle(**{dataclasses.asdict(handle)!r})\n"
+        "pool = BufferPool()\n"
+        "view = pool.attach(('produce', 0, 0), handle)\n"
+        "assert pool.attach(('produce', 0, 0), handle) is view  # kept\n"
+        "assert int(view[:4096].sum()) == 7 * 4096 and view.is_shared()\n"
+        "view[:16] = 9\n"
+        "assert pool.held_bytes == 0  # the owner's memory\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert buf[:16].tolist() == [9] * 16 and int(buf[16:].sum()) == 7 * (4096 - 16)
+    moved = replace(handle, host="elsewhere")
+    with pytest.raises(OSError, match="on host elsewhere"):
+        buffers.BufferPool().attach("k", moved)
