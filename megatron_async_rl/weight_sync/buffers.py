@@ -183,14 +183,30 @@ class Assembler:
 
 @dataclass(frozen=True)
 class SharedHandle:
-    """Where another process on the same host finds a shared buffer: /proc/<pid>/fd/<fd>."""
+    """Where another process on the same host finds a shared buffer: /proc/<pid>/fd/<fd>.
+
+    The host (name and boot id) and the file's identity (device, inode) are checked by
+    `attach` before anything is mapped: a pid and fd number alone could name another file."""
 
     host: str
+    boot_id: str
     pid: int
     fd: int
     nbytes: int
+    file: tuple[int, int]
+    """(st_dev, st_ino) of the shared-memory file."""
     uid: int
     """Changes whenever the owner allocates the buffer anew (fd numbers are reused)."""
+
+
+def _host() -> tuple[str, str]:
+    """This machine's host name and boot id (two containers may share a host name)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return socket.gethostname(), boot
 
 
 class BufferPool:
@@ -224,27 +240,33 @@ class BufferPool:
         """The handle of shared buffer (kind, index), for `attach` in another process."""
         storage = self._buffers[(kind, index)].untyped_storage()
         fd, nbytes = storage._share_fd_cpu_()
-        uid = self._uids[(kind, index)]
-        return SharedHandle(socket.gethostname(), os.getpid(), fd, nbytes, uid)
+        stat = os.fstat(fd)
+        host, boot = _host()
+        file = (stat.st_dev, stat.st_ino)
+        return SharedHandle(host, boot, os.getpid(), fd, nbytes, file, self._uids[(kind, index)])
 
     def attach(self, key, handle: SharedHandle) -> torch.Tensor:
         """Map another process's shared buffer (kept under `key` until its uid changes).
 
-        Raises OSError when it cannot be mapped (another host, or /proc/<pid>/fd not open to
-        this process)."""
+        Raises OSError when it cannot be mapped: another host, /proc/<pid>/fd not open to this
+        process, or a file that is not the one the handle names."""
+        identity = (handle.host, handle.boot_id, handle.pid, handle.uid)
         held = self._attached.get(key)
-        if held is not None and held[0] == (handle.host, handle.pid, handle.uid):
+        if held is not None and held[0] == identity:
             return held[1]
         self._attached.pop(key, None)
-        if handle.host != socket.gethostname():
-            raise OSError(f"buffer on host {handle.host}, this is {socket.gethostname()}")
+        if (handle.host, handle.boot_id) != _host():
+            raise OSError(f"buffer on host {handle.host} (boot {handle.boot_id}), not this one")
         fd = os.open(f"/proc/{handle.pid}/fd/{handle.fd}", os.O_RDWR)
         try:
+            stat = os.fstat(fd)
+            if (stat.st_dev, stat.st_ino) != handle.file or stat.st_size < handle.nbytes:
+                raise OSError(f"/proc/{handle.pid}/fd/{handle.fd} is not the buffer shared")
             storage = torch.UntypedStorage._new_shared_fd_cpu(fd, handle.nbytes)
         finally:
             os.close(fd)
         tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
-        self._attached[key] = ((handle.host, handle.pid, handle.uid), tensor)
+        self._attached[key] = (identity, tensor)
         return tensor
 
     @property

@@ -207,6 +207,10 @@ def test_a_shared_buffer_maps_in_another_process_by_its_handle(tmp_path):
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     assert buf[:16].tolist() == [9] * 16 and int(buf[16:].sum()) == 7 * (4096 - 16)
-    moved = replace(handle, host="elsewhere")
     with pytest.raises(OSError, match="on host elsewhere"):
-        buffers.BufferPool().attach("k", moved)
+        buffers.BufferPool().attach("k", replace(handle, host="elsewhere"))
+    other = owner.get("consume", 0, 4096, shared=True)  # another file, another fd
+    assert other.is_shared()
+    wrong = replace(handle, fd=owner.share("consume", 0).fd)
+    with pytest.raises(OSError, match="is not the buffer shared"):
+        buffers.BufferPool().attach("k", wrong)
