@@ -1,4 +1,4 @@
-"""The recipe's `weight_sync:` section: bucket sizes of the reshard into the engines.
+"""The recipe's `weight_sync:` section: bucket sizes, transport and retries of the reshard.
 
 Owned here: `WeightSyncConfig`, validated where it is built. Read by `weight_sync.broadcast`
 (`sync_weights(..., config=cfg.weight_sync)`), which turns the sizes into a `plan.build_plan`.
@@ -6,9 +6,11 @@ Torch-free, like the rest of the config (the recipe loader imports it).
 
 Memory bound, per sync: a sender holds at most 2 produce buffers (gathering one bucket while the
 previous one is on the wire), a streaming receiver at most 2 consume buffers (receiving one
-message while the previous one loads); plus the HF tensors of the parameter a sender is packing
-and, on a receiver, one tensor larger than a message per sender (staged whole until its last
-piece arrives: engines load whole tensors).
+message while the previous one loads; none with the shared-memory transport, where it reads
+the sender's buffers in place); plus the HF tensors of the parameter a sender is packing and,
+on a receiver, one tensor larger than a message per sender (staged whole until its last piece
+arrives: engines load whole tensors). The buffers are kept from one sync to the next by the
+job (`buffers.BufferPool`), so the bound is also what a rank holds between syncs.
 """
 
 from __future__ import annotations
