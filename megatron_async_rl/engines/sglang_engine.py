@@ -101,7 +101,8 @@ class SGLangEngineConfig:
     log_level: str = "error"
     """SGLang's log level in the engine processes."""
     server_args: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Further `sglang.ServerArgs` fields, passed through unchanged."""
+    """Further `sglang.ServerArgs` fields, passed through unchanged (they win over ours, e.g.
+    `sleep_on_idle`, which is on by default on CPU: an idle scheduler otherwise spins a core)."""
     startup_timeout_s: float = 600.0
     """Limit on engine start (imports, weight load, KV-cache allocation)."""
     call_timeout_s: float = 300.0

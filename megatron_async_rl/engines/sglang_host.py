@@ -73,7 +73,12 @@ def host_main(conn, config: SGLangEngineConfig) -> None:
     optional = {
         "max_total_tokens": config.max_total_tokens,
         "mem_fraction_static": config.mem_fraction_static,
+        # SGLang's idle scheduler otherwise spins a core: on CPU, that core is the trainer's
+        # or the weight sync's (measured: weight sync 0.140 -> 0.116 s, raw broadcast alike).
+        "sleep_on_idle": True if config.device == "cpu" else None,
     }
+    kwargs = {k: v for k, v in optional.items() if v is not None}
+    kwargs.update(config.server_args)  # the recipe's own server_args win
     try:
         import sglang
 
@@ -84,8 +89,7 @@ def host_main(conn, config: SGLangEngineConfig) -> None:
             dtype=config.dtype,
             random_seed=config.random_seed,
             log_level=config.log_level,
-            **{k: v for k, v in optional.items() if v is not None},
-            **config.server_args,
+            **kwargs,
         )
     except BaseException:  # noqa: B036 - reported to the rank, which raises EngineDiedError
         conn.send(("failed", traceback.format_exc()))
