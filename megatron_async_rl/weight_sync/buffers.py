@@ -65,6 +65,30 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.view(src.shape).copy_(src)
 
 
+ARENA_ALIGN = 64
+"""Bytes each tensor's start in a `shared_arena` is aligned to."""
+
+
+def shared_arena(specs, pool: BufferPool | None = None) -> tuple[dict[str, torch.Tensor], int]:
+    """One view per (name, shape, dtype) of `specs`, all of one shared-memory buffer (the
+    pool's ("staging", 0) buffer when given, else a new one), each start aligned to
+    ARENA_ALIGN bytes; and the buffer's size. Handed to an engine, they cross as one handle."""
+    spans, total = [], 0
+    for name, shape, dtype in specs:
+        nbytes = math.prod(shape) * dtype.itemsize
+        spans.append((name, total, nbytes, shape, dtype))
+        total += -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
+    if pool is not None:
+        arena = pool.get("staging", 0, total, shared=True)
+    else:
+        arena = empty_bytes(total, shared=True)
+    views = {
+        name: arena[start : start + nbytes].view(dtype).view(shape)
+        for name, start, nbytes, shape, dtype in spans
+    }
+    return views, total
+
+
 def pack(
     buf: torch.Tensor,
     message: Message,
@@ -81,7 +105,7 @@ def pack(
     one split over several messages should be contiguous (else each piece copies it whole).
     """
     payload = buf[HEADER_BYTES : message.wire_bytes]
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     for piece in message.pieces:
         src = staged[piece.hf_name]
         dst = payload[piece.offset : piece.offset + piece.numel * itemsize].view(dtype)
@@ -156,7 +180,7 @@ class Assembler:
             return values.view(piece.shape)
         full, filled = self._partial.get(piece.hf_name, (None, 0))
         if full is None:
-            nbytes = math.prod(piece.shape) * torch.empty((), dtype=self.dtype).element_size()
+            nbytes = math.prod(piece.shape) * self.dtype.itemsize
             if self.pool is not None:
                 buf = self.pool.get("split", key, nbytes, self.shared)
             else:

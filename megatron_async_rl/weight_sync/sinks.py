@@ -26,8 +26,6 @@ import torch
 from megatron_async_rl.weight_sync import buffers
 
 logger = logging.getLogger(__name__)
-ARENA_ALIGN = 64
-"""Bytes each staged tensor's start is aligned to."""
 
 
 def engine_version_label(version: int) -> str:
@@ -58,19 +56,9 @@ class StagingSink:
 
     def __init__(self, reshard, counter, version: int, consume_bytes: int, pool=None):
         dtype = buffers.torch_dtype(reshard.dtype)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        spans, total = {}, 0
-        for name, shape in reshard.hf_shapes:
-            nbytes = math.prod(shape) * itemsize
-            spans[name] = (total, nbytes, shape)
-            total += -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
-        pool = pool if pool is not None else buffers.BufferPool()
-        arena = pool.get("staging", 0, total, shared=True)
+        specs = [(name, shape, dtype) for name, shape in reshard.hf_shapes]
+        self.views, total = buffers.shared_arena(specs, pool)
         counter.add("staging", total)
-        self.views = {
-            name: arena[start : start + nbytes].view(dtype).view(shape)
-            for name, (start, nbytes, shape) in spans.items()
-        }
         self.missing = {name: math.prod(shape) for name, shape in reshard.hf_shapes}
         self.weights = StagedWeights(version, consume_bytes)
 
@@ -200,11 +188,7 @@ def _in_shared_memory(chunk: list[tuple[str, torch.Tensor]]) -> list[tuple[str, 
     would otherwise move each CPU storage there on its own, seconds for a few hundred MiB."""
     if all(t.device.type != "cpu" or t.is_shared() for _, t in chunk):
         return chunk
-    nbytes = [-(-t.numel() * t.element_size() // ARENA_ALIGN) * ARENA_ALIGN for _, t in chunk]
-    arena, out, start = buffers.empty_bytes(sum(nbytes), shared=True), [], 0
-    for (name, tensor), size in zip(chunk, nbytes, strict=True):
-        view = arena[start : start + tensor.numel() * tensor.element_size()]
-        buffers.copy_into(view.view(tensor.dtype), tensor.to("cpu"))
-        out.append((name, view.view(tensor.dtype).view(tensor.shape)))
-        start += size
-    return out
+    views, _ = buffers.shared_arena([(name, tuple(t.shape), t.dtype) for name, t in chunk])
+    for name, tensor in chunk:
+        views[name].copy_(tensor)
+    return list(views.items())

@@ -34,6 +34,7 @@ from tests.distributed.test_reshard_sglang import (
     _moe_worker,
     _setup,
     _train_step,
+    tiny_model,
 )
 
 pytestmark = [
@@ -70,16 +71,12 @@ def _worker(rank, world_size, tmp_dir, path, parallel):
 
 @pytest.fixture(scope="module")
 def llama_path(tmp_path_factory):
-    from megatron_async_rl.models.tiny import write_tiny_model
-
-    return str(write_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama", seed=3))
+    return tiny_model(tmp_path_factory, "llama", seed=3)
 
 
 @pytest.fixture(scope="module")
 def moe_path(tmp_path_factory):
-    from megatron_async_rl.models.tiny import write_tiny_model
-
-    return str(write_tiny_model(tmp_path_factory.mktemp("m") / "moe", "qwen3_moe", seed=3))
+    return tiny_model(tmp_path_factory, "qwen3_moe", seed=3)
 
 
 @pytest.mark.parametrize(

@@ -203,18 +203,21 @@ def _dense_names(path):
     return sorted(load_hf_state_dict(path))
 
 
-@pytest.fixture(scope="module")
-def llama_path(tmp_path_factory):
+def tiny_model(tmp_path_factory, kind: str, seed: int) -> str:
+    """A tiny HF model of `kind` ("llama", "qwen3_moe") written under a fresh directory."""
     from megatron_async_rl.models.tiny import write_tiny_model
 
-    return str(write_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama", seed=2))
+    return str(write_tiny_model(tmp_path_factory.mktemp("m") / kind, kind, seed=seed))
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    return tiny_model(tmp_path_factory, "llama", seed=2)
 
 
 @pytest.fixture(scope="module")
 def moe_path(tmp_path_factory):
-    from megatron_async_rl.models.tiny import write_tiny_model
-
-    return str(write_tiny_model(tmp_path_factory.mktemp("m") / "moe", "qwen3_moe", seed=2))
+    return tiny_model(tmp_path_factory, "qwen3_moe", seed=2)
 
 
 @pytest.mark.parametrize(
