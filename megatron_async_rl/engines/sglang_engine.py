@@ -21,14 +21,16 @@ kills the engine's processes and exits; the rank sees the pipe close and raises
 `EngineDiedError` naming role, rank in role, global rank and cause (~1.2 s after a scheduler is
 SIGKILLed). If the rank itself dies, the host sees the pipe close and shuts the engine down
 (~2.6 s). Costs, measured: the rank's RSS does not grow at all (the host, ~0.7 GiB, is the
-tokenizer-manager process the rank would otherwise be), a pipe round trip is ~0.2 ms, and
-tensors cross one more process boundary (shared memory on CPU, CUDA IPC on GPU).
+tokenizer-manager process the rank would otherwise be) and a pipe round trip is ~0.2 ms.
+Weights do not cross the host: the rank pickles the tensors of `update_weights` itself
+(`handover.serialize`: shared-memory handles on CPU, CUDA IPC handles on GPU, one per call
+for views of one buffer) and the host hands the bytes to SGLang's schedulers untouched.
 
 Every call has a timeout (`SGLangEngineConfig.*_timeout_s`) and raises `EngineTimeoutError`
 naming the call. On CPU the host sets `SGLANG_USE_CPU_ENGINE=1` before importing sglang and
 puts `cpu_shims/` first on its `sys.path` and on `PYTHONPATH` for the engine's children (see
-`cpu_shims/README.md`); nothing of this touches the calling process. CPU tensors sent to
-`update_weights` are moved to shared memory by torch's multiprocessing pickler.
+`cpu_shims/README.md`); nothing of this touches the calling process. Private CPU tensors
+sent to `update_weights` are moved to shared memory by torch's multiprocessing pickler.
 `get_weights_by_name` returns the full HF-named parameter as float32, vocab rows padded
 (to a multiple of 64, times the TP size under TP) for the embedding and LM head; SGLang 0.5.21
 implements it for Llama-family models only. Under engine TP > 1, SGLang's own
@@ -60,6 +62,7 @@ from typing import Any
 import torch
 import torch.multiprocessing  # noqa: F401 - registers tensor pickling for the pipe
 
+from megatron_async_rl.engines import handover
 from megatron_async_rl.engines.protocol import (
     EngineDiedError,
     EngineTimeoutError,
@@ -201,9 +204,13 @@ class SGLangEngine:
                 "their KV cache and SGLang's scheduler dies on a cache flush with requests "
                 "running; pass flush_cache=False, or pause with mode='retract'"
             )
+        named = [(name, tensor.detach()) for name, tensor in named_tensors]
+        # Pickled here, where the memory lives (`handover`): the host passes the bytes on.
+        payloads, load_format = handover.serialize(named, self.config.tp_size)
         self._call(
             "update_weights",
-            named_tensors=[(name, tensor.detach()) for name, tensor in named_tensors],
+            payloads=payloads,
+            load_format=load_format,
             version=str(version),
             flush_cache=flush_cache,
         )

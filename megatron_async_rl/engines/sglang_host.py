@@ -189,14 +189,17 @@ class _EngineHost:
         obj = self.io.BeginWeightUpdateReqInput()
         self._check("begin_weight_update", await self.tm.begin_weight_update(obj, None))
 
-    async def rpc_update_weights(self, named_tensors, version: str, flush_cache: bool) -> None:
-        from sglang.srt.utils import MultiprocessingSerializer
-
+    async def rpc_update_weights(
+        self, payloads: list[bytes], load_format: str | None, version: str, flush_cache: bool
+    ) -> None:
+        """`payloads`: one per TP rank, pickled by the rank that owns the tensors
+        (`handover.serialize`); each scheduler deserializes its own."""
         self._drop_shards()
-        # One payload per TP rank: each rank deserializes its own copy (as Engine does).
-        payloads = [MultiprocessingSerializer.serialize(named_tensors) for _ in range(self.tp_size)]
         obj = self.io.UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=payloads, flush_cache=flush_cache, weight_version=version
+            serialized_named_tensors=payloads,
+            load_format=load_format,
+            flush_cache=flush_cache,
+            weight_version=version,
         )
         self._check("update_weights", await self.tm.update_weights_from_tensor(obj, None))
 

@@ -170,6 +170,32 @@ def test_weight_update_is_bit_exact_and_versioned(served):
     assert diff <= 1e-3
 
 
+def test_weight_update_from_one_shared_buffer_is_bit_exact(served):
+    """Views of one shared buffer (a weight-sync message) cross as one flat span: SGLang's
+    `flattened_bucket` load format rebuilds them in the scheduler."""
+    from megatron_async_rl.engines import handover
+    from megatron_async_rl.weight_sync import buffers
+
+    specs = [(name, tuple(t.shape), t.dtype) for name, t in served.state.items()]
+    views, _ = buffers.shared_arena(specs)
+    for name, tensor in served.state.items():
+        views[name].copy_(tensor - 0.02 * torch.randn_like(tensor))
+    named = list(views.items())
+    assert handover.flatten(named) is not None and handover.flatten(named).tensor.is_shared()
+    served.engine.begin_weight_update()
+    served.engine.update_weights(named[:3], "flat-partial", flush_cache=False)
+    served.engine.update_weights(named[3:], "flat")
+    served.engine.end_weight_update()
+    served.state, served.version = {n: t.clone() for n, t in named}, "flat"
+    assert served.engine.weight_version() == "flat"
+    for name in CHECKED_WEIGHTS:
+        sent, got = served.state[name], served.engine.get_weights_by_name(name)
+        assert torch.equal(got[: sent.shape[0]], sent), name
+        assert not got[sent.shape[0] :].any(), name
+    results = served.engine.generate(_greedy(8, "after-flat"))
+    assert all(r.token_versions == ["flat"] * len(r.output_ids) for r in results)
+
+
 def test_misuse_is_rejected(served):
     with pytest.raises(RuntimeError, match="between begin_weight_update"):
         served.engine.update_weights([("model.norm.weight", served.state["model.norm.weight"])], 9)
@@ -196,7 +222,7 @@ def test_pause_update_resume_switches_version_mid_sequence(served, mode):
         served.engine.resume()
     worker.join(timeout=240)
     assert "out" in box, "generate did not return"
-    order = [INITIAL_VERSION, "v1", "in_place-1", "in_place-2", "retract-1", "retract-2"]
+    order = [INITIAL_VERSION, "v1", "flat", "in_place-1", "in_place-2", "retract-1", "retract-2"]
     switched = 0
     for result in box["out"]:
         seen = list(dict.fromkeys(result.token_versions))  # distinct, in order
