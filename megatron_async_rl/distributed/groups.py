@@ -83,6 +83,17 @@ class WorldGroups:
     weight_senders: dict[int, Optional[dist.ProcessGroup]] = dataclasses.field(default_factory=dict)
     #: every rank that receives weights: generate ranks hosting an engine, and logp ranks.
     weight_receivers: tuple[int, ...] = ()
+    #: the same members over the world's backend when it is not gloo (NCCL: the device
+    #: bridge, `WeightSyncConfig.bridge`); empty on CPU, where `weight_senders` serves both.
+    weight_senders_device: dict[int, Optional[dist.ProcessGroup]] = dataclasses.field(
+        default_factory=dict
+    )
+
+    def weight_sender_groups(self, device: bool) -> dict[int, Optional[dist.ProcessGroup]]:
+        """The sender groups of the device bridge (`device`) or of the host one."""
+        if device and self.backend != "gloo":
+            return self.weight_senders_device
+        return self.weight_senders
 
     @property
     def leader(self) -> int:
@@ -151,8 +162,8 @@ def _role_collection(window, par, backend: str):
     return collection
 
 
-def _weight_sender_groups(layout: RoleLayout, followers: set[int]):
-    """One gloo group per reshard sender (collective, sender order); and the receiver ranks."""
+def _weight_sender_groups(layout: RoleLayout, followers: set[int], backend: str = "gloo"):
+    """One group per reshard sender (collective, sender order); and the receiver ranks."""
     from megatron_async_rl.weight_sync.plan import TrainLayout
 
     placed = {role for window in layout.windows for role in window.roles}
@@ -169,7 +180,7 @@ def _weight_sender_groups(layout: RoleLayout, followers: set[int]):
     groups = {}
     for sender in senders:
         members = sorted(receivers | {sender})
-        group = dist.new_group(members, backend="gloo")
+        group = dist.new_group(members, backend=backend)
         groups[sender] = group if dist.get_rank() in members else None
     return groups, tuple(sorted(receivers))
 
@@ -223,6 +234,9 @@ def build_world_groups(layout: RoleLayout, backend: str) -> WorldGroups:
         group = dist.new_group(list(sync_ranks), backend="gloo")
         weight_sync = group if rank in sync_ranks else None
     weight_senders, receivers = _weight_sender_groups(layout, followers)
+    weight_senders_device = {}
+    if backend != "gloo":
+        weight_senders_device, _ = _weight_sender_groups(layout, followers, backend)
     megatron_ranks = tuple(sorted({r for name in roles for r in roles[name].ranks}))
     megatron = dist.new_group(list(megatron_ranks), backend="gloo") if megatron_ranks else None
     samples_ranks = tuple(r for r in range(world_size) if r not in followers)
@@ -243,4 +257,5 @@ def build_world_groups(layout: RoleLayout, backend: str) -> WorldGroups:
         samples_ranks=samples_ranks,
         weight_senders=weight_senders,
         weight_receivers=receivers,
+        weight_senders_device=weight_senders_device,
     )

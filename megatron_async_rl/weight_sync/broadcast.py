@@ -12,7 +12,9 @@ Per call, on every participant:
    learns whether any cannot take part (a parameter the plan cannot map, a version mismatch):
    then all raise, before anything is sent;
 2. `executor.run_plan`: each PP stage / EP rank's sender gathers its buckets from its TP and
-   expert-TP members and streams them to every receiver over its own gloo group;
+   expert-TP members and streams them to every receiver over its own group: gloo and host
+   memory (the host bridge), or NCCL and GPU memory (the device bridge, `PlanKey.device_type`,
+   chosen by the train ranks from `WeightSyncConfig.bridge` and told to the receivers);
 3. a generate rank streams each checked message into its engine (`EngineSink`, SGLang's own
    `update_weights_from_tensor` between begin/end, version stamped by the last call); a logp
    rank stages the whole model, then copies its shard into its Megatron model;
@@ -61,6 +63,20 @@ class PlanKey:
     produce_bytes: int
     consume_bytes: int
     version: int
+    device_type: str = "cpu"
+    """Where messages lie between senders and receivers: "cpu" (the host bridge, and the
+    device bridge on CPU) or "cuda" (the device bridge over NCCL)."""
+
+
+def _bridge_device(groups, role, config: WeightSyncConfig) -> str:
+    """The bridge's device type, from `config.bridge`, the train role's parameters and the
+    world's backend ("device" on CUDA over a gloo world: GPU slots over gloo's CUDA path)."""
+    on_cuda = next(role.module.parameters()).is_cuda
+    if config.bridge == "host" or not on_cuda:
+        return "cpu"
+    if config.bridge == "auto" and groups.backend != "nccl":
+        return "cpu"
+    return "cuda"
 
 
 def _train_key(groups, role, version: int, config: WeightSyncConfig) -> PlanKey:
@@ -69,7 +85,8 @@ def _train_key(groups, role, version: int, config: WeightSyncConfig) -> PlanKey:
     )
     dims = weights.model_dims(role.args, role.spec)
     dtype = str(next(role.module.parameters()).dtype).removeprefix("torch.")
-    return PlanKey(layout, dims, dtype, config.produce_bytes, config.consume_bytes, version)
+    device = _bridge_device(groups, role, config)
+    return PlanKey(layout, dims, dtype, config.produce_bytes, config.consume_bytes, version, device)
 
 
 def _local_state(role, reshard: plan.ReshardPlan, rank: int) -> dict[str, torch.Tensor]:
@@ -119,6 +136,12 @@ def _attempt(groups, train, receiving: bool, version, config, make_sink, pool):
     error = None
     if version is not None and key.version != version:
         error = f"expects version {version} but sender global rank {first} sends {key.version}"
+    device = torch.device("cpu")
+    if key.device_type == "cuda":
+        if torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif error is None:
+            error = "the train role sends over the device bridge (NCCL) but no CUDA device is here"
     reshard = plan.build_plan(key.layout, key.dims, key.dtype, key.produce_bytes, key.consume_bytes)
     local = tp_groups = None
     if train is not None and error is None:
@@ -135,8 +158,9 @@ def _attempt(groups, train, receiving: bool, version, config, make_sink, pool):
     stats = None
     try:
         stats = executor.run_plan(
-            reshard, rank, key.version, groups.weight_senders, local=local, tp_groups=tp_groups,
-            sink=sink, counter=counter, pool=pool, transport=config.transport,
+            reshard, rank, key.version, groups.weight_sender_groups(device.type != "cpu"),
+            local=local, tp_groups=tp_groups,
+            sink=sink, counter=counter, pool=pool, transport=config.transport, device=device,
         )  # fmt: skip
     finally:
         if hasattr(sink, "finish"):

@@ -20,6 +20,7 @@ allocated in shared memory (`empty_bytes(shared=True)`), and many tensors share 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import socket
@@ -48,12 +49,57 @@ CHECKSUM_MASK = (1 << 63) - 1
 
 
 def checksum(payload: torch.Tensor) -> int:
-    """XXH3-64 of a contiguous uint8 CPU tensor, cut to 63 bits (it is stored as an int64)."""
+    """The checksum of a contiguous uint8 tensor, 63 bits (it is stored as an int64): XXH3-64
+    of a CPU tensor, `device_checksum` of a GPU one (its bytes never leave the device). Sender
+    and receivers of a message hold it on the same kind of device (the sync's bridge)."""
+    if payload.device.type != "cpu":
+        return device_checksum(payload)
     return xxhash.xxh3_64_intdigest(payload.numpy()) & CHECKSUM_MASK
 
 
-def empty_bytes(nbytes: int, shared: bool = False) -> torch.Tensor:
-    """A new uint8 CPU buffer; in shared memory when `shared` (handed to an engine as a handle)."""
+DEVICE_CHECKSUM_WORDS = 1 << 20
+"""int64 words one step of `device_checksum` reads (8 MiB: its temporary is as large)."""
+
+
+@functools.lru_cache(maxsize=8)
+def _checksum_weights(device: str) -> torch.Tensor:
+    """DEVICE_CHECKSUM_WORDS fixed odd pseudo-random int64 weights (the same on every rank)."""
+    gen = torch.Generator().manual_seed(0x5EED_C0DE)
+    words = torch.randint(-(1 << 62), 1 << 62, (DEVICE_CHECKSUM_WORDS,), generator=gen)
+    return (words * 2 + 1).to(device)
+
+
+def device_checksum(payload: torch.Tensor) -> int:
+    """A checksum computed with torch ops where `payload` (contiguous uint8) lies, 63 bits.
+
+    The payload as int64 words (a tail of < 8 bytes as single bytes), each multiplied by a
+    fixed odd weight by position within its 8 MiB step, summed with two's-complement wrap,
+    the step sums weighted by 2 * step + 1. Integer sums do not depend on reduction order, so
+    any device gives the same value. Any single changed word changes it (odd weights are
+    invertible mod 2**64), as do swapped steps. Not XXH3 (no GPU kernel of it here); one pass
+    over the bytes, with temporaries of one step.
+    """
+    whole = payload.numel() // 8 * 8
+    words = payload[:whole]
+    if words.storage_offset() % 8:
+        words = words.clone()  # int64 views need 8-byte aligned starts
+    words = words.view(torch.int64)
+    weights = _checksum_weights(str(payload.device))
+    total = torch.zeros((), dtype=torch.int64, device=payload.device)
+    for step, start in enumerate(range(0, words.numel(), DEVICE_CHECKSUM_WORDS)):
+        chunk = words[start : start + DEVICE_CHECKSUM_WORDS]
+        total += (chunk * weights[: chunk.numel()]).sum() * (2 * step + 1)
+    tail = payload[whole:]
+    if tail.numel():
+        total += (tail.to(torch.int64) * weights[: tail.numel()]).sum() * -1
+    return int(total.item()) & CHECKSUM_MASK
+
+
+def empty_bytes(nbytes: int, shared: bool = False, device=None) -> torch.Tensor:
+    """A new uint8 buffer, on the CPU unless `device` says otherwise; a CPU one in shared memory
+    when `shared` (handed to an engine as a handle; a GPU one crosses as a CUDA IPC handle)."""
+    if device is not None and torch.device(device).type != "cpu":
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
     if not shared:
         return torch.empty(nbytes, dtype=torch.uint8)
     storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
@@ -182,9 +228,9 @@ class Assembler:
         if full is None:
             nbytes = math.prod(piece.shape) * self.dtype.itemsize
             if self.pool is not None:
-                buf = self.pool.get("split", key, nbytes, self.shared)
+                buf = self.pool.get("split", key, nbytes, self.shared, values.device)
             else:
-                buf = empty_bytes(nbytes, self.shared)
+                buf = empty_bytes(nbytes, self.shared, values.device)
             full = buf.view(self.dtype).view(piece.shape)
             self.counter.add(self.kind, full.numel() * full.element_size())
         full.view(-1)[piece.start : piece.stop].copy_(values)
@@ -250,13 +296,25 @@ class BufferPool:
         self._attached: dict[tuple, tuple[int, torch.Tensor]] = {}
         self._next_uid = 0
 
-    def get(self, kind: str, index: int, nbytes: int, shared: bool = False) -> torch.Tensor:
-        """A uint8 buffer of `nbytes` (its old contents, if any, are garbage)."""
+    def get(
+        self, kind: str, index: int, nbytes: int, shared: bool = False, device=None
+    ) -> torch.Tensor:
+        """A uint8 buffer of `nbytes` on `device` (CPU by default); its old contents, if any,
+        are garbage. `shared`: in shared memory, on the CPU."""
         key = (kind, index)
         buf = self._buffers.get(key)
-        if buf is None or buf.numel() < nbytes or buf.is_shared() != shared:
+        device = torch.device(device if device is not None else "cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        on_cpu = device.type == "cpu"
+        if (
+            buf is None
+            or buf.numel() < nbytes
+            or buf.device != device
+            or (on_cpu and buf.is_shared() != shared)
+        ):
             self._buffers.pop(key, None)  # freed before the new one is allocated
-            buf = self._buffers[key] = empty_bytes(nbytes, shared)
+            buf = self._buffers[key] = empty_bytes(nbytes, shared, device)
             self._uids[key], self._next_uid = self._next_uid, self._next_uid + 1
         return buf[:nbytes]
 

@@ -21,6 +21,7 @@ from megatron_async_rl.config.errors import ConfigError
 
 MIB = 1 << 20
 TRANSPORTS = ("auto", "broadcast")
+BRIDGES = ("auto", "host", "device")
 
 
 @dataclass
@@ -39,6 +40,13 @@ class WeightSyncConfig:
     (and their engines) read in place, and only a 32-byte header per message goes over the
     group (the CPU counterpart of CUDA IPC for co-located ranks); otherwise, and with
     "broadcast", each message is broadcast whole over the sender's gloo group."""
+    bridge: str = "auto"
+    """Where messages lie between the train role and the receivers. "device": on the train
+    role's device, over the platform's collective backend (NCCL between GPUs: buffers, the
+    checksum and the hand-over to an engine stay on the GPU, which SGLang receives as CUDA IPC
+    handles; gloo and CPU buffers on CPU). "host": in host memory over gloo (senders copy their
+    GPU tensors out; `transport` applies). "auto": "device" when the train role runs on CUDA
+    and the world's backend is NCCL, else "host". On CPU both are the host bridge."""
     max_attempts: int = 2
     """Times one version is sent before the sync fails: a message that fails its checksum, or
     that an engine rejects, on any receiver makes every participant run the reshard again from
@@ -53,6 +61,8 @@ class WeightSyncConfig:
                 raise ConfigError(name, value, "must be at least 4 KiB (0.004 MiB)")
         if self.transport not in TRANSPORTS:
             raise ConfigError("transport", self.transport, f"must be one of {list(TRANSPORTS)}")
+        if self.bridge not in BRIDGES:
+            raise ConfigError("bridge", self.bridge, f"must be one of {list(BRIDGES)}")
         attempts = self.max_attempts
         if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
             raise ConfigError("max_attempts", attempts, "must be an integer >= 1")

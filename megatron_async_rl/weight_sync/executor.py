@@ -24,7 +24,9 @@ carries only its 32-byte header ("ready"); each receiver acknowledges message k 
 on the group) once it is loaded, and the sender refills a slot only after every receiver
 acknowledged the last message of the bucket two back. A receiver then holds no consume slots,
 and an engine gets handles to the sender's memory: no byte is copied between pack and load.
-Otherwise (another host, or `transport: broadcast`) each message is broadcast whole.
+Otherwise (another host, or `transport: broadcast`) each message is broadcast whole. On the
+device bridge (`WeightSyncConfig.bridge`: GPU slots, NCCL groups) messages are always broadcast
+whole and nothing is negotiated; engines get CUDA views (`engines.handover`: CUDA IPC).
 
 Ordering contract (why nothing deadlocks): every rank walks `plan.schedule` in the same order
 and posts, in that order, only the operations it takes part in; it only ever waits for an
@@ -93,8 +95,9 @@ class _Receiver:
     """Consume slots and the FIFO of messages in flight to this rank (broadcast transport);
     the senders' mapped slots and a FIFO per sender (shared-memory transport)."""
 
-    def __init__(self, plan, rank, version, sink, stats, slot_bytes, num_messages, pool):
+    def __init__(self, plan, rank, version, sink, stats, slot_bytes, num_messages, pool, device):
         self.plan, self.rank, self.version, self.sink, self.stats = plan, rank, version, sink, stats
+        self.device = device
         self.dtype = buffers.torch_dtype(plan.dtype)
         self.pool, self.shared = pool, getattr(sink, "borrows_buffers", True)
         self.slots: list[torch.Tensor | None] = [None, None]
@@ -122,7 +125,9 @@ class _Receiver:
         if len(self.in_flight) == 2:
             self.complete_oldest()
         if self.slots[index] is None:
-            self.slots[index] = self.pool.get("consume", index, self.slot_bytes, self.shared)
+            self.slots[index] = self.pool.get(
+                "consume", index, self.slot_bytes, self.shared, self.device
+            )
             self.stats.counter.add("consume", self.slot_bytes)
         view = self.slots[index][: message.wire_bytes]
         work = dist.broadcast(view, src=sender, group=group, async_op=True)
@@ -235,8 +240,9 @@ def _gather(plan, gather, rank, sender, local, tp_groups, checked) -> torch.Tens
 class _Sender:
     """Produce slots, in-flight sends and the HF tensors being packed, on a sender."""
 
-    def __init__(self, plan, rank, version, group, stats, slot_bytes, pool):
+    def __init__(self, plan, rank, version, group, stats, slot_bytes, pool, device):
         self.plan, self.rank, self.version, self.group = plan, rank, version, group
+        self.device = device
         self.stats, self.slot_bytes, self.pool = stats, slot_bytes, pool
         self.dtype = buffers.torch_dtype(plan.dtype)
         self.slots: list[torch.Tensor | None] = [None, None]
@@ -271,7 +277,7 @@ class _Sender:
         self.sends[k] = []
         self.stats.send_s += time.perf_counter() - start
         if self.slots[k] is None:
-            self.slots[k] = self.pool.get("produce", k, self.slot_bytes)
+            self.slots[k] = self.pool.get("produce", k, self.slot_bytes, device=self.device)
             self.stats.counter.add("produce", self.slot_bytes)
         return self.slots[k]
 
@@ -338,9 +344,12 @@ class _Sender:
         self.stats.send_s += time.perf_counter() - start
 
 
-def _negotiate(plan, rank, sender_groups, sender_state, receiver, transport, stats) -> None:
+def _negotiate(plan, rank, sender_groups, sender_state, receiver, transport, stats, device):
     """Per sender (in plan order, over its group): shared memory if the sender offers its slots
-    and every receiver maps them, else the broadcast of whole messages. Collective."""
+    and every receiver maps them, else the broadcast of whole messages. Collective (on the host
+    bridge; the device bridge always broadcasts, and negotiates nothing)."""
+    if device.type != "cpu":
+        return
     for sender in plan.senders:
         group = sender_groups.get(sender.rank)
         if group is None or dist.get_world_size(group) == 1:
@@ -385,6 +394,7 @@ def run_plan(
     counter: buffers.MemoryCounter | None = None,
     pool: buffers.BufferPool | None = None,
     transport: str = "auto",
+    device: torch.device | None = None,
 ) -> SyncStats:
     """Take this rank's part in `plan` (collective over every participant).
 
@@ -393,25 +403,29 @@ def run_plan(
     (shared with the sink's own staging). `pool`: where produce and consume slots come from
     (kept for the next sync; by default, allocated for this one). `transport`: "auto" (shared
     memory for a sender whose receivers all map its slots, else broadcast) or "broadcast".
+    `device`: where the slots lie (the bridge's: CPU by default; a GPU with NCCL groups for the
+    device bridge, where messages are always broadcast whole).
     A receiver's first check or
     sink error is returned in `SyncStats.error` once the whole schedule has run (so that every
     participant reaches the end); any other error is raised where it happens.
     """
     stats, wall = SyncStats(counter=counter or buffers.MemoryCounter()), time.perf_counter()
+    device = torch.device(device if device is not None else "cpu")
     pool = pool if pool is not None else buffers.BufferPool()
     mine = next((s for s in plan.senders if s.rank == rank), None)
     sender_state = None
     if mine is not None:
         slot_bytes = max(b.nbytes for b in mine.buckets)
-        sender_state = _Sender(plan, rank, version, sender_groups[rank], stats, slot_bytes, pool)
+        group = sender_groups[rank]
+        sender_state = _Sender(plan, rank, version, group, stats, slot_bytes, pool, device)
     seqs = {s.rank: 0 for s in plan.senders}
     receiver = None
     if sink is not None:
         others = [m for s in plan.senders if s.rank != rank for b in s.buckets for m in b.messages]
         total = sum(len(b.messages) for s in plan.senders for b in s.buckets)
         slot = max((m.wire_bytes for m in others), default=0)
-        receiver = _Receiver(plan, rank, version, sink, stats, slot, total, pool)
-    _negotiate(plan, rank, sender_groups, sender_state, receiver, transport, stats)
+        receiver = _Receiver(plan, rank, version, sink, stats, slot, total, pool, device)
+    _negotiate(plan, rank, sender_groups, sender_state, receiver, transport, stats, device)
     checked: set[str] = set()
     for sender_index, bucket_index in plan.schedule:
         sender = plan.senders[sender_index]
@@ -431,11 +445,11 @@ def run_plan(
             stats.gather_s += time.perf_counter() - start
             if is_sender:
                 if receiver is not None:
-                    # An engine's processes read what they load from shared memory: a
-                    # borrowing sink gets its own message copied there (never the slot of an
-                    # in-flight send).
+                    # An engine's processes read what they load from shared memory (or a
+                    # GPU): a borrowing sink gets its own message copied there unless the slot
+                    # is (it is loaded before the slot is written again).
                     own = view
-                    if receiver.shared:
+                    if receiver.shared and view.device.type == "cpu" and not view.is_shared():
                         own = buffers.empty_bytes(view.numel(), shared=True)
                         own.copy_(view)
                     receiver.deliver(own, message, rank, seq, False)

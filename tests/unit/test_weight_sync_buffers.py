@@ -214,3 +214,27 @@ def test_a_shared_buffer_maps_in_another_process_by_its_handle(tmp_path):
     wrong = replace(handle, fd=owner.share("consume", 0).fd)
     with pytest.raises(OSError, match="is not the buffer shared"):
         buffers.BufferPool().attach("k", wrong)
+
+
+def test_device_checksum_catches_flips_swaps_and_tails(monkeypatch):
+    """The GPU checksum, computed here with the same torch ops on the CPU: every flipped byte
+    changes it, so do two swapped steps and a changed tail byte; it is the same for the same
+    bytes at any alignment."""
+    monkeypatch.setattr(buffers, "DEVICE_CHECKSUM_WORDS", 64)  # several steps in 4 KiB
+    buffers._checksum_weights.cache_clear()
+    try:
+        payload = torch.arange(1027, dtype=torch.int32).view(torch.uint8)[:4101]  # 5-byte tail
+        base = buffers.device_checksum(payload)
+        assert 0 <= base <= buffers.CHECKSUM_MASK
+        for index in (0, 7, 511, 512, 4095, 4096, 4100):
+            flipped = payload.clone()
+            flipped[index] ^= 1
+            assert buffers.device_checksum(flipped) != base, index
+        swapped = payload.clone()
+        swapped[:512], swapped[512:1024] = payload[512:1024], payload[:512]
+        assert buffers.device_checksum(swapped) != base
+        shifted = torch.zeros(4101 + 3, dtype=torch.uint8)
+        shifted[3:] = payload
+        assert buffers.device_checksum(shifted[3:]) == base  # a misaligned start
+    finally:
+        buffers._checksum_weights.cache_clear()

@@ -1,6 +1,6 @@
 """The recipe's `weight_sync:` section (`weight_sync.config.WeightSyncConfig`).
 
-Contract checked: defaults are 512 / 128 MiB (auto transport, 2 attempts) and convert to bytes;
+Contract checked: defaults are 512 / 128 MiB (auto transport and bridge, 2 attempts) and convert to bytes;
 every field refuses a wrong value with a ConfigError naming the key, the value and the rule;
 `RunConfig` carries the section; the module imports without torch. Nothing is faked.
 """
@@ -22,7 +22,7 @@ def test_defaults_and_bytes():
     assert (cfg.produce_bucket_mb, cfg.consume_bucket_mb) == (512, 128)
     assert (cfg.produce_bytes, cfg.consume_bytes) == (512 << 20, 128 << 20)
     assert WeightSyncConfig(consume_bucket_mb=0.5).consume_bytes == 1 << 19
-    assert (cfg.transport, cfg.max_attempts) == ("auto", 2)
+    assert (cfg.transport, cfg.bridge, cfg.max_attempts) == ("auto", "auto", 2)
 
 
 def test_run_config_has_the_section():
@@ -39,6 +39,7 @@ def test_run_config_has_the_section():
         ("consume_bucket_mb", True, "must be a number of MiB > 0"),
         ("consume_bucket_mb", 0.001, r"must be at least 4 KiB"),
         ("transport", "nccl", r"must be one of \['auto', 'broadcast'\]"),
+        ("bridge", "nccl", r"must be one of \['auto', 'host', 'device'\]"),
         ("max_attempts", 0, "must be an integer >= 1"),
         ("max_attempts", 1.5, "must be an integer >= 1"),
     ],

@@ -1,0 +1,56 @@
+"""Weight sync on one rank that trains and receives its own messages, slots on a given device.
+
+Contract: `executor.run_plan` with its slots on `device` (CPU here, with gloo; CUDA with NCCL in
+`tests/gpu/test_weight_sync_cuda.py`, the device bridge, which runs this very body) stages every
+HF tensor on the host equal to the trainer's, bit for bit, on two syncs with pooled slots.
+Nothing is faked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_async_rl.models import name_map as nm
+from megatron_async_rl.weight_sync import buffers, executor, sinks
+from megatron_async_rl.weight_sync.plan import TrainLayout, build_plan
+from tests.distributed.harness import spawn
+
+DIMS = nm.ModelDims(
+    num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16,
+    ffn_hidden_size=96, vocab_size=100, padded_vocab_size=128, tied_embeddings=False,
+    add_qkv_bias=False, qk_layernorm=False,
+)  # fmt: skip
+
+
+def _one_rank_sync(device_type: str) -> list[str]:
+    """Names whose staged tensor differs from the trainer's, after two syncs (pooled slots)."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else None
+    plan = build_plan(TrainLayout(offset=0, tp=1, pp=1, dp=1), DIMS, "float32", 64 << 10, 16 << 10)
+    gen = torch.Generator().manual_seed(0)
+    hf = {name: torch.randn(shape, generator=gen) for name, shape in plan.hf_shapes}
+    full = nm.hf_to_megatron(hf, DIMS)
+    local = nm.stage_state_dict(full, DIMS, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+    local = {k: v.to(device or "cpu") for k, v in local.items()}
+    group = dist.new_group([0])
+    pool, bad = buffers.BufferPool(), []
+    for version in (1, 2):
+        counter = buffers.MemoryCounter()
+        sink = sinks.StagingSink(plan, counter, version, plan.consume_bytes, pool)
+        stats = executor.run_plan(
+            plan, 0, version, {0: group}, local=local, tp_groups={}, sink=sink,
+            counter=counter, pool=pool, device=device,
+        )  # fmt: skip
+        assert stats.error is None, stats.error
+        assert all(b.device.type == device_type for b in pool._buffers.values() if b.numel())
+        bad += [n for n, t in hf.items() if not torch.equal(sink.weights[n].cpu(), t)]
+    return bad
+
+
+def _worker(rank, world_size, tmp_dir):
+    return _one_rank_sync("cpu")
+
+
+def test_one_rank_sync_on_cpu_is_exact(tmp_path):
+    assert spawn(_worker, 1, tmp_path) == [[]]
