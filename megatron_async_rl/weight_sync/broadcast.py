@@ -27,7 +27,8 @@ Metrics (this rank's): `timing/weight_sync/{gather,send,load}_s`, `weight_sync/G
 bytes), `weight_sync/GB_per_s` (over this rank's wall time) and peak buffer sizes
 `weight_sync/{produce,consume,gathered,staging}_peak_MB`; with a `buffers.BufferPool`, the bytes
 it keeps between syncs, `weight_sync/pool_MB`; `weight_sync/attempts`;
-`weight_sync/shared_memory_senders` (senders this rank dealt with over shared memory).
+`weight_sync/shared_memory_senders` (senders this rank dealt with over shared memory);
+`weight_sync/device_bridge` (1 when messages stayed on the GPU).
 """
 
 from __future__ import annotations
@@ -141,7 +142,10 @@ def _attempt(groups, train, receiving: bool, version, config, make_sink, pool):
         if torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())
         elif error is None:
-            error = "the train role sends over the device bridge (NCCL) but no CUDA device is here"
+            error = (
+                "weight_sync.bridge: the train role sends over the device bridge (its weights "
+                "are on CUDA) but this receiver has no CUDA device; set weight_sync.bridge=host"
+            )
     reshard = plan.build_plan(key.layout, key.dims, key.dtype, key.produce_bytes, key.consume_bytes)
     local = tp_groups = None
     if train is not None and error is None:
@@ -167,6 +171,7 @@ def _attempt(groups, train, receiving: bool, version, config, make_sink, pool):
             sink.finish(complete=stats is not None and stats.error is None)
     errors = _agree(groups, str(stats.error) if stats.error is not None else None)
     metrics = _metrics(stats, reshard)
+    metrics["weight_sync/device_bridge"] = float(device.type != "cpu")
     if pool is not None:
         metrics["weight_sync/pool_MB"] = pool.held_bytes / 2**20
     return sink, metrics, errors, True

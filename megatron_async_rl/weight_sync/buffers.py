@@ -76,8 +76,9 @@ def device_checksum(payload: torch.Tensor) -> int:
     fixed odd weight by position within its 8 MiB step, summed with two's-complement wrap,
     the step sums weighted by 2 * step + 1. Integer sums do not depend on reduction order, so
     any device gives the same value. Any single changed word changes it (odd weights are
-    invertible mod 2**64), as do swapped steps. Not XXH3 (no GPU kernel of it here); one pass
-    over the bytes, with temporaries of one step.
+    invertible mod 2**64), as do swapped steps. Not XXH3 (no GPU kernel of it here), nor
+    `torch.hash_tensor` (an XOR of the words: blind to their order); one pass over the bytes,
+    with temporaries of one step.
     """
     whole = payload.numel() // 8 * 8
     words = payload[:whole]

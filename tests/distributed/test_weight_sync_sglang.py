@@ -112,6 +112,7 @@ def test_engine_weights_are_the_trainers_bit_for_bit(
     # On one host, "auto" has every sender's receivers read its slots in shared memory.
     for result in results:
         assert result["metrics"]["weight_sync/shared_memory_senders"] == shared_senders
+        assert result["metrics"]["weight_sync/device_bridge"] == 0.0  # CPU: the host bridge
     trainer = next(r["trainer"] for r in results if "trainer" in r)
     logp = next(r["logp"] for r in results if "logp" in r)
     engine = next(r["engine"] for r in results if "engine" in r)

@@ -1,8 +1,10 @@
 """The recipe's `weight_sync:` section (`weight_sync.config.WeightSyncConfig`).
 
-Contract checked: defaults are 512 / 128 MiB (auto transport and bridge, 2 attempts) and convert to bytes;
-every field refuses a wrong value with a ConfigError naming the key, the value and the rule;
-`RunConfig` carries the section; the module imports without torch. Nothing is faked.
+Contract checked: defaults are 512 / 128 MiB (auto transport and bridge, 2 attempts) and
+convert to bytes; every field refuses a wrong value with a ConfigError naming the key, the
+value and the rule; `RunConfig` carries the section; the module imports without torch; the
+bridge resolves from the configuration, the world's backend and where the weights are
+(stand-ins for role and groups carry only those).
 """
 
 import subprocess
@@ -61,3 +63,27 @@ def test_imports_without_torch():
         check=True,
         env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
     )
+
+
+@pytest.mark.parametrize(
+    "bridge,backend,on_cuda,expected",
+    [
+        ("auto", "nccl", True, "cuda"),
+        ("auto", "gloo", True, "cpu"),  # a CUDA trainer in a gloo world: host memory
+        ("device", "gloo", True, "cuda"),  # asked for: GPU slots over gloo's CUDA path
+        ("host", "nccl", True, "cpu"),
+        ("device", "gloo", False, "cpu"),  # on CPU both bridges are the host one
+        ("auto", "gloo", False, "cpu"),
+    ],
+)
+def test_bridge_resolves_from_config_backend_and_weights(bridge, backend, on_cuda, expected):
+    """Which bridge the train ranks choose (and tell the receivers in the plan key). The role
+    and groups are stand-ins carrying only what the choice reads."""
+    from types import SimpleNamespace
+
+    from megatron_async_rl.weight_sync.broadcast import _bridge_device
+
+    param = SimpleNamespace(is_cuda=on_cuda)
+    role = SimpleNamespace(module=SimpleNamespace(parameters=lambda: iter([param])))
+    groups = SimpleNamespace(backend=backend)
+    assert _bridge_device(groups, role, WeightSyncConfig(bridge=bridge)) == expected
