@@ -10,8 +10,8 @@ Why flat: torch's multiprocessing pickler shares every tensor's storage on its o
 receiving process fetches each handle over a connection of its own (a file descriptor on
 CPU, a CUDA IPC handle on GPU). A weight-sync message holds tens of tensors that are views of
 one buffer (a produce slot, a staging arena); as one flat span, one handle crosses.
-Why here and not in the host: a CUDA tensor received over IPC cannot be shared again (CUDA
-hands out IPC handles for a process's own allocations only), so the handles must be made by
+Why here and not in the host: torch refuses to share again a CUDA tensor it received over IPC
+("Attempting to send tensor received from another process"), so the handles must be made by
 the process that owns the memory, once per engine TP rank (each rank opens its own: CUDA IPC
 reference counts and file-descriptor hand-overs are one-shot), as `sglang.Engine` does.
 """
@@ -102,7 +102,7 @@ def serialize(named: list[tuple[str, torch.Tensor]], copies: int) -> tuple[list[
                 start_idx=e.start,
                 end_idx=e.end,
                 numel=e.end - e.start,
-            )  # fmt: skip
+            )
             for e in bucket.entries
         ]
         payload = {"flattened_tensor": bucket.tensor, "metadata": metadata}
