@@ -69,13 +69,13 @@ class PlanKey:
     device bridge on CPU) or "cuda" (the device bridge over NCCL)."""
 
 
-def _bridge_device(groups, role, config: WeightSyncConfig) -> str:
-    """The bridge's device type, from `config.bridge`, the train role's parameters and the
-    world's backend ("device" on CUDA over a gloo world: GPU slots over gloo's CUDA path)."""
-    on_cuda = next(role.module.parameters()).is_cuda
-    if config.bridge == "host" or not on_cuda:
+def _bridge_device(bridge: str, backend: str, on_cuda: bool) -> str:
+    """The bridge's device type, from `WeightSyncConfig.bridge`, the world's backend and where
+    the train role's weights are ("device" on CUDA over a gloo world: GPU slots over gloo's
+    CUDA path)."""
+    if bridge == "host" or not on_cuda:
         return "cpu"
-    if config.bridge == "auto" and groups.backend != "nccl":
+    if bridge == "auto" and backend != "nccl":
         return "cpu"
     return "cuda"
 
@@ -85,8 +85,9 @@ def _train_key(groups, role, version: int, config: WeightSyncConfig) -> PlanKey:
         groups.layout.parallelism["train"], groups.layout.window_of("train")
     )
     dims = weights.model_dims(role.args, role.spec)
-    dtype = str(next(role.module.parameters()).dtype).removeprefix("torch.")
-    device = _bridge_device(groups, role, config)
+    param = next(role.module.parameters())
+    dtype = str(param.dtype).removeprefix("torch.")
+    device = _bridge_device(config.bridge, groups.backend, param.is_cuda)
     return PlanKey(layout, dims, dtype, config.produce_bytes, config.consume_bytes, version, device)
 
 

@@ -14,12 +14,7 @@ from megatron_async_rl.models import name_map as nm
 from megatron_async_rl.weight_sync import buffers, executor, sinks
 from megatron_async_rl.weight_sync.plan import TrainLayout, build_plan
 from tests.distributed.harness import spawn
-
-DIMS = nm.ModelDims(
-    num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16,
-    ffn_hidden_size=96, vocab_size=100, padded_vocab_size=128, tied_embeddings=False,
-    add_qkv_bias=False, qk_layernorm=False,
-)  # fmt: skip
+from tests.unit.test_weight_sync_buffers import DIMS
 
 
 def _one_rank_sync(device_type: str) -> list[str]:
