@@ -6,10 +6,14 @@ and `algorithms.losses`, which read this config.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Callable
 
+from megatron_async_rl.config.checks import (
+    require_bool,
+    require_choice,
+    require_int,
+    require_number,
+)
 from megatron_async_rl.config.errors import ConfigError
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -21,25 +25,6 @@ K3_LOG_RATIO_BOUND = 20.0
 """k3 clamps log(ref / p) to +-20 before exp so the exponential stays finite in fp32."""
 K3_VALUE_BOUND = 10.0
 """k3 clamps its value to [-10, 10] (in effect [0, 10], as k3 >= 0), like verl's low_var_kl."""
-
-
-def _require_float(
-    key: str, value: Any, ok: Callable[[float], bool], rule: str, hint: str | None = None
-) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(key, value, "expected a finite number")
-    if not ok(float(value)):
-        raise ConfigError(key, value, rule, hint)
-
-
-def _require_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(key, value, f"must be one of {', '.join(choices)}")
-
-
-def _require_bool(key: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(key, value, "expected true or false")
 
 
 @dataclass
@@ -77,37 +62,32 @@ class GRPOConfig:
     """Cap on the behaviour importance weight exp(old_logp - behaviour_logp)."""
 
     def __post_init__(self) -> None:
-        n = self.num_samples_per_prompt
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise ConfigError("num_samples_per_prompt", n, "expected an integer")
-        if n < 1:
-            raise ConfigError("num_samples_per_prompt", n, "must be >= 1")
-        _require_bool("normalize_advantage_by_std", self.normalize_advantage_by_std)
-        _require_float("advantage_eps", self.advantage_eps, lambda v: v > 0, "must be > 0")
-        _require_float(
+        n = require_int("num_samples_per_prompt", self.num_samples_per_prompt, 1)
+        require_bool("normalize_advantage_by_std", self.normalize_advantage_by_std)
+        require_number("advantage_eps", self.advantage_eps, gt=0)
+        require_number(
             "clip_ratio_low",
             self.clip_ratio_low,
-            lambda v: 0 <= v < 1,
-            "must be in [0, 1)",
-            "the ratio is clipped below at 1 - clip_ratio_low, which must stay positive",
+            ge=0,
+            lt=1,
+            hint="the ratio is clipped below at 1 - clip_ratio_low, which must stay positive",
         )
-        _require_float("clip_ratio_high", self.clip_ratio_high, lambda v: v >= 0, "must be >= 0")
-        if self.clip_ratio_c is not None:
-            _require_float(
-                "clip_ratio_c",
-                self.clip_ratio_c,
-                lambda v: v > 1,
-                "must be > 1 or null",
-                "dual-clip bounds a negative-advantage loss at c * |A|; 3.0 is usual",
-            )
-        _require_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
-        _require_float("kl_coef", self.kl_coef, lambda v: v >= 0, "must be >= 0")
-        _require_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        require_number("clip_ratio_high", self.clip_ratio_high, ge=0)
+        require_number(
+            "clip_ratio_c",
+            self.clip_ratio_c,
+            gt=1,
+            optional=True,
+            hint="dual-clip bounds a negative-advantage loss at c * |A|; 3.0 is usual",
+        )
+        require_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        require_number("kl_coef", self.kl_coef, ge=0)
+        require_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         if self.kl_estimator == "low_var_kl":
             self.kl_estimator = "k3"
-        _require_choice("kl_mode", self.kl_mode, KL_MODES)
-        _require_float("entropy_coef", self.entropy_coef, lambda v: v >= 0, "must be >= 0")
-        _require_bool("dynamic_filtering", self.dynamic_filtering)
+        require_choice("kl_mode", self.kl_mode, KL_MODES)
+        require_number("entropy_coef", self.entropy_coef, ge=0)
+        require_bool("dynamic_filtering", self.dynamic_filtering)
         if self.dynamic_filtering and n == 1:
             raise ConfigError(
                 "dynamic_filtering",
@@ -115,11 +95,10 @@ class GRPOConfig:
                 "needs num_samples_per_prompt >= 2",
                 "a group of one sample has zero variance, so every group would be dropped",
             )
-        _require_choice("off_policy_correction", self.off_policy_correction, OFF_POLICY_CORRECTIONS)
-        _require_float(
+        require_choice("off_policy_correction", self.off_policy_correction, OFF_POLICY_CORRECTIONS)
+        require_number(
             "tis_cap",
             self.tis_cap,
-            lambda v: v >= 1,
-            "must be >= 1",
-            "a cap below 1 would shrink even on-policy tokens (weight 1)",
+            ge=1,
+            hint="a cap below 1 would shrink even on-policy tokens (weight 1)",
         )

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from megatron_async_rl.config.checks import require_bool
 from megatron_async_rl.config.errors import NO_VALUE, ConfigError, suggest
 
 logger = logging.getLogger(__name__)
@@ -269,9 +270,7 @@ def _coerce(spec: ArgSpec, value: Any, key: str) -> Any:
             return None
         raise ConfigError(key, value, f"must not be null (expected {spec.type})")
     if spec.type == "bool":
-        if not isinstance(value, bool):
-            raise ConfigError(key, value, "expected a bool", "write true or false")
-        return value
+        return require_bool(key, value)
     if isinstance(value, (bool, list, dict)):
         raise ConfigError(key, value, f"expected {expected}")
     try:
@@ -357,12 +356,10 @@ def normalize_megatron_section(section: dict | None, key_prefix: str) -> dict[st
         if name in specs:
             dest, typed = name, _coerce(specs[name], value, key)
         elif flag is not None and flag.const is not None:
-            if not isinstance(value, bool):
-                raise ConfigError(key, value, "expected a bool", "write true or false")
+            require_bool(key, value)
             dest, typed = flag.dest, flag.const if value else not flag.const
         elif name.startswith("no_") and getattr(specs.get(name[3:]), "type", None) == "bool":
-            if not isinstance(value, bool):
-                raise ConfigError(key, value, "expected a bool", "write true or false")
+            require_bool(key, value)
             dest, typed = name[3:], not value
         else:
             names = list(specs) + [f.flag[2:].replace("-", "_") for f in flags.values()]

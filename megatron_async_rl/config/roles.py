@@ -7,24 +7,12 @@ layout must import neither torch nor megatron.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from megatron_async_rl.config.checks import require_int, require_number
 from megatron_async_rl.config.errors import ConfigError
 
 ROLES = ("train", "logp", "ref", "generate")
 MEGATRON_ROLES = ("train", "logp", "ref")
-
-
-def _require_int(key: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(key, value, "expected an integer")
-    if value < minimum:
-        raise ConfigError(key, value, f"must be >= {minimum}")
-
-
-def _require_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(key, value, f"must be one of {', '.join(choices)}")
 
 
 @dataclass
@@ -59,10 +47,6 @@ class RoleGroupSpec:
                 f"ratio = {self.ratio}",
             )
         if self.num_ranks is not None:
-            _require_int("num_ranks", self.num_ranks, 1)
+            require_int("num_ranks", self.num_ranks, 1)
         if self.ratio is not None:
-            if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)):
-                raise ConfigError("ratio", self.ratio, "expected a number in (0, 1]")
-            if not 0 < self.ratio <= 1:
-                raise ConfigError("ratio", self.ratio, "must be in (0, 1]")
-            self.ratio = float(self.ratio)
+            self.ratio = require_number("ratio", self.ratio, gt=0, le=1)

@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron_async_rl.algorithms.config import GRPOConfig
+from megatron_async_rl.config.checks import require_choice, require_int
 from megatron_async_rl.config.errors import ConfigError
 from megatron_async_rl.config.roles import (  # noqa: F401 - re-exported
     MEGATRON_ROLES,
     ROLES,
     RoleGroupSpec,
-    _require_choice,
-    _require_int,
 )
 from megatron_async_rl.engines.config import EngineConfig
 from megatron_async_rl.rewards.registry import RewardConfig
@@ -126,8 +125,8 @@ class PlatformConfig:
     """auto, gloo or nccl (nccl needs cuda)."""
 
     def __post_init__(self) -> None:
-        _require_choice("device", self.device, ("auto", "cpu", "cuda"))
-        _require_choice("backend", self.backend, ("auto", "gloo", "nccl"))
+        require_choice("device", self.device, ("auto", "cpu", "cuda"))
+        require_choice("backend", self.backend, ("auto", "gloo", "nccl"))
         if self.device == "cpu" and self.backend == "nccl":
             raise ConfigError("backend", self.backend, "nccl needs device cuda", "use gloo on cpu")
 
@@ -144,9 +143,9 @@ class SmokeConfig:
     """Seed for the synthetic token ids."""
 
     def __post_init__(self) -> None:
-        _require_int("batch_size", self.batch_size, 1)
-        _require_int("seq_length", self.seq_length, 1)
-        _require_int("seed", self.seed, 0)
+        require_int("batch_size", self.batch_size, 1)
+        require_int("seq_length", self.seq_length, 1)
+        require_int("seed", self.seed, 0)
 
 
 JOBS = ("auto", "grpo", "role_check")
@@ -165,10 +164,9 @@ class TrainerConfig:
     """Samples per forward/backward micro-batch; None: Megatron's --micro-batch-size."""
 
     def __post_init__(self) -> None:
-        _require_choice("job", self.job, JOBS)
-        _require_int("num_steps", self.num_steps, 1)
-        if self.micro_batch_size is not None:
-            _require_int("micro_batch_size", self.micro_batch_size, 1)
+        require_choice("job", self.job, JOBS)
+        require_int("num_steps", self.num_steps, 1)
+        require_int("micro_batch_size", self.micro_batch_size, 1, optional=True)
 
 
 @dataclass(kw_only=True)
@@ -201,7 +199,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.run_dir, str) or not self.run_dir:
             raise ConfigError("run_dir", self.run_dir, "must be a non-empty path")
-        _require_int("seed", self.seed, 0)
+        require_int("seed", self.seed, 0)
         self.megatron = _normalize_megatron(self.megatron, "megatron")
         if self.trainer.job == "auto":
             self.trainer.job = "grpo" if self.data is not None else "role_check"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_async_rl.config.checks import require_int
 from megatron_async_rl.config.errors import ConfigError
 from megatron_async_rl.config.roles import MEGATRON_ROLES, RoleGroupSpec
 
@@ -47,9 +48,7 @@ class Parallelism:
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep", "cp", "etp"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(name, value, "parallel sizes must be integers >= 1")
+            require_int(name, getattr(self, name), 1)
 
     @classmethod
     def from_megatron_args(cls, args: dict) -> Parallelism:
@@ -279,11 +278,6 @@ def _check_engines(window: RoleWindow, index: int, tp_size: int, ranks_per_node:
             )
 
 
-def _require_size(key: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(key, value, "must be an integer >= 1")
-
-
 def plan_layout(
     world_size: int,
     groups: list[RoleGroupSpec],
@@ -297,16 +291,15 @@ def plan_layout(
     window must split into engines of `engine_tp_size` ranks, none straddling two nodes when
     `ranks_per_node` is given.
     """
-    _require_size("world_size", world_size)
-    _require_size("engine.tp_size", engine_tp_size)
-    if ranks_per_node is not None:
-        _require_size("ranks_per_node", ranks_per_node)
-        if world_size % ranks_per_node:
-            raise ConfigError(
-                "ranks_per_node",
-                ranks_per_node,
-                f"must divide the world size {world_size} (every node runs as many ranks)",
-            )
+    require_int("world_size", world_size, 1)
+    require_int("engine.tp_size", engine_tp_size, 1)
+    require_int("ranks_per_node", ranks_per_node, 1, optional=True)
+    if ranks_per_node is not None and world_size % ranks_per_node:
+        raise ConfigError(
+            "ranks_per_node",
+            ranks_per_node,
+            f"must divide the world size {world_size} (every node runs as many ranks)",
+        )
     if not groups:
         raise ConfigError("roles.groups", groups, "must list at least one group")
     sizes = _window_sizes(world_size, groups)

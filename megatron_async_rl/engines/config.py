@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.config.checks import require_choice, require_int, require_number
 
 CPU_DEFAULT_KV_TOKENS = 65536
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -40,23 +41,12 @@ class EngineConfig:
     """Extra `sglang.Engine` keyword arguments, passed through as given."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1:
-            raise ConfigError("tp_size", self.tp_size, "must be an integer >= 1")
-        dtypes = ("auto", "float32", "bfloat16", "float16")
-        if self.dtype not in dtypes:
-            raise ConfigError("dtype", self.dtype, f"must be one of {', '.join(dtypes)}")
-        if self.max_total_tokens is not None and (
-            isinstance(self.max_total_tokens, bool)
-            or not isinstance(self.max_total_tokens, int)
-            or self.max_total_tokens < 1
-        ):
-            raise ConfigError("max_total_tokens", self.max_total_tokens, "must be >= 1 or null")
-        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
-            raise ConfigError("mem_fraction_static", self.mem_fraction_static, "must be in (0, 1]")
+        require_int("tp_size", self.tp_size, 1)
+        require_choice("dtype", self.dtype, DTYPES)
+        require_int("max_total_tokens", self.max_total_tokens, 1, optional=True)
+        require_number("mem_fraction_static", self.mem_fraction_static, gt=0, le=1, optional=True)
         for name in ("startup_timeout_s", "call_timeout_s", "generate_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(name, value, "must be a number of seconds > 0")
+            require_number(name, getattr(self, name), gt=0, unit="seconds")
 
     def sglang_config(self, model_path: str, device: str, seed: int):
         """The `SGLangEngineConfig` for one engine serving `model_path`."""

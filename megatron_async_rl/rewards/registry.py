@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_async_rl.config.checks import require_int, require_number
 from megatron_async_rl.config.errors import ConfigError, suggest
 
 logger = logging.getLogger(__name__)
@@ -83,18 +84,9 @@ class RewardConfig:
                 raise ConfigError("url", self.url, "remote reward needs an http:// or https:// URL")
         elif self.url is not None:
             logger.warning("reward.url = %r is ignored: reward.name is %r", self.url, self.name)
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)):
-            raise ConfigError("timeout_s", self.timeout_s, "expected a number of seconds")
-        if self.timeout_s <= 0:
-            raise ConfigError("timeout_s", self.timeout_s, "must be > 0")
-        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int):
-            raise ConfigError("max_retries", self.max_retries, "expected an integer")
-        if self.max_retries < 0:
-            raise ConfigError("max_retries", self.max_retries, "must be >= 0")
-        if isinstance(self.backoff_s, bool) or not isinstance(self.backoff_s, (int, float)):
-            raise ConfigError("backoff_s", self.backoff_s, "expected a number of seconds")
-        if self.backoff_s < 0:
-            raise ConfigError("backoff_s", self.backoff_s, "must be >= 0")
+        require_number("timeout_s", self.timeout_s, gt=0, unit="seconds")
+        require_int("max_retries", self.max_retries, 0)
+        require_number("backoff_s", self.backoff_s, ge=0, unit="seconds")
 
 
 def get_reward(spec: str | RewardConfig, key: str = "reward.name") -> RewardFn:

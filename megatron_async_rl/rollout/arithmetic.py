@@ -21,6 +21,8 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatron_async_rl.config.checks import require_int, require_number
+
 logger = logging.getLogger(__name__)
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -28,8 +30,7 @@ OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b
 
 def all_problems(max_operand: int = 9, ops: Sequence[str] = ("+",)) -> list[tuple[int, str, int]]:
     """Every (a, op, b) with 0 <= a, b <= max_operand, in a fixed order."""
-    if isinstance(max_operand, bool) or not isinstance(max_operand, int) or max_operand < 1:
-        raise ValueError(f"max_operand = {max_operand!r}: must be an integer >= 1")
+    require_int("max_operand", max_operand, 1)
     if not ops or any(op not in OPS for op in ops):
         raise ValueError(f"ops = {tuple(ops)!r}: each must be one of {', '.join(OPS)}")
     return [
@@ -50,8 +51,7 @@ def split_problems(
     problems: Sequence[tuple[int, str, int]], heldout_fraction: float, seed: int
 ) -> tuple[list[tuple[int, str, int]], list[tuple[int, str, int]]]:
     """(train, held-out): a seeded partition, so no held-out prompt is ever trained on."""
-    if not 0 < heldout_fraction < 1:
-        raise ValueError(f"heldout_fraction = {heldout_fraction}: must be in (0, 1)")
+    require_number("heldout_fraction", heldout_fraction, gt=0, lt=1)
     shuffled = list(problems)
     random.Random(seed).shuffle(shuffled)
     num_heldout = max(1, round(len(shuffled) * heldout_fraction))
@@ -73,8 +73,7 @@ def write_arithmetic_dataset(
     `problems` defaults to every problem of (max_operand, ops); pass one side of
     `split_problems` to keep train and held-out files disjoint.
     """
-    if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 1:
-        raise ValueError(f"num_rows = {num_rows!r}: must be an integer >= 1")
+    require_int("num_rows", num_rows, 1)
     pool = list(problems) if problems is not None else all_problems(max_operand, ops)
     if not pool:
         raise ValueError("problems is empty: nothing to write")

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_async_rl.config.checks import require_bool, require_choice, require_int
 from megatron_async_rl.config.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -64,8 +65,7 @@ class DatasetConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
             raise ConfigError("path", self.path, "must be the path of a .jsonl or .parquet file")
-        if self.format not in FORMATS:
-            raise ConfigError("format", self.format, f"must be one of {', '.join(FORMATS)}")
+        require_choice("format", self.format, FORMATS)
         if self.format == "auto" and Path(self.path).suffix.lower() not in _SUFFIXES:
             raise ConfigError(
                 "format",
@@ -76,20 +76,10 @@ class DatasetConfig:
         for key in ("prompt_key", "messages_key", "answer_key"):
             if not isinstance(getattr(self, key), str) or not getattr(self, key):
                 raise ConfigError(key, getattr(self, key), "must be a non-empty column name")
-        if self.max_prompt_tokens is not None and (
-            isinstance(self.max_prompt_tokens, bool)
-            or not isinstance(self.max_prompt_tokens, int)
-            or self.max_prompt_tokens < 1
-        ):
-            raise ConfigError(
-                "max_prompt_tokens", self.max_prompt_tokens, "must be an integer >= 1 or null"
-            )
-        if self.on_bad_row not in ("skip", "error"):
-            raise ConfigError("on_bad_row", self.on_bad_row, "must be skip or error")
-        if not isinstance(self.shuffle, bool):
-            raise ConfigError("shuffle", self.shuffle, "expected true or false")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError("seed", self.seed, "must be an integer >= 0")
+        require_int("max_prompt_tokens", self.max_prompt_tokens, 1, optional=True)
+        require_choice("on_bad_row", self.on_bad_row, ("skip", "error"))
+        require_bool("shuffle", self.shuffle)
+        require_int("seed", self.seed, 0)
 
     @property
     def resolved_format(self) -> str:

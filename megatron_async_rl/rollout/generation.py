@@ -12,7 +12,7 @@ import dataclasses
 import zlib
 from dataclasses import dataclass, field
 
-from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.config.checks import require_bool, require_int, require_number
 
 
 @dataclass
@@ -33,16 +33,13 @@ class RolloutConfig:
     """Wrap plain-text prompts in the tokenizer's chat template."""
 
     def __post_init__(self) -> None:
-        for name, minimum in (("num_prompts_per_step", 1), ("max_new_tokens", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ConfigError(name, value, f"must be an integer >= {minimum}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ConfigError("temperature", self.temperature, "must be a number >= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ConfigError("top_p", self.top_p, "must be in (0, 1]")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k == 0:
-            raise ConfigError("top_k", self.top_k, "must be -1 (off) or an integer >= 1")
+        require_int("num_prompts_per_step", self.num_prompts_per_step, 1)
+        require_int("max_new_tokens", self.max_new_tokens, 1)
+        require_number("temperature", self.temperature, ge=0)
+        require_number("top_p", self.top_p, gt=0, le=1)
+        if self.top_k != -1:
+            require_int("top_k", self.top_k, 1, hint="-1 turns top-k off")
+        require_bool("use_chat_template", self.use_chat_template)
 
 
 @dataclass

@@ -16,10 +16,9 @@ training numbers unchanged (tested).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
-from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.config.checks import require_int, require_number
 from megatron_async_rl.rollout.dataset import DatasetConfig
 from megatron_async_rl.rollout.generation import RolloutConfig, served_prompts
 
@@ -40,25 +39,10 @@ class ValidationConfig:
     """Sampling temperature (0: greedy, the usual choice for evaluation)."""
 
     def __post_init__(self) -> None:
-        if self.num_prompts is not None and (
-            isinstance(self.num_prompts, bool)
-            or not isinstance(self.num_prompts, int)
-            or self.num_prompts < 1
-        ):
-            raise ConfigError("num_prompts", self.num_prompts, "must be an integer >= 1 or null")
-        value = self.num_samples_per_prompt
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError("num_samples_per_prompt", value, "must be an integer >= 1")
-        if self.max_new_tokens is not None and (
-            isinstance(self.max_new_tokens, bool)
-            or not isinstance(self.max_new_tokens, int)
-            or self.max_new_tokens < 1
-        ):
-            raise ConfigError("max_new_tokens", self.max_new_tokens, "must be >= 1 or null")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise ConfigError("temperature", self.temperature, "must be a number >= 0")
-        if self.temperature < 0:
-            raise ConfigError("temperature", self.temperature, "must be a number >= 0")
+        require_int("num_prompts", self.num_prompts, 1, optional=True)
+        require_int("num_samples_per_prompt", self.num_samples_per_prompt, 1)
+        require_int("max_new_tokens", self.max_new_tokens, 1, optional=True)
+        require_number("temperature", self.temperature, ge=0)
 
     def rollout_config(self, rollout: RolloutConfig) -> RolloutConfig:
         """The sampling knobs of a validation pass: the training ones with ours on top."""
@@ -100,7 +84,6 @@ class Validator:
         """
         from megatron_async_rl.rollout.generation import generate_samples
 
-        start = time.perf_counter()
         mine = served_prompts(len(self.records), self.rank_in_role, self.num_generate_ranks)
         ids = {i: self.records[i].prompt_ids or encode(self.records[i]) for i in mine}
         samples = generate_samples(
@@ -118,5 +101,4 @@ class Validator:
             "val/response_len_mean": sum(len(s.response_ids) for s in samples) / count,
             "val/num_samples": float(len(samples)),
             "val/reward_errors": float(self.reward.errors),
-            "timing/validation_s": time.perf_counter() - start,
         }

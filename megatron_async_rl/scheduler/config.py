@@ -1,8 +1,7 @@
 """The recipe's `scheduler:` section: how far generation may run ahead and how stages meet.
 
-Owned here: `SchedulerConfig` (validated knobs) and `require_int`, the integer check it shares
-with `staleness.StalenessController`. Pure: no torch, so `megatron_async_rl.config` can import
-it. Error keys are relative (`queue_capacity`); the recipe loader prefixes them
+Owned here: `SchedulerConfig` (validated knobs). Pure: no torch, so `megatron_async_rl.config`
+can import it. Error keys are relative (`queue_capacity`); the recipe loader prefixes them
 (`scheduler.queue_capacity`).
 
     scheduler:
@@ -17,22 +16,16 @@ it. Error keys are relative (`queue_capacity`); the recipe loader prefixes them
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
-from typing import Any
 
+from megatron_async_rl.config.checks import require_choice, require_int, require_number
 from megatron_async_rl.config.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 WEIGHT_UPDATE_MODES = ("wait", "in_flight")
+LOOPS = ("auto", "sync", "async")
 VALIDATION_VERSIONS = ("exact", "latest")
-
-
-def require_int(key: str, value: Any, minimum: int, hint: str | None = None) -> None:
-    """Raise ConfigError unless `value` is an integer (not a bool) >= `minimum`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(key, value, f"must be an integer >= {minimum}", hint)
 
 
 @dataclass
@@ -72,35 +65,26 @@ class SchedulerConfig:
     weight update, but which version is evaluated depends on timing."""
 
     def __post_init__(self) -> None:
-        require_int("generate_ahead_steps", self.generate_ahead_steps, 0, "0 is synchronous")
-        if self.weight_update_mode not in WEIGHT_UPDATE_MODES:
-            raise ConfigError(
-                "weight_update_mode",
-                self.weight_update_mode,
-                f"must be one of {', '.join(WEIGHT_UPDATE_MODES)}",
-            )
-        if self.loop not in ("auto", "sync", "async"):
-            raise ConfigError("loop", self.loop, "must be one of auto, sync, async")
+        require_int(
+            "generate_ahead_steps", self.generate_ahead_steps, 0, hint="0 is synchronous"
+        )
+        require_choice("weight_update_mode", self.weight_update_mode, WEIGHT_UPDATE_MODES)
+        require_choice("loop", self.loop, LOOPS)
         if self.loop == "sync" and self.generate_ahead_steps > 0:
             raise ConfigError(
                 "loop", self.loop, "the sync loop needs generate_ahead_steps 0",
                 f"generate_ahead_steps is {self.generate_ahead_steps}; use loop: auto",
             )  # fmt: skip
         require_int("queue_capacity", self.queue_capacity, 1)
-        value = self.stage_timeout_s
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError("stage_timeout_s", value, "must be a number of seconds")
-        if not math.isfinite(value):
-            raise ConfigError("stage_timeout_s", value, "must be a finite number of seconds")
-        if value <= 0:
-            raise ConfigError("stage_timeout_s", value, "must be > 0", "every wait has a timeout")
-        require_int("validation_every", self.validation_every, 0, "0 turns validation off")
-        if self.validation_version not in VALIDATION_VERSIONS:
-            raise ConfigError(
-                "validation_version",
-                self.validation_version,
-                f"must be one of {', '.join(VALIDATION_VERSIONS)}",
-            )
+        require_number(
+            "stage_timeout_s",
+            self.stage_timeout_s,
+            gt=0,
+            unit="seconds",
+            hint="every wait has a timeout",
+        )
+        require_int("validation_every", self.validation_every, 0, hint="0 turns validation off")
+        require_choice("validation_version", self.validation_version, VALIDATION_VERSIONS)
         if self.weight_update_mode == "in_flight" and self.generate_ahead_steps == 0:
             logger.warning(
                 "scheduler.weight_update_mode = in_flight has no effect with "

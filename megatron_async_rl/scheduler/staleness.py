@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from megatron_async_rl.scheduler.config import require_int
+from megatron_async_rl.config.checks import require_int
 
 KEY = "scheduler.generate_ahead_steps"
 
@@ -34,7 +34,7 @@ class StalenessController:
     """Admission and enforcement of the window [k - N, k] of policy versions for train step k."""
 
     def __init__(self, generate_ahead_steps: int):
-        require_int(KEY, generate_ahead_steps, 0, "0 is synchronous")
+        require_int(KEY, generate_ahead_steps, 0, hint="0 is synchronous")
         self.generate_ahead_steps = generate_ahead_steps
 
     def window(self, step: int) -> tuple[int, int]:

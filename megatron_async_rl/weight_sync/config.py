@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_async_rl.config.checks import require_choice, require_int, require_number
 from megatron_async_rl.config.errors import ConfigError
 
 MIB = 1 << 20
@@ -55,17 +56,11 @@ class WeightSyncConfig:
     def __post_init__(self) -> None:
         for name in ("produce_bucket_mb", "consume_bucket_mb"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(name, value, "must be a number of MiB > 0")
-            if value * MIB < 4096:
+            if require_number(name, value, gt=0, unit="MiB") * MIB < 4096:
                 raise ConfigError(name, value, "must be at least 4 KiB (0.004 MiB)")
-        if self.transport not in TRANSPORTS:
-            raise ConfigError("transport", self.transport, f"must be one of {list(TRANSPORTS)}")
-        if self.bridge not in BRIDGES:
-            raise ConfigError("bridge", self.bridge, f"must be one of {list(BRIDGES)}")
-        attempts = self.max_attempts
-        if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
-            raise ConfigError("max_attempts", attempts, "must be an integer >= 1")
+        require_choice("transport", self.transport, TRANSPORTS)
+        require_choice("bridge", self.bridge, BRIDGES)
+        require_int("max_attempts", self.max_attempts, 1)
 
     @property
     def produce_bytes(self) -> int:

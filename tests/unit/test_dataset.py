@@ -119,9 +119,15 @@ def test_over_long_limit_without_tokenizer_is_ignored_with_a_warning(tmp_path, c
         ({"path": "x.csv"}, "cannot tell the format of 'x.csv'"),
         ({"path": "x.jsonl", "format": "csv"}, "format = 'csv': must be one of"),
         ({"path": "x.jsonl", "prompt_key": ""}, "prompt_key = '': must be a non-empty"),
-        ({"path": "x.jsonl", "max_prompt_tokens": 0}, "max_prompt_tokens = 0: must be"),
-        ({"path": "x.jsonl", "on_bad_row": "drop"}, "on_bad_row = 'drop': must be skip or"),
-        ({"path": "x.jsonl", "shuffle": "yes"}, "shuffle = 'yes': expected true or false"),
+        (
+            {"path": "x.jsonl", "max_prompt_tokens": 0},
+            "max_prompt_tokens = 0: must be an integer >= 1 or null",
+        ),
+        (
+            {"path": "x.jsonl", "on_bad_row": "drop"},
+            "on_bad_row = 'drop': must be one of skip, error",
+        ),
+        ({"path": "x.jsonl", "shuffle": "yes"}, "shuffle = 'yes': must be true or false"),
         ({"path": "x.jsonl", "seed": -1}, "seed = -1: must be an integer >= 0"),
     ],
 )

@@ -181,7 +181,7 @@ def test_bad_arguments():
         ConfigError, match=r"roles.generate = .*has parallel sizes but is not placed"
     ):
         plan_layout(1, groups, {"generate": Parallelism(1, 1)})
-    with pytest.raises(ConfigError, match=r"tp = 0: parallel sizes must be integers >= 1"):
+    with pytest.raises(ConfigError, match=r"tp = 0: must be an integer >= 1"):
         Parallelism(tp=0, pp=1)
 
 

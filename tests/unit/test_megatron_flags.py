@@ -200,7 +200,7 @@ def test_normalize_section_key_forms():
 def test_normalize_section_errors():
     with pytest.raises(ConfigError, match=r"m.add_bias_linear = False: sets add_bias_linear again"):
         mf.normalize_megatron_section({"disable_bias_linear": True, "add_bias_linear": False}, "m")
-    with pytest.raises(ConfigError, match=r"m.bf16 = 'yes': expected a bool"):
+    with pytest.raises(ConfigError, match=r"m.bf16 = 'yes': must be true or false"):
         mf.normalize_megatron_section({"bf16": "yes"}, "m")
     with pytest.raises(ConfigError, match=r"m.num_layers = 2.5: expected int or null"):
         mf.normalize_megatron_section({"num_layers": 2.5}, "m")

@@ -136,10 +136,13 @@ def test_lookup_errors(spec, key, match):
     [
         ({"name": "remote"}, r"url = None: remote reward needs an http"),
         ({"name": "remote", "url": "ftp://x"}, "remote reward needs an http"),
-        ({"name": "math", "timeout_s": 0}, "timeout_s = 0: must be > 0"),
-        ({"name": "math", "max_retries": -1}, "max_retries = -1: must be >= 0"),
-        ({"name": "math", "max_retries": 1.5}, "expected an integer"),
-        ({"name": "math", "backoff_s": "1"}, "expected a number of seconds"),
+        ({"name": "math", "timeout_s": 0}, "timeout_s = 0: must be a finite number of seconds > 0"),
+        ({"name": "math", "max_retries": -1}, "max_retries = -1: must be an integer >= 0"),
+        ({"name": "math", "max_retries": 1.5}, "max_retries = 1.5: must be an integer >= 0"),
+        (
+            {"name": "math", "backoff_s": "1"},
+            "backoff_s = '1': must be a finite number of seconds >= 0",
+        ),
         ({"name": " "}, "must be a reward name"),
     ],
 )
