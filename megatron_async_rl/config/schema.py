@@ -24,10 +24,8 @@ from megatron_async_rl.config.roles import (  # noqa: F401 - re-exported
     RoleGroupSpec,
 )
 from megatron_async_rl.engines.config import EngineConfig
-from megatron_async_rl.rewards.registry import RewardConfig
-from megatron_async_rl.rollout.dataset import DatasetConfig
-from megatron_async_rl.rollout.generation import RolloutConfig
-from megatron_async_rl.rollout.validation import ValidationConfig
+from megatron_async_rl.rewards.config import RewardConfig
+from megatron_async_rl.rollout.config import DatasetConfig, RolloutConfig, ValidationConfig
 from megatron_async_rl.scheduler.config import SchedulerConfig
 from megatron_async_rl.weight_sync.config import WeightSyncConfig
 

@@ -1,9 +1,10 @@
 """Reward lookup: names, `module:function` plug-ins, the remote reward, and error isolation.
 
-Owned here: the registry (`register`, `get_reward`), `RewardConfig` (the recipe's `reward:`
-section) and `SafeReward`, the wrapper the reward stage calls on every generated sample. The
-built-in rewards live one per file next to this one (`math_answer.py` registers `math`,
-`arithmetic.py` registers `arithmetic`); `remote.py` is built from a `RewardConfig` with a URL.
+Owned here: the registry (`register`, `get_reward`, configured by the recipe's `reward:`
+section, `rewards.config.RewardConfig`) and `SafeReward`, the wrapper the reward stage calls on
+every generated sample. The built-in rewards live one per file next to this one
+(`math_answer.py` registers `math`, `arithmetic.py` registers `arithmetic`); `remote.py` is
+built from a `RewardConfig` with a URL.
 
 A reward function has the signature
 
@@ -25,8 +26,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_async_rl.config.checks import require_int, require_number
 from megatron_async_rl.config.errors import ConfigError, suggest
+from megatron_async_rl.rewards.config import REMOTE, RewardConfig
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,6 @@ _REGISTRY: dict[str, RewardFn] = {}
 # Modules whose import registers the built-in names; imported on first lookup so that importing
 # the registry alone stays cheap and free of cycles.
 _BUILTIN_MODULES = ("megatron_async_rl.rewards.math_answer", "megatron_async_rl.rewards.arithmetic")
-REMOTE = "remote"
 
 
 def register(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -59,34 +59,6 @@ def registered_names() -> list[str]:
     """Every registered reward name (built-ins included), sorted, plus `remote`."""
     _import_builtins()
     return sorted([*_REGISTRY, REMOTE])
-
-
-@dataclass
-class RewardConfig:
-    """Which reward scores the samples (recipe section `reward:`)."""
-
-    name: str = "math"
-    """A registered name (`math`, `arithmetic`), `module:function`, or `remote`."""
-    url: str | None = None
-    """`remote` only: the endpoint receiving POST {response, answer, metadata}."""
-    timeout_s: float = 10.0
-    """`remote` only: seconds to wait for one HTTP answer."""
-    max_retries: int = 3
-    """`remote` only: retries after the first attempt (timeouts, 5xx, connection errors)."""
-    backoff_s: float = 0.5
-    """`remote` only: wait before retry i is backoff_s * 2**i."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name.strip():
-            raise ConfigError("name", self.name, "must be a reward name or module:function")
-        if self.name == REMOTE:
-            if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
-                raise ConfigError("url", self.url, "remote reward needs an http:// or https:// URL")
-        elif self.url is not None:
-            logger.warning("reward.url = %r is ignored: reward.name is %r", self.url, self.name)
-        require_number("timeout_s", self.timeout_s, gt=0, unit="seconds")
-        require_int("max_retries", self.max_retries, 0)
-        require_number("backoff_s", self.backoff_s, ge=0, unit="seconds")
 
 
 def get_reward(spec: str | RewardConfig, key: str = "reward.name") -> RewardFn:

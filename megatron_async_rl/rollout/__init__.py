@@ -1,16 +1,8 @@
-"""Where prompts come from: datasets and their cursor, the synthetic task, the warm start.
+"""Where prompts come from: datasets and their cursor, generation, validation, the synthetic task.
 
-`dataset.PromptDataset` feeds the dataloader stage; `arithmetic` writes the quick start's task;
-`warm_start` (its own process: it runs transformers) prepares the quick start's model. Importing
-this package loads neither torch nor megatron.
+`config` holds the recipe's `data:`, `rollout:` and `validation:` sections; `dataset.PromptDataset`
+feeds the dataloader stage; `generation` and `validation` call the engines; `arithmetic` writes
+the quick start's task; `warm_start` (its own process: it runs transformers) prepares the quick
+start's model. This package file imports nothing, so the recipe loader can import
+`rollout.config` without numpy or a tokenizer; none of its modules imports megatron.
 """
-
-from megatron_async_rl.rollout.dataset import (
-    DataCursor,
-    DatasetConfig,
-    PromptDataset,
-    PromptRecord,
-    encode_prompt,
-)
-
-__all__ = ["DataCursor", "DatasetConfig", "PromptDataset", "PromptRecord", "encode_prompt"]

@@ -1,9 +1,9 @@
 """Prompt datasets (JSONL, Parquet) and the deterministic, checkpointed prompt cursor.
 
-Owned here: `DatasetConfig` (the recipe's `data:` section), `PromptRecord`, `DataCursor` and
-`PromptDataset`, which the dataloader stage calls for `next_batch(n)` and the checkpoint code
-calls for `state_dict()` / `load_state_dict()`. `encode_prompt` is shared with the warm start,
-so both tokenize a prompt the same way. Imports neither torch nor megatron.
+Owned here: `PromptRecord`, `DataCursor` and `PromptDataset`, which the dataloader stage calls
+for `next_batch(n)` and the checkpoint code calls for `state_dict()` / `load_state_dict()`; the
+recipe's `data:` section is `rollout.config.DatasetConfig`. `encode_prompt` is shared with the
+warm start, so both tokenize a prompt the same way. Imports neither torch nor megatron.
 
 A row is a JSON object (one per line) or a Parquet row with a prompt (`prompt`: a string, or
 `messages`: a list of {role, content}; `messages` wins when both are present), a ground truth
@@ -30,61 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from megatron_async_rl.config.checks import require_bool, require_choice, require_int
 from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.rollout.config import DatasetConfig
 
 logger = logging.getLogger(__name__)
-
-FORMATS = ("auto", "jsonl", "parquet")
-_SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
-
-
-@dataclass
-class DatasetConfig:
-    """Where the prompts are and how to read them (recipe section `data:`)."""
-
-    path: str
-    """A .jsonl or .parquet file; relative paths are relative to the working directory."""
-    format: str = "auto"
-    """auto (from the file suffix), jsonl or parquet."""
-    prompt_key: str = "prompt"
-    """Column holding a plain-text prompt."""
-    messages_key: str = "messages"
-    """Column holding a chat prompt, a list of {role, content}."""
-    answer_key: str = "answer"
-    """Column holding the ground truth the reward compares against."""
-    max_prompt_tokens: int | None = None
-    """Rows whose tokenized prompt is longer are bad rows (needs a tokenizer); None: no limit."""
-    on_bad_row: str = "skip"
-    """skip (log, count, continue) or error (stop with the file, line and reason)."""
-    shuffle: bool = True
-    """Visit the rows in a fresh seeded permutation every epoch."""
-    seed: int = 0
-    """Seed of the per-epoch permutations."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.path, str) or not self.path:
-            raise ConfigError("path", self.path, "must be the path of a .jsonl or .parquet file")
-        require_choice("format", self.format, FORMATS)
-        if self.format == "auto" and Path(self.path).suffix.lower() not in _SUFFIXES:
-            raise ConfigError(
-                "format",
-                self.format,
-                f"cannot tell the format of {self.path!r} from its suffix",
-                "name the file *.jsonl or *.parquet, or set format: jsonl|parquet",
-            )
-        for key in ("prompt_key", "messages_key", "answer_key"):
-            if not isinstance(getattr(self, key), str) or not getattr(self, key):
-                raise ConfigError(key, getattr(self, key), "must be a non-empty column name")
-        require_int("max_prompt_tokens", self.max_prompt_tokens, 1, optional=True)
-        require_choice("on_bad_row", self.on_bad_row, ("skip", "error"))
-        require_bool("shuffle", self.shuffle)
-        require_int("seed", self.seed, 0)
-
-    @property
-    def resolved_format(self) -> str:
-        """jsonl or parquet."""
-        return _SUFFIXES[Path(self.path).suffix.lower()] if self.format == "auto" else self.format
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """Prompts to samples: the generate stage of one step, on the `generate` ranks.
 
-Owned here: the recipe's `rollout:` section (`RolloutConfig`), the `Sample` record every later
-stage reads, which prompts a generate rank serves, and the call into its engine. Called by the
-jobs once per step. Each prompt is sampled `n` times (one GRPO group); every request carries its
-own seed derived from (run seed, step, prompt uid, sample index), so a run replays exactly.
+Owned here: the `Sample` record every later stage reads, which prompts a generate rank serves,
+and the call into its engine, configured by the recipe's `rollout:` section
+(`rollout.config.RolloutConfig`). Called by the jobs once per step. Each prompt is sampled `n`
+times (one GRPO group); every request carries its own seed derived from (run seed, step, prompt
+uid, sample index), so a run replays exactly.
 """
 
 from __future__ import annotations
@@ -12,34 +13,7 @@ import dataclasses
 import zlib
 from dataclasses import dataclass, field
 
-from megatron_async_rl.config.checks import require_bool, require_int, require_number
-
-
-@dataclass
-class RolloutConfig:
-    """How prompts become samples each step."""
-
-    num_prompts_per_step: int = 8
-    """Prompts per optimizer step; each is sampled algorithm.num_samples_per_prompt times."""
-    max_new_tokens: int = 16
-    """Response length limit in tokens."""
-    temperature: float = 1.0
-    """Sampling temperature (0: greedy)."""
-    top_p: float = 1.0
-    """Nucleus sampling threshold."""
-    top_k: int = -1
-    """Top-k sampling (-1: off)."""
-    use_chat_template: bool = False
-    """Wrap plain-text prompts in the tokenizer's chat template."""
-
-    def __post_init__(self) -> None:
-        require_int("num_prompts_per_step", self.num_prompts_per_step, 1)
-        require_int("max_new_tokens", self.max_new_tokens, 1)
-        require_number("temperature", self.temperature, ge=0)
-        require_number("top_p", self.top_p, gt=0, le=1)
-        if self.top_k != -1:
-            require_int("top_k", self.top_k, 1, hint="-1 turns top-k off")
-        require_bool("use_chat_template", self.use_chat_template)
+from megatron_async_rl.rollout.config import RolloutConfig
 
 
 @dataclass

@@ -1,12 +1,12 @@
 """Validation: score a held-out prompt set with the weights of one named policy version.
 
-Owned here: the recipe's `validation:` section (`ValidationConfig`) and `Validator`, which runs
-one evaluation on a generate rank's engine and returns its `val/` metrics. When a version is
-due (`scheduler.validation_every`) and which weights it uses (`scheduler.validation_version`)
-is the jobs' decision (`jobs/grpo_sync.py`, `jobs/grpo_async.py`); they move the `validation`
-stage machine around each call. Validation never touches the training data cursor, the
-training reward's counters or the training samples' seeds, so turning it on leaves the
-training numbers unchanged (tested).
+Owned here: `Validator`, which runs one evaluation on a generate rank's engine and returns its
+`val/` metrics; the recipe's `validation:` section is `rollout.config.ValidationConfig`. When a
+version is due (`scheduler.validation_every`) and which weights it uses
+(`scheduler.validation_version`) is the jobs' decision (`jobs/grpo_sync.py`,
+`jobs/grpo_async.py`); they move the `validation` stage machine around each call. Validation
+never touches the training data cursor, the training reward's counters or the training samples'
+seeds, so turning it on leaves the training numbers unchanged (tested).
 
     validation:
       data: {path: runs/arith/val.jsonl, shuffle: false}
@@ -18,43 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_async_rl.config.checks import require_int, require_number
-from megatron_async_rl.rollout.dataset import DatasetConfig
-from megatron_async_rl.rollout.generation import RolloutConfig, served_prompts
-
-
-@dataclass
-class ValidationConfig:
-    """The held-out set and how it is sampled."""
-
-    data: DatasetConfig | None = None
-    """The held-out prompts (same format as `data:`); required when validation is on."""
-    num_prompts: int | None = None
-    """Evaluate the first this-many rows of the file (in file order); None: every row."""
-    num_samples_per_prompt: int = 1
-    """Responses per prompt; more than 1 makes sense with temperature > 0."""
-    max_new_tokens: int | None = None
-    """Response length limit; None: rollout.max_new_tokens."""
-    temperature: float = 0.0
-    """Sampling temperature (0: greedy, the usual choice for evaluation)."""
-
-    def __post_init__(self) -> None:
-        require_int("num_prompts", self.num_prompts, 1, optional=True)
-        require_int("num_samples_per_prompt", self.num_samples_per_prompt, 1)
-        require_int("max_new_tokens", self.max_new_tokens, 1, optional=True)
-        require_number("temperature", self.temperature, ge=0)
-
-    def rollout_config(self, rollout: RolloutConfig) -> RolloutConfig:
-        """The sampling knobs of a validation pass: the training ones with ours on top."""
-        return RolloutConfig(
-            num_prompts_per_step=rollout.num_prompts_per_step,
-            max_new_tokens=self.max_new_tokens or rollout.max_new_tokens,
-            temperature=float(self.temperature),
-            top_p=rollout.top_p if self.temperature > 0 else 1.0,
-            top_k=rollout.top_k if self.temperature > 0 else -1,
-            use_chat_template=rollout.use_chat_template,
-        )
-
+from megatron_async_rl.rollout.config import RolloutConfig, ValidationConfig
+from megatron_async_rl.rollout.generation import served_prompts
 
 # Requests of validation passes carry steps far from any training step, so their seeds never
 # coincide with a training request's (seeds hash run seed, step, uid and sample index).

@@ -17,7 +17,7 @@ import operator
 import pytest
 
 from megatron_async_rl.models.tiny import build_tokenizer
-from megatron_async_rl.rewards import get_reward
+from megatron_async_rl.rewards.registry import get_reward
 from megatron_async_rl.rollout.arithmetic import (
     all_problems,
     main,

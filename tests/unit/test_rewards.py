@@ -24,9 +24,10 @@ import time
 import pytest
 
 from megatron_async_rl.config.errors import ConfigError
-from megatron_async_rl.rewards import RewardConfig, RewardRequest, SafeReward, get_reward
 from megatron_async_rl.rewards.arithmetic import arithmetic_reward
+from megatron_async_rl.rewards.config import RewardConfig
 from megatron_async_rl.rewards.math_answer import extract_answer, math_reward
+from megatron_async_rl.rewards.registry import RewardRequest, SafeReward, get_reward
 from megatron_async_rl.rewards.remote import RemoteReward
 
 

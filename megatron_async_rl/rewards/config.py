@@ -1,0 +1,51 @@
+"""The recipe's `reward:` section: which reward scores the samples; a pure, validated dataclass.
+
+Owned here: `RewardConfig`, built by the recipe loader (`config/schema.py`) and turned into a
+reward function by `rewards.registry.get_reward`. Imports only the config checks and the
+standard library, so loading a recipe never imports the registry or a reward plug-in.
+
+    reward: {name: math}                                   # a registered name
+    reward: {name: my_pkg.rewards:score}                   # module:function
+    reward: {name: remote, url: http://127.0.0.1:8000/}    # an HTTP endpoint
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from megatron_async_rl.config.checks import require_int, require_number
+from megatron_async_rl.config.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+REMOTE = "remote"
+"""The reward name of the HTTP reward (`rewards.remote`); no registered function may take it."""
+
+
+@dataclass
+class RewardConfig:
+    """Which reward scores the samples (recipe section `reward:`)."""
+
+    name: str = "math"
+    """A registered name (`math`, `arithmetic`), `module:function`, or `remote`."""
+    url: str | None = None
+    """`remote` only: the endpoint receiving POST {response, answer, metadata}."""
+    timeout_s: float = 10.0
+    """`remote` only: seconds to wait for one HTTP answer."""
+    max_retries: int = 3
+    """`remote` only: retries after the first attempt (timeouts, 5xx, connection errors)."""
+    backoff_s: float = 0.5
+    """`remote` only: wait before retry i is backoff_s * 2**i."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ConfigError("name", self.name, "must be a reward name or module:function")
+        if self.name == REMOTE:
+            if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
+                raise ConfigError("url", self.url, "remote reward needs an http:// or https:// URL")
+        elif self.url is not None:
+            logger.warning("reward.url = %r is ignored: reward.name is %r", self.url, self.name)
+        require_number("timeout_s", self.timeout_s, gt=0, unit="seconds")
+        require_int("max_retries", self.max_retries, 0)
+        require_number("backoff_s", self.backoff_s, ge=0, unit="seconds")

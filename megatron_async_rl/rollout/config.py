@@ -1,0 +1,139 @@
+"""The recipe's `data:`, `rollout:` and `validation:` sections: pure, validated dataclasses.
+
+Owned here: `DatasetConfig` (where the prompts are and how to read them), `RolloutConfig` (how
+prompts become samples each step) and `ValidationConfig` (the held-out set and how it is
+sampled). Built by the recipe loader (`config/schema.py`); read by `rollout.dataset`,
+`rollout.generation` and `rollout.validation`, which do the work. Imports only the config
+checks and the standard library, so loading a recipe loads neither numpy nor a tokenizer.
+Error keys are relative (`num_prompts`); the recipe loader prefixes them
+(`validation.num_prompts`).
+
+    data: {path: runs/arith/train.jsonl}
+    rollout: {num_prompts_per_step: 8, max_new_tokens: 16}
+    validation: {data: {path: runs/arith/val.jsonl, shuffle: false}, num_prompts: 64}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_async_rl.config.checks import (
+    require_bool,
+    require_choice,
+    require_int,
+    require_number,
+)
+from megatron_async_rl.config.errors import ConfigError
+
+FORMATS = ("auto", "jsonl", "parquet")
+SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+"""File suffix -> format, for `format: auto`."""
+
+
+@dataclass
+class DatasetConfig:
+    """Where the prompts are and how to read them (recipe section `data:`)."""
+
+    path: str
+    """A .jsonl or .parquet file; relative paths are relative to the working directory."""
+    format: str = "auto"
+    """auto (from the file suffix), jsonl or parquet."""
+    prompt_key: str = "prompt"
+    """Column holding a plain-text prompt."""
+    messages_key: str = "messages"
+    """Column holding a chat prompt, a list of {role, content}."""
+    answer_key: str = "answer"
+    """Column holding the ground truth the reward compares against."""
+    max_prompt_tokens: int | None = None
+    """Rows whose tokenized prompt is longer are bad rows (needs a tokenizer); None: no limit."""
+    on_bad_row: str = "skip"
+    """skip (log, count, continue) or error (stop with the file, line and reason)."""
+    shuffle: bool = True
+    """Visit the rows in a fresh seeded permutation every epoch."""
+    seed: int = 0
+    """Seed of the per-epoch permutations."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ConfigError("path", self.path, "must be the path of a .jsonl or .parquet file")
+        require_choice("format", self.format, FORMATS)
+        if self.format == "auto" and Path(self.path).suffix.lower() not in SUFFIXES:
+            raise ConfigError(
+                "format",
+                self.format,
+                f"cannot tell the format of {self.path!r} from its suffix",
+                "name the file *.jsonl or *.parquet, or set format: jsonl|parquet",
+            )
+        for key in ("prompt_key", "messages_key", "answer_key"):
+            if not isinstance(getattr(self, key), str) or not getattr(self, key):
+                raise ConfigError(key, getattr(self, key), "must be a non-empty column name")
+        require_int("max_prompt_tokens", self.max_prompt_tokens, 1, optional=True)
+        require_choice("on_bad_row", self.on_bad_row, ("skip", "error"))
+        require_bool("shuffle", self.shuffle)
+        require_int("seed", self.seed, 0)
+
+    @property
+    def resolved_format(self) -> str:
+        """jsonl or parquet."""
+        return SUFFIXES[Path(self.path).suffix.lower()] if self.format == "auto" else self.format
+
+
+@dataclass
+class RolloutConfig:
+    """How prompts become samples each step."""
+
+    num_prompts_per_step: int = 8
+    """Prompts per optimizer step; each is sampled algorithm.num_samples_per_prompt times."""
+    max_new_tokens: int = 16
+    """Response length limit in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature (0: greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = -1
+    """Top-k sampling (-1: off)."""
+    use_chat_template: bool = False
+    """Wrap plain-text prompts in the tokenizer's chat template."""
+
+    def __post_init__(self) -> None:
+        require_int("num_prompts_per_step", self.num_prompts_per_step, 1)
+        require_int("max_new_tokens", self.max_new_tokens, 1)
+        require_number("temperature", self.temperature, ge=0)
+        require_number("top_p", self.top_p, gt=0, le=1)
+        if self.top_k != -1:
+            require_int("top_k", self.top_k, 1, hint="-1 turns top-k off")
+        require_bool("use_chat_template", self.use_chat_template)
+
+
+@dataclass
+class ValidationConfig:
+    """The held-out set and how it is sampled."""
+
+    data: DatasetConfig | None = None
+    """The held-out prompts (same format as `data:`); required when validation is on."""
+    num_prompts: int | None = None
+    """Evaluate the first this-many rows of the file (in file order); None: every row."""
+    num_samples_per_prompt: int = 1
+    """Responses per prompt; more than 1 makes sense with temperature > 0."""
+    max_new_tokens: int | None = None
+    """Response length limit; None: rollout.max_new_tokens."""
+    temperature: float = 0.0
+    """Sampling temperature (0: greedy, the usual choice for evaluation)."""
+
+    def __post_init__(self) -> None:
+        require_int("num_prompts", self.num_prompts, 1, optional=True)
+        require_int("num_samples_per_prompt", self.num_samples_per_prompt, 1)
+        require_int("max_new_tokens", self.max_new_tokens, 1, optional=True)
+        require_number("temperature", self.temperature, ge=0)
+
+    def rollout_config(self, rollout: RolloutConfig) -> RolloutConfig:
+        """The sampling knobs of a validation pass: the training ones with ours on top."""
+        return RolloutConfig(
+            num_prompts_per_step=rollout.num_prompts_per_step,
+            max_new_tokens=self.max_new_tokens or rollout.max_new_tokens,
+            temperature=float(self.temperature),
+            top_p=rollout.top_p if self.temperature > 0 else 1.0,
+            top_k=rollout.top_k if self.temperature > 0 else -1,
+            use_chat_template=rollout.use_chat_template,
+        )
