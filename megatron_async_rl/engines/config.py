@@ -1,15 +1,19 @@
 """The recipe's `engine:` section: how each `generate` rank's SGLang engine is started.
 
-Owned here: `EngineConfig` (validated recipe knobs) and its translation into the engine
-implementation's own config. Called by the jobs that start engines on generate ranks.
+Owned here: `EngineConfig` (validated recipe knobs) and its translation into
+`SGLangEngineConfig`, the config of one `engines.sglang_engine.SGLangEngine` (and of its host
+process, `engines.sglang_host`). Called by the jobs that start engines on generate ranks. Pure:
+no torch, no sglang (the recipe loader imports it).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_async_rl.config.checks import require_choice, require_int, require_number
+from megatron_async_rl.config.errors import ConfigError
 
 CPU_DEFAULT_KV_TOKENS = 65536
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -48,10 +52,8 @@ class EngineConfig:
         for name in ("startup_timeout_s", "call_timeout_s", "generate_timeout_s"):
             require_number(name, getattr(self, name), gt=0, unit="seconds")
 
-    def sglang_config(self, model_path: str, device: str, seed: int):
+    def sglang_config(self, model_path: str, device: str, seed: int) -> SGLangEngineConfig:
         """The `SGLangEngineConfig` for one engine serving `model_path`."""
-        from megatron_async_rl.engines.sglang_engine import SGLangEngineConfig
-
         return SGLangEngineConfig(
             model_path=model_path,
             device=device,
@@ -66,3 +68,50 @@ class EngineConfig:
             call_timeout_s=self.call_timeout_s,
             generate_timeout_s=self.generate_timeout_s,
         )
+
+
+@dataclass(frozen=True)
+class SGLangEngineConfig:
+    """How to start one SGLang engine and how long to wait for it."""
+
+    model_path: str
+    """HF model directory (config, tokenizer, safetensors)."""
+    device: str = "cpu"
+    """"cpu" (SGLang's torch-native path, with the shims) or "cuda"."""
+    tp_size: int = 1
+    """Tensor parallel size inside the engine (on CPU, `engines.sglang_engine` says which cores)."""
+    dtype: str = "auto"
+    """Compute dtype; "float32" for exact log-prob parity on CPU."""
+    max_total_tokens: int | None = None
+    """KV-cache size in tokens; None lets SGLang size it from free memory."""
+    mem_fraction_static: float | None = None
+    """Fraction of device memory for weights and KV cache; None is SGLang's default."""
+    random_seed: int = 0
+    """Engine seed (sampling of requests without their own seed)."""
+    log_level: str = "error"
+    """SGLang's log level in the engine processes."""
+    server_args: dict[str, Any] = field(default_factory=dict)
+    """Further `sglang.ServerArgs` fields, passed through unchanged (they win over ours, e.g.
+    `sleep_on_idle`, which is on by default on CPU: an idle scheduler otherwise spins a core)."""
+    startup_timeout_s: float = 600.0
+    """Limit on engine start (imports, weight load, KV-cache allocation)."""
+    call_timeout_s: float = 300.0
+    """Limit on every call except generate."""
+    generate_timeout_s: float = 3600.0
+    """Limit on one `generate` call."""
+
+    def __post_init__(self):
+        require_choice("engine.device", self.device, ("cpu", "cuda"))
+        require_int("engine.tp_size", self.tp_size, 1)
+        bind = os.environ.get("SGLANG_CPU_OMP_THREADS_BIND")
+        if self.device == "cpu" and bind and len(bind.split("|")) < self.tp_size:
+            raise ConfigError(
+                "engine.tp_size",
+                self.tp_size,
+                f"on cpu needs one core group per TP rank, but SGLANG_CPU_OMP_THREADS_BIND = "
+                f"{bind!r} names the cores of {len(bind.split('|'))} rank(s)",
+                "give one '|'-separated group per TP rank (e.g. '0|1'), or unset it to split "
+                "the cores evenly",
+            )
+        for name in ("startup_timeout_s", "call_timeout_s", "generate_timeout_s"):
+            require_number(f"engine.{name}", getattr(self, name), gt=0, unit="seconds")

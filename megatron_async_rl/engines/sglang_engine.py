@@ -1,8 +1,9 @@
 """The real SGLang engine behind the `Engine` protocol, hosted in its own process.
 
-Owned here: `SGLangEngineConfig`, `SGLangEngine` (what a `generate` rank calls) and the engine
-host that runs in a child process. The host side lives in `sglang_host.py`, the only
-module of the package that imports `sglang` (inside the host process only).
+Owned here: `SGLangEngine` (what a `generate` rank calls, configured by
+`engines.config.SGLangEngineConfig`) and the engine host that runs in a child process. The host
+side lives in `sglang_host.py`, the only module of the package that imports `sglang` (inside the
+host process only).
 
     generate rank (torchrun worker)                engine host (spawned child)
     SGLangEngine ---- pipe: ("call", id, method, kwargs) ---> asyncio loop: sglang.Engine
@@ -49,11 +50,9 @@ unset, the host sets it for its engine by splitting the cores this process may r
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -63,6 +62,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers tensor pickling for the pipe
 
 from megatron_async_rl.engines import handover
+from megatron_async_rl.engines.config import SGLangEngineConfig
 from megatron_async_rl.engines.protocol import (
     EngineDiedError,
     EngineTimeoutError,
@@ -81,54 +81,6 @@ from megatron_async_rl.engines.sglang_host import (  # noqa: F401 - CPU_SHIMS_DI
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class SGLangEngineConfig:
-    """How to start one SGLang engine and how long to wait for it."""
-
-    model_path: str
-    """HF model directory (config, tokenizer, safetensors)."""
-    device: str = "cpu"
-    """"cpu" (SGLang's torch-native path, with the shims) or "cuda"."""
-    tp_size: int = 1
-    """Tensor parallel size inside the engine (on CPU, see the module docstring for cores)."""
-    dtype: str = "auto"
-    """Compute dtype; "float32" for exact log-prob parity on CPU."""
-    max_total_tokens: int | None = None
-    """KV-cache size in tokens; None lets SGLang size it from free memory."""
-    mem_fraction_static: float | None = None
-    """Fraction of device memory for weights and KV cache; None is SGLang's default."""
-    random_seed: int = 0
-    """Engine seed (sampling of requests without their own seed)."""
-    log_level: str = "error"
-    """SGLang's log level in the engine processes."""
-    server_args: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Further `sglang.ServerArgs` fields, passed through unchanged (they win over ours, e.g.
-    `sleep_on_idle`, which is on by default on CPU: an idle scheduler otherwise spins a core)."""
-    startup_timeout_s: float = 600.0
-    """Limit on engine start (imports, weight load, KV-cache allocation)."""
-    call_timeout_s: float = 300.0
-    """Limit on every call except generate."""
-    generate_timeout_s: float = 3600.0
-    """Limit on one `generate` call."""
-
-    def __post_init__(self):
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"engine device = {self.device!r}: must be 'cpu' or 'cuda'")
-        if self.tp_size < 1:
-            raise ValueError(f"engine tp_size = {self.tp_size}: must be >= 1")
-        bind = os.environ.get("SGLANG_CPU_OMP_THREADS_BIND")
-        if self.device == "cpu" and bind and len(bind.split("|")) < self.tp_size:
-            raise ValueError(
-                f"engine tp_size = {self.tp_size} on cpu, but SGLANG_CPU_OMP_THREADS_BIND = "
-                f"{bind!r} names the cores of {len(bind.split('|'))} rank(s): give one "
-                "'|'-separated group per TP rank (e.g. '0|1'), or unset it to split the cores "
-                "evenly"
-            )
-        for name in ("startup_timeout_s", "call_timeout_s", "generate_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"engine {name} = {getattr(self, name)}: must be > 0")
 
 
 class _Pending:

@@ -23,19 +23,17 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.multiprocessing  # noqa: F401 - registers tensor pickling for the pipe
 
+from megatron_async_rl.engines.config import SGLangEngineConfig
 from megatron_async_rl.engines.protocol import (
     GenerateRequest,
     GenerateResult,
     expand_version_spans,
 )
-
-if TYPE_CHECKING:
-    from megatron_async_rl.engines.sglang_engine import SGLangEngineConfig
 
 logger = logging.getLogger(__name__)
 CPU_SHIMS_DIR = Path(__file__).resolve().parent / "cpu_shims"

@@ -12,6 +12,8 @@ validation and the conversion of an SGLang output dict (log-probs, version spans
 import pytest
 import torch
 
+from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.engines.config import SGLangEngineConfig
 from megatron_async_rl.engines.fake import FakeEngine
 from megatron_async_rl.engines.protocol import (
     INITIAL_VERSION,
@@ -22,7 +24,6 @@ from megatron_async_rl.engines.protocol import (
     SamplingParams,
     expand_version_spans,
 )
-from megatron_async_rl.engines.sglang_engine import SGLangEngineConfig
 
 
 def _request(rid="r0", prompt=(1, 2, 3), max_new_tokens=6, **sampling):
@@ -182,15 +183,15 @@ def test_fake_engine_death_and_shutdown():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"device": "tpu"}, "engine device = 'tpu'"),
-        ({"tp_size": 0}, "engine tp_size = 0"),
+        ({"device": "tpu"}, "engine.device = 'tpu': must be one of cpu, cuda"),
+        ({"tp_size": 0}, "engine.tp_size = 0: must be an integer >= 1"),
         ({"tp_size": 3}, "SGLANG_CPU_OMP_THREADS_BIND = '0|1' names the cores of 2"),
-        ({"call_timeout_s": 0}, "engine call_timeout_s = 0"),
+        ({"call_timeout_s": 0}, "engine.call_timeout_s = 0: must be a finite number of seconds"),
     ],
 )
 def test_sglang_engine_config_rejects_bad_values(kwargs, match, monkeypatch):
     monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|1")
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=match):
         SGLangEngineConfig(model_path="m", **kwargs)
 
 
