@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megatron_async_rl.distributed.layout import RoleLayout
+from megatron_async_rl.distributed.layout import RoleGrid, RoleLayout
 
 logger = logging.getLogger(__name__)
 
@@ -110,21 +110,21 @@ class WorldGroups:
         return self.bridges[key]
 
 
-def _role_collection(window, par, backend: str):
+def _role_collection(grid: RoleGrid, backend: str):
     """Create (collectively) the dense and expert grids of one role window."""
     from megatron.core.hyper_comm_grid import HyperCommGrid
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    size, offset = window.size, window.offset
-    dp = size // (par.tp * par.cp * par.pp)
-    expt_dp = size // (par.etp * par.ep * par.pp)
     dense = HyperCommGrid(
-        [par.tp, par.cp, dp, par.pp], ["tp", "cp", "dp", "pp"], rank_offset=offset, backend=backend
+        [grid.tp, grid.cp, grid.dp, grid.pp],
+        ["tp", "cp", "dp", "pp"],
+        rank_offset=grid.offset,
+        backend=backend,
     )
     expert = HyperCommGrid(
-        [par.etp, par.ep, expt_dp, par.pp],
+        [grid.etp, grid.ep, grid.expt_dp, grid.pp],
         ["tp", "ep", "dp", "pp"],
-        rank_offset=offset,
+        rank_offset=grid.offset,
         backend=backend,
     )
     pgs = {
@@ -150,7 +150,7 @@ def _role_collection(window, par, backend: str):
     pos_enum = [[ranks[0]] for ranks in pp_enum]
     pgs["pos_embd"], _ = dist.new_subgroups_by_enumeration(pos_enum, backend=backend)
 
-    if dist.get_rank() not in window.ranks:
+    if dist.get_rank() not in grid.ranks:
         return None
     collection = ProcessGroupCollection()
     for name, group in pgs.items():
@@ -164,8 +164,6 @@ def _role_collection(window, par, backend: str):
 
 def _weight_sender_groups(layout: RoleLayout, followers: set[int], backend: str = "gloo"):
     """One group per reshard sender (collective, sender order); and the receiver ranks."""
-    from megatron_async_rl.weight_sync.plan import TrainLayout
-
     placed = {role for window in layout.windows for role in window.roles}
     if "train" not in placed or "train" not in layout.parallelism:
         return {}, ()
@@ -175,8 +173,7 @@ def _weight_sender_groups(layout: RoleLayout, followers: set[int], backend: str 
             receivers |= set(layout.window_of(role).ranks) - followers
     if not receivers:
         return {}, ()
-    window = layout.window_of("train")
-    senders = TrainLayout.from_window(layout.parallelism["train"], window).sender_ranks()
+    senders = layout.grid("train").sender_ranks()
     groups = {}
     for sender in senders:
         members = sorted(receivers | {sender})
@@ -200,13 +197,12 @@ def build_world_groups(layout: RoleLayout, backend: str) -> WorldGroups:
     for role in MEGATRON_ROLES:
         if role not in layout.parallelism:
             continue
-        window = layout.window_of(role)
-        par = layout.parallelism[role]
+        grid = layout.grid(role)
         roles[role] = RoleGroups(
             role=role,
-            ranks=tuple(window.ranks),
-            pg_collection=_role_collection(window, par, backend),
-            pp_size=par.pp,
+            ranks=tuple(grid.ranks),
+            pg_collection=_role_collection(grid, backend),
+            pp_size=grid.pp,
         )
     bridges: dict[tuple[str, str], Optional[dist.ProcessGroup]] = {}
     placed = {role for window in layout.windows for role in window.roles}

@@ -3,8 +3,10 @@
 Each `roles.groups` entry becomes a `RoleWindow`, a contiguous range of global ranks laid out in
 recipe order from rank 0. Roles listed together share the window's ranks. Each Megatron role's
 process groups are later built over its window (`HyperCommGrid(..., rank_offset=window.offset)`)
-by the group builder; this module only decides and checks the numbers, so it imports neither
-`torch.distributed` nor megatron and is unit-tested alone.
+by the group builder; `RoleLayout.grid(role)` is that role's `RoleGrid`, the global rank of each
+grid coordinate, which the group builder and the reshard planner both read. This module only
+decides and checks the numbers, so it imports neither `torch.distributed` nor megatron and is
+unit-tested alone.
 
     world 4, groups [train x2, logp x1, ref x1], train TP=2:
 
@@ -75,6 +77,68 @@ class Parallelism:
 
 
 @dataclass(frozen=True)
+class RoleGrid:
+    """A Megatron role's grid placed on its window: the global rank of every grid coordinate.
+
+    Dense grid (tp, cp, dp, pp) and expert grid (etp, ep, expt_dp, pp), tp fastest and pp
+    slowest in both: the orders of the `HyperCommGrid`s that `distributed.groups` builds over the
+    window, so `dense_rank` and `expert_rank` name the ranks of those groups (tested against
+    megatron-core's own enumerations). Made by `RoleLayout.grid(role)`; the reshard planner
+    (`weight_sync.plan`) takes the train role's grid.
+    """
+
+    offset: int
+    """Global rank of coordinate (0, 0, 0, 0): the window's first rank."""
+    tp: int
+    pp: int
+    dp: int
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+
+    def __post_init__(self) -> None:
+        require_int("offset", self.offset, 0)
+        require_int("dp", self.dp, 1)
+        Parallelism(self.tp, self.pp, self.ep, self.cp, self.etp)  # raises on a bad size
+        if self.size % (self.etp * self.ep * self.pp):
+            raise ValueError(
+                f"grid of {self.size} ranks does not split into etp={self.etp} x ep={self.ep} x "
+                f"pp={self.pp}"
+            )
+
+    @property
+    def parallelism(self) -> Parallelism:
+        """The model-parallel sizes of this grid."""
+        return Parallelism(self.tp, self.pp, self.ep, self.cp, self.etp)
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def ranks(self) -> range:
+        """The global ranks of the grid (its window)."""
+        return range(self.offset, self.offset + self.size)
+
+    @property
+    def expt_dp(self) -> int:
+        """Expert data-parallel size: what the expert grid etp*ep*pp leaves of the window."""
+        return self.size // (self.etp * self.ep * self.pp)
+
+    def dense_rank(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        return self.offset + ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+
+    def expert_rank(self, etp: int = 0, ep: int = 0, expt_dp: int = 0, pp: int = 0) -> int:
+        return self.offset + ((pp * self.expt_dp + expt_dp) * self.ep + ep) * self.etp + etp
+
+    def sender_ranks(self) -> tuple[int, ...]:
+        """The first rank of every (pp, ep) slice: one per PP stage, plus one per further EP
+        rank of a stage. They hold every parameter between them (the reshard's senders)."""
+        ranks = {self.expert_rank(ep=e, pp=p) for p in range(self.pp) for e in range(self.ep)}
+        return tuple(sorted(ranks | {self.dense_rank(pp=p) for p in range(self.pp)}))
+
+
+@dataclass(frozen=True)
 class RoleWindow:
     """A contiguous range of global ranks shared by `roles`."""
 
@@ -120,9 +184,15 @@ class RoleLayout:
             raise ValueError(f"rank {rank} is not in role {role!r} (ranks {_span(window)})")
         return rank - window.offset
 
+    def grid(self, role: str) -> RoleGrid:
+        """The grid of Megatron role `role` on its window."""
+        par, window = self.parallelism[role], self.window_of(role)
+        dp = par.dp_for(window.size)
+        return RoleGrid(window.offset, par.tp, par.pp, dp, par.cp, par.ep, par.etp)
+
     def dp_of(self, role: str) -> int:
         """Data-parallel size of a Megatron role."""
-        return self.parallelism[role].dp_for(self.window_of(role).size)
+        return self.grid(role).dp
 
     def engine_host_ranks(self) -> tuple[int, ...]:
         """Global ranks that host an SGLang engine: every engine_tp_size-th generate rank."""
@@ -151,13 +221,8 @@ class RoleLayout:
         rows = [("ranks", "role", "tp", "pp", "cp", "ep", "etp", "dp", "edp")]
         for window in self.windows:
             for role in window.roles:
-                par = self.parallelism.get(role)
-                sizes = (
-                    (par.tp, par.pp, par.cp, par.ep, par.etp, self.dp_of(role))
-                    + (window.size // (par.etp * par.ep * par.pp),)
-                    if par
-                    else ("-",) * 7
-                )
+                g = self.grid(role) if role in self.parallelism else None
+                sizes = (g.tp, g.pp, g.cp, g.ep, g.etp, g.dp, g.expt_dp) if g else ("-",) * 7
                 rows.append((_span(window), role, *map(str, sizes)))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

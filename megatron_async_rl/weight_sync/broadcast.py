@@ -6,7 +6,7 @@ receive-into-host-staging variant for an asynchronous generate rank's weight thr
 done by `plan` (what moves where), `executor` (gather, send, receive, verify) and `sinks`.
 
 Per call, on every participant:
-1. the plan key (train layout, model dims, dtype, bucket sizes, version) goes from the first
+1. the plan key (train grid, model dims, dtype, bucket sizes, version) goes from the first
    sender to the receivers over that sender's group; train ranks compute it themselves, and
    every rank builds the same cached `ReshardPlan`; every participant (`groups.weight_sync`)
    learns whether any cannot take part (a parameter the plan cannot map, a version mismatch):
@@ -40,6 +40,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_async_rl.distributed.layout import RoleGrid
 from megatron_async_rl.models import name_map, weights
 from megatron_async_rl.weight_sync import buffers, executor, plan
 from megatron_async_rl.weight_sync.config import WeightSyncConfig
@@ -58,7 +59,7 @@ logger = logging.getLogger(__name__)
 class PlanKey:
     """Everything `plan.build_plan` needs, plus the version being sent."""
 
-    layout: plan.TrainLayout
+    layout: RoleGrid
     dims: name_map.ModelDims
     dtype: str
     produce_bytes: int
@@ -81,9 +82,7 @@ def _bridge_device(bridge: str, backend: str, on_cuda: bool) -> str:
 
 
 def _train_key(groups, role, version: int, config: WeightSyncConfig) -> PlanKey:
-    layout = plan.TrainLayout.from_window(
-        groups.layout.parallelism["train"], groups.layout.window_of("train")
-    )
+    layout = groups.layout.grid("train")
     dims = weights.model_dims(role.args, role.spec)
     param = next(role.module.parameters())
     dtype = str(param.dtype).removeprefix("torch.")

@@ -1,11 +1,12 @@
 """The reshard plan: which train ranks send which HF tensor ranges, in which buckets (pure).
 
-Owned here: `TrainLayout` (global rank of every grid coordinate of the train role) and
-`build_plan`, a deterministic, cached function of (layout, model dims, dtype, bucket sizes) to a
-frozen `ReshardPlan`. Called by `weight_sync.executor` on every rank taking part in a sync (the
-same inputs give the same plan everywhere, so no plan crosses the wire) and by
-`distributed.groups` for the sender ranks. Imports no collective, no megatron, no sglang; split
-rules and names come from `models.name_map` (its pure functions only).
+Owned here: `build_plan`, a deterministic, cached function of (the train role's grid, model
+dims, dtype, bucket sizes) to a frozen `ReshardPlan`. Called by `weight_sync.executor` on every
+rank taking part in a sync (the same inputs give the same plan everywhere, so no plan crosses the
+wire). The grid (`distributed.layout.RoleGrid`: global rank of every coordinate, and the sender
+ranks the group builder also reads) is layout arithmetic and lives with the layout. Imports no
+collective, no megatron, no sglang; split rules and names come from `models.name_map` (its pure
+functions only).
 
     stage p, EP rank e:   sender = rank (tp 0, cp 0, dp 0, pp p) for dense parameters
                                    rank (etp 0, ep e, expt_dp 0, pp p) for experts of EP rank e
@@ -18,8 +19,8 @@ Every PP stage and EP rank has its own sender, so stages send in parallel and no
 than its stage's parameters. A message is the unit of sending, checksumming and loading; a
 tensor larger than a message is cut into pieces and reassembled by the receiver. Ranks follow
 `ReshardPlan.schedule`, one global order of (sender, bucket), so blocking collectives never wait
-on each other in a cycle. Grid orders are those of `distributed.groups._role_collection`
-(HyperCommGrid: tp fastest, pp slowest; expert grid etp, ep, expt_dp, pp).
+on each other in a cycle. Grid orders are those of `RoleGrid` (HyperCommGrid: tp fastest, pp
+slowest; expert grid etp, ep, expt_dp, pp).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from megatron_async_rl.distributed.layout import RoleGrid
 from megatron_async_rl.models.name_map import (
     ModelDims,
     ShardSpec,
@@ -46,51 +48,9 @@ ALIGN_BYTES = 16
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
-@dataclass(frozen=True)
-class TrainLayout:
-    """The train role's rank window and parallel sizes (data parallel fills the window)."""
-
-    offset: int
-    tp: int
-    pp: int
-    dp: int
-    cp: int = 1
-    ep: int = 1
-    etp: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "cp", "ep", "etp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"train layout {name} = {getattr(self, name)}: must be >= 1")
-        if self.size % (self.etp * self.ep * self.pp):
-            raise ValueError(
-                f"train layout of {self.size} ranks does not split into etp={self.etp} x "
-                f"ep={self.ep} x pp={self.pp}"
-            )
-
-    @classmethod
-    def from_window(cls, par, window) -> TrainLayout:
-        """From a `distributed.layout.Parallelism` and the role's `RoleWindow`."""
-        return cls(window.offset, par.tp, par.pp, par.dp_for(window.size), par.cp, par.ep, par.etp)
-
-    @property
-    def size(self) -> int:
-        return self.tp * self.cp * self.dp * self.pp
-
-    @property
-    def expt_dp(self) -> int:
-        return self.size // (self.etp * self.ep * self.pp)
-
-    def dense_rank(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
-        return self.offset + ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
-
-    def expert_rank(self, etp: int = 0, ep: int = 0, expt_dp: int = 0, pp: int = 0) -> int:
-        return self.offset + ((pp * self.expt_dp + expt_dp) * self.ep + ep) * self.etp + etp
-
-    def sender_ranks(self) -> tuple[int, ...]:
-        """Every rank that sends: one per PP stage, plus one per further EP rank of a stage."""
-        ranks = {self.expert_rank(ep=e, pp=p) for p in range(self.pp) for e in range(self.ep)}
-        return tuple(sorted(ranks | {self.dense_rank(pp=p) for p in range(self.pp)}))
+TrainLayout = RoleGrid
+"""The plan's input: the train role's grid (`RoleLayout.grid("train")`), under the name callers
+of the plan have used since before the grid moved to `distributed.layout`."""
 
 
 @dataclass(frozen=True)
@@ -183,7 +143,7 @@ class SenderPlan:
 
 @dataclass(frozen=True)
 class ReshardPlan:
-    layout: TrainLayout
+    layout: RoleGrid
     dims: ModelDims
     dtype: str
     produce_bytes: int
@@ -271,7 +231,7 @@ def hf_shape(hf_name: str, dims: ModelDims) -> tuple[int, ...]:
     return shapes[suffix]
 
 
-def _sender_gathers(layout: TrainLayout, dims: ModelDims) -> dict[int, list[Gather]]:
+def _sender_gathers(layout: RoleGrid, dims: ModelDims) -> dict[int, list[Gather]]:
     """Sender rank -> the parameters it assembles, in model order."""
     out: dict[int, list[Gather]] = {}
     moe = dims.num_experts is not None
@@ -349,7 +309,7 @@ class _Packer:
 
 @functools.lru_cache(maxsize=16)
 def build_plan(
-    layout: TrainLayout,
+    layout: RoleGrid,
     dims: ModelDims,
     dtype: str = "float32",
     produce_bytes: int = 512 << 20,

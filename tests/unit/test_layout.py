@@ -22,7 +22,7 @@ import pytest
 
 from megatron_async_rl.config.errors import ConfigError
 from megatron_async_rl.config.schema import RoleGroupSpec
-from megatron_async_rl.distributed.layout import Parallelism, RoleWindow, plan_layout
+from megatron_async_rl.distributed.layout import Parallelism, RoleGrid, RoleWindow, plan_layout
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,6 +75,38 @@ def test_shared_window_and_generate():
     assert "generate" not in layout.parallelism
     text = layout.describe()
     assert "0-1    logp" in text and "3      generate  -" in text
+
+
+def test_grid_places_a_role_on_its_window():
+    groups = _groups(
+        {"roles": ["logp"], "num_ranks": 2},
+        {"roles": ["train"], "num_ranks": 8},
+        {"roles": ["ref"], "num_ranks": 2},
+    )
+    par = Parallelism(tp=2, pp=2, ep=2, etp=1)
+    layout = plan_layout(12, groups, {"train": par})
+    grid = layout.grid("train")
+    assert grid == RoleGrid(2, tp=2, pp=2, dp=2, ep=2, etp=1)
+    assert grid.parallelism == par and grid.ranks == layout.window_of("train").ranks
+    assert (grid.size, grid.expt_dp, layout.dp_of("train")) == (8, 2, 2)
+    # tp fastest, then (cp,) dp, then pp; the expert grid etp, ep, expt_dp, pp.
+    assert [grid.dense_rank(tp=t, dp=d, pp=p) for p in (0, 1) for d in (0, 1) for t in (0, 1)] == [
+        *range(2, 10)
+    ]
+    assert grid.expert_rank(ep=1, expt_dp=1, pp=1) == 2 + 4 + 2 + 1
+    assert grid.sender_ranks() == (2, 3, 6, 7)
+    assert layout.grid("logp") == RoleGrid(0, tp=1, pp=1, dp=2)
+
+
+def test_grid_refuses_sizes_that_do_not_make_a_grid():
+    with pytest.raises(ConfigError, match=r"^config error: tp = 0: must be an integer >= 1$"):
+        RoleGrid(0, tp=0, pp=1, dp=1)
+    with pytest.raises(ConfigError, match=r"^config error: dp = 0: must be an integer >= 1$"):
+        RoleGrid(0, tp=1, pp=1, dp=0)
+    with pytest.raises(ConfigError, match=r"^config error: offset = -1: must be an integer >= 0$"):
+        RoleGrid(-1, tp=1, pp=1, dp=1)
+    with pytest.raises(ValueError, match="grid of 2 ranks does not split into etp=1 x ep=2 x pp=2"):
+        RoleGrid(0, tp=1, pp=2, dp=1, ep=2)
 
 
 def test_ratios_only():

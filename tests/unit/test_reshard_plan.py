@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_async_rl.distributed.layout import RoleGrid
 from megatron_async_rl.models import name_map as nm
 from megatron_async_rl.weight_sync import buffers
-from megatron_async_rl.weight_sync.plan import TrainLayout, build_plan, check_stage_names, hf_shape
+from megatron_async_rl.weight_sync.plan import build_plan, check_stage_names, hf_shape
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 OFFSET = 3
@@ -48,17 +49,17 @@ DIMS = {
     ),
 }  # fmt: skip
 LAYOUTS = {
-    "tp1": TrainLayout(OFFSET, tp=1, pp=1, dp=1),
-    "tp2": TrainLayout(OFFSET, tp=2, pp=1, dp=1, etp=2),
-    "pp2": TrainLayout(OFFSET, tp=1, pp=2, dp=1),
-    "tp2_pp2": TrainLayout(OFFSET, tp=2, pp=2, dp=1, etp=2),
-    "tp2_dp2": TrainLayout(OFFSET, tp=2, pp=1, dp=2, etp=2),
+    "tp1": RoleGrid(OFFSET, tp=1, pp=1, dp=1),
+    "tp2": RoleGrid(OFFSET, tp=2, pp=1, dp=1, etp=2),
+    "pp2": RoleGrid(OFFSET, tp=1, pp=2, dp=1),
+    "tp2_pp2": RoleGrid(OFFSET, tp=2, pp=2, dp=1, etp=2),
+    "tp2_dp2": RoleGrid(OFFSET, tp=2, pp=1, dp=2, etp=2),
 }
 MOE_LAYOUTS = {
-    "ep2": TrainLayout(OFFSET, tp=1, pp=1, dp=2, ep=2),
-    "tp2_ep2": TrainLayout(OFFSET, tp=2, pp=1, dp=2, ep=2, etp=2),
-    "tp2_ep2_etp1": TrainLayout(OFFSET, tp=2, pp=1, dp=1, ep=2, etp=1),
-    "pp2_ep2": TrainLayout(OFFSET, tp=1, pp=2, dp=2, ep=2),
+    "ep2": RoleGrid(OFFSET, tp=1, pp=1, dp=2, ep=2),
+    "tp2_ep2": RoleGrid(OFFSET, tp=2, pp=1, dp=2, ep=2, etp=2),
+    "tp2_ep2_etp1": RoleGrid(OFFSET, tp=2, pp=1, dp=1, ep=2, etp=1),
+    "pp2_ep2": RoleGrid(OFFSET, tp=1, pp=2, dp=2, ep=2),
 }
 CASES = [(d, lay) for d in DIMS for lay in LAYOUTS] + [
     (d, lay) for d in DIMS if d.startswith("moe") for lay in MOE_LAYOUTS
@@ -67,11 +68,11 @@ CASES = [(d, lay) for d in DIMS for lay in LAYOUTS] + [
 PRODUCE, CONSUME = 24_000, 9_000
 
 
-def _layout(name: str) -> TrainLayout:
+def _layout(name: str) -> RoleGrid:
     return {**LAYOUTS, **MOE_LAYOUTS}[name]
 
 
-def _coordinates(layout: TrainLayout, monkeypatch) -> dict[int, dict[str, int]]:
+def _coordinates(layout: RoleGrid, monkeypatch) -> dict[int, dict[str, int]]:
     """Global rank -> its grid coordinates, from megatron-core's HyperCommGrid enumerations."""
     from megatron.core.hyper_comm_grid import HyperCommGrid
 
@@ -192,7 +193,7 @@ def test_gather_rule_reassembles_every_tensor_exactly(dims_name, layout_name, mo
     assert counter.live.get("staging", 0) == 0
 
 
-def layout_ranks(layout: TrainLayout) -> range:
+def layout_ranks(layout: RoleGrid) -> range:
     return range(layout.offset, layout.offset + layout.size)
 
 
@@ -226,7 +227,7 @@ def test_default_buckets_send_each_stage_in_one_bucket():
 
 
 def test_rank_formulas_follow_the_hyper_comm_grid(monkeypatch):
-    layout = TrainLayout(OFFSET, tp=2, pp=2, dp=2, ep=2, etp=1)
+    layout = RoleGrid(OFFSET, tp=2, pp=2, dp=2, ep=2, etp=1)
     coords = _coordinates(layout, monkeypatch)
     for rank in layout_ranks(layout):
         c = coords[rank]
@@ -244,7 +245,7 @@ def test_user_mistakes_are_named():
     with pytest.raises(ValueError, match="consume_bytes = 10 must be >= 96"):
         build_plan(LAYOUTS["tp1"], DIMS["dense"], "float32", 1 << 20, 10)
     with pytest.raises(ValueError, match="does not split into etp=1 x ep=2 x pp=2"):
-        TrainLayout(0, tp=1, pp=2, dp=1, ep=2)
+        RoleGrid(0, tp=1, pp=2, dp=1, ep=2)
     plan = _plan("moe", "tp2_ep2")
     with pytest.raises(
         ValueError,

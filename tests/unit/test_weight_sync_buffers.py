@@ -16,9 +16,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from megatron_async_rl.distributed.layout import RoleGrid
 from megatron_async_rl.models import name_map as nm
 from megatron_async_rl.weight_sync import buffers, sinks
-from megatron_async_rl.weight_sync.plan import TrainLayout, build_plan
+from megatron_async_rl.weight_sync.plan import build_plan
 
 DIMS = nm.ModelDims(
     num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16,
@@ -28,7 +29,7 @@ DIMS = nm.ModelDims(
 
 
 def _plan(consume_bytes: int):
-    layout = TrainLayout(offset=0, tp=1, pp=1, dp=1)
+    layout = RoleGrid(offset=0, tp=1, pp=1, dp=1)
     return build_plan(layout, DIMS, "float32", 4 * consume_bytes, consume_bytes)
 
 
