@@ -2,18 +2,26 @@
 
 Owned here: turning a pure `RoleLayout` into real `torch.distributed` groups. Called once by the
 entry point (`train.py`) right after `init_process_group`, on every rank, in the same order:
-group creation is collective over the whole world, so every rank builds every role's groups
-even when it is not a member (it then holds `None` for them).
+group creation is collective over the whole world, so every rank builds every group even when it
+is not a member (it then holds `None` for it).
 
-What is built (design.md section 2):
+The groups are named for what travels over them, not for a pair of roles: design.md section 2
+describes "bridge groups" joining each pair of roles that exchange data, but every kind of
+traffic turned out to span its own set of ranks (samples go from all generate ranks to all
+Megatron ranks; weights from each sender to every receiver), so those sets are the groups. In
+the order they are created:
+- `control` (gloo, the world): control messages and Python objects, the final barrier;
 - per Megatron role (train, logp, ref): a `ProcessGroupCollection` over its rank window, from a
   dense grid `HyperCommGrid([tp, cp, dp, pp], rank_offset=window.offset)` and an expert grid
   `HyperCommGrid([etp, ep, expt_dp, pp])` with the same window (Megatron's tp-cp-dp-pp and
-  tp-ep-dp-pp orders, pp outermost in both so pipeline stages agree);
-- `intra_dist_opt` spans the whole role window (facts: a smaller group silently changes grad
+  tp-ep-dp-pp orders, pp outermost in both so pipeline stages agree; `layout.RoleGrid`);
+  `intra_dist_opt` spans the whole role window (facts: a smaller group silently changes grad
   clipping), `inter_dist_opt` is None (one optimizer instance);
-- bridge groups: the union of the two windows of every pair of roles that exchange data;
-- `control`: a gloo group over the world for control messages and Python objects.
+- `weight_sync` (gloo): the train ranks, engine hosts and logp ranks: each sync's outcome;
+- `weight_senders` (gloo): one group per reshard sender ({sender} + receivers), and
+  `weight_senders_device`, the same over the world's backend when it is not gloo (NCCL);
+- `megatron` (gloo): every Megatron rank: per-step results and metrics;
+- `samples` (gloo): every rank but the engine followers: samples from generate ranks.
 `parallel_state.initialize_model_parallel` is never called.
 """
 
@@ -21,23 +29,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from megatron_async_rl.config.roles import MEGATRON_ROLES
 from megatron_async_rl.distributed.layout import RoleGrid, RoleLayout
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
-MEGATRON_ROLES = ("train", "logp", "ref")
-# Pairs of roles that exchange data (weights train->generate; samples between the others).
-BRIDGE_PAIRS = (
-    ("train", "generate"),
-    ("generate", "logp"),
-    ("generate", "ref"),
-    ("logp", "train"),
-    ("ref", "train"),
-)
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -46,10 +48,10 @@ class RoleGroups:
 
     role: str
     ranks: tuple[int, ...]
-    #: None on ranks outside the role's window.
-    pg_collection: Optional[object]
-    #: Pipeline-parallel size of the role.
+    pg_collection: ProcessGroupCollection | None
+    """The role's groups; None on ranks outside the role's window."""
     pp_size: int
+    """Pipeline-parallel size of the role."""
 
     @property
     def is_member(self) -> bool:
@@ -58,38 +60,37 @@ class RoleGroups:
 
 @dataclasses.dataclass
 class WorldGroups:
-    """Every group of the carved world, as seen from this rank."""
+    """Every group of the carved world, as seen from this rank (None where not a member)."""
 
     layout: RoleLayout
     rank: int
     backend: str
     control: dist.ProcessGroup
     roles: dict[str, RoleGroups]
-    bridges: dict[tuple[str, str], Optional[dist.ProcessGroup]]
-    #: every rank taking part in a reshard (gloo): the train role's ranks, engine hosts and
-    #: logp ranks. Carries the agreement on each sync's outcome (`weight_sync.broadcast`).
-    weight_sync: Optional[dist.ProcessGroup] = None
+    weight_sync: dist.ProcessGroup | None = None
+    """Every rank taking part in a reshard (gloo): the train role's ranks, engine hosts and logp
+    ranks. Carries the agreement on each sync's outcome (`weight_sync.broadcast`)."""
     weight_sync_ranks: tuple[int, ...] = ()
-    #: every rank holding a Megatron role (gloo): their per-step results and metrics.
-    megatron: Optional[dist.ProcessGroup] = None
+    megatron: dist.ProcessGroup | None = None
+    """Every rank holding a Megatron role (gloo): their per-step results and metrics."""
     megatron_ranks: tuple[int, ...] = ()
-    #: every rank but the engine followers (gloo), used only for samples from generate ranks
-    #: to the others, so that an asynchronous generate rank can feed it from its own thread.
-    #: None on followers (generate-only ranks hosting no engine when engine.tp_size > 1).
-    samples: Optional[dist.ProcessGroup] = None
+    samples: dist.ProcessGroup | None = None
+    """Every rank but the engine followers (gloo), used only for samples from generate ranks to
+    the others, so that an asynchronous generate rank can feed it from its own thread. None on
+    followers (generate-only ranks hosting no engine when engine.tp_size > 1)."""
     samples_ranks: tuple[int, ...] = ()
-    #: the reshard of `weight_sync.executor`: one gloo group per sender ({sender} + receivers),
-    #: keyed by the sender's global rank; None where this rank is not a member.
-    weight_senders: dict[int, Optional[dist.ProcessGroup]] = dataclasses.field(default_factory=dict)
-    #: every rank that receives weights: generate ranks hosting an engine, and logp ranks.
+    weight_senders: dict[int, dist.ProcessGroup | None] = dataclasses.field(default_factory=dict)
+    """The reshard of `weight_sync.executor`: one gloo group per sender ({sender} + receivers),
+    keyed by the sender's global rank; None where this rank is not a member."""
     weight_receivers: tuple[int, ...] = ()
-    #: the same members over the world's backend when it is not gloo (NCCL: the device
-    #: bridge, `WeightSyncConfig.bridge`); empty on CPU, where `weight_senders` serves both.
-    weight_senders_device: dict[int, Optional[dist.ProcessGroup]] = dataclasses.field(
+    """Every rank that receives weights: generate ranks hosting an engine, and logp ranks."""
+    weight_senders_device: dict[int, dist.ProcessGroup | None] = dataclasses.field(
         default_factory=dict
     )
+    """The same members over the world's backend when it is not gloo (NCCL: the device bridge,
+    `WeightSyncConfig.bridge`); empty on CPU, where `weight_senders` serves both."""
 
-    def weight_sender_groups(self, device: bool) -> dict[int, Optional[dist.ProcessGroup]]:
+    def weight_sender_groups(self, device: bool) -> dict[int, dist.ProcessGroup | None]:
         """The sender groups of the device bridge (`device`) or of the host one."""
         if device and self.backend != "gloo":
             return self.weight_senders_device
@@ -103,14 +104,8 @@ class WorldGroups:
     def local_roles(self) -> tuple[str, ...]:
         return self.layout.roles_of_rank(self.rank)
 
-    def bridge(self, src: str, dst: str) -> Optional[dist.ProcessGroup]:
-        key = (src, dst) if (src, dst) in self.bridges else (dst, src)
-        if key not in self.bridges:
-            raise KeyError(f"no bridge group between roles {src!r} and {dst!r}")
-        return self.bridges[key]
 
-
-def _role_collection(grid: RoleGrid, backend: str):
+def _role_collection(grid: RoleGrid, backend: str) -> ProcessGroupCollection | None:
     """Create (collectively) the dense and expert grids of one role window."""
     from megatron.core.hyper_comm_grid import HyperCommGrid
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -204,14 +199,7 @@ def build_world_groups(layout: RoleLayout, backend: str) -> WorldGroups:
             pg_collection=_role_collection(grid, backend),
             pp_size=grid.pp,
         )
-    bridges: dict[tuple[str, str], Optional[dist.ProcessGroup]] = {}
     placed = {role for window in layout.windows for role in window.roles}
-    for src, dst in BRIDGE_PAIRS:
-        if src not in placed or dst not in placed:
-            continue
-        ranks = sorted(set(layout.window_of(src).ranks) | set(layout.window_of(dst).ranks))
-        group = dist.new_group(ranks, backend=backend)
-        bridges[(src, dst)] = group if rank in ranks else None
     # Engine followers (generate-only ranks that host no engine) take no part in weight or
     # sample traffic: SGLang's own TP workers on the host carry their share.
     followers = {
@@ -239,17 +227,16 @@ def build_world_groups(layout: RoleLayout, backend: str) -> WorldGroups:
     samples = dist.new_group(list(samples_ranks), backend="gloo")
     logger.info("rank %d: built groups for roles %s", rank, layout.roles_of_rank(rank))
     return WorldGroups(
-        layout,
-        rank,
-        backend,
-        control,
-        roles,
-        bridges,
-        weight_sync,
-        sync_ranks,
-        megatron if rank in megatron_ranks else None,
-        megatron_ranks,
-        samples if rank in samples_ranks else None,
+        layout=layout,
+        rank=rank,
+        backend=backend,
+        control=control,
+        roles=roles,
+        weight_sync=weight_sync,
+        weight_sync_ranks=sync_ranks,
+        megatron=megatron if rank in megatron_ranks else None,
+        megatron_ranks=megatron_ranks,
+        samples=samples if rank in samples_ranks else None,
         samples_ranks=samples_ranks,
         weight_senders=weight_senders,
         weight_receivers=receivers,
