@@ -1,11 +1,12 @@
-"""GRPO-family knobs and the per-batch math that runs before the train step.
+"""GRPO-family per-batch math that runs before the train step.
 
-Owned here: `GRPOConfig` (the recipe's `algorithm:` section), group-normalised advantages,
-DAPO dynamic filtering of zero-variance groups, the per-token KL estimators to the reference
-policy and the KL-in-reward penalty. The advantage stage calls, once per batch and in this order,
-`kl_reward` (only when `kl_mode == "reward"`), `dynamic_filter` (when `dynamic_filtering`) and
-`group_advantages`. The losses the train role minimises per micro-batch are in
-`algorithms.losses`, which also uses `kl_penalty`. Pure torch: no collectives, no Megatron.
+Owned here: group-normalised advantages, DAPO dynamic filtering of zero-variance groups, the
+per-token KL estimators to the reference policy and the KL-in-reward penalty. Their knobs, the
+recipe's `algorithm:` section, are `algorithms.config.GRPOConfig` (re-exported here). The
+advantage stage calls, once per batch and in this order, `kl_reward` (only when
+`kl_mode == "reward"`), `dynamic_filter` (when `dynamic_filtering`) and `group_advantages`. The
+losses the train role minimises per micro-batch are in `algorithms.losses`, which also uses
+`kl_penalty`. Pure torch: no collectives, no Megatron.
 
 Shape suffixes: B samples (responses; a prompt's `num_samples_per_prompt` samples form one group),
 T response positions (right-padded; a 0/1 or bool mask marks the real ones), G groups.

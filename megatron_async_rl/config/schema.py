@@ -131,7 +131,8 @@ class PlatformConfig:
 
 @dataclass
 class SmokeConfig:
-    """The smoke job: one forward pass per Megatron role on a synthetic batch."""
+    """The synthetic batch of the role_check job (`trainer.job: role_check`): every Megatron
+    role scores it once (recipe section `smoke:`)."""
 
     batch_size: int = 4
     """Sequences in the synthetic batch."""

@@ -58,16 +58,14 @@ class SchedulerConfig:
     """Evaluate the held-out set with policy versions 0, E, 2E, ... (E = this value); 0: off."""
     validation_version: str = "exact"
     """Which weights a due validation uses; either way one validation uses one version only
-    (its requests are never updated in flight) and reports it as `validation/version`.
+    (its requests are never updated in flight) and reports it as `val/version`.
     exact: exactly the due version v: the update to v + 1 waits until validation of v has
     finished on the engines (results independent of generate_ahead_steps and timing).
     latest: the newest version on the engines when validation runs (>= v); never holds back a
     weight update, but which version is evaluated depends on timing."""
 
     def __post_init__(self) -> None:
-        require_int(
-            "generate_ahead_steps", self.generate_ahead_steps, 0, hint="0 is synchronous"
-        )
+        require_int("generate_ahead_steps", self.generate_ahead_steps, 0, hint="0 is synchronous")
         require_choice("weight_update_mode", self.weight_update_mode, WEIGHT_UPDATE_MODES)
         require_choice("loop", self.loop, LOOPS)
         if self.loop == "sync" and self.generate_ahead_steps > 0:
