@@ -3,8 +3,9 @@
 Resolve the recipe (a bad one exits with code 2 and one line naming the key, the value and the
 rule, before any process group exists), carve the world into role groups, run the job, and close
 the process group on success and on error. Jobs (`trainer.job`): `grpo`, the RL loop
-(`jobs/grpo_sync.py`), and `role_check`, where every Megatron role loads the checkpoint and
-scores one batch through its own layout (`jobs/role_check.py`).
+(`jobs/grpo_sync.py` at `generate_ahead_steps: 0`, else the asynchronous `jobs/grpo_async.py`),
+and `role_check`, where every Megatron role loads the checkpoint and scores one batch through
+its own layout (`jobs/role_check.py`).
 """
 
 from __future__ import annotations

@@ -1,74 +1,102 @@
 """The synchronous GRPO loop: one policy version per step, every stage in turn.
 
-    dataloader -> generate -> reward -> logp -> ref -> advantages -> train -> weight sync
-    (all ranks)   (generate ranks)      (logp)  (ref)  (Megatron)    (train)  (-> generate, logp)
+    [validation] -> dataloader -> generate -> reward ==> logp -> ref -> train -> weight sync
+    (engine hosts, when a version is due)          (samples)  (Megatron ranks)  (-> engines, logp)
 
-Owned here: the order of the stages of one step (the stages themselves are `jobs/stages.py`).
-Called by the entry point on every rank (`trainer.job: grpo` with
-`scheduler.generate_ahead_steps: 0`). Every rank draws the same prompts from the same seeded
-dataset; generate ranks sample and score their share; samples reach every rank over the
-`samples` group; Megatron ranks compute log-probs, advantages and the optimizer step; the new
-weights go to the engines and the logp role. When a version is due for validation
-(`scheduler.validation_every`), the generate ranks evaluate the held-out set with it before
-they generate the step. This loop is the exact reference for the
-asynchronous pipeline at zero steps ahead.
+Owned here: the order of the stages of one step; the stages are the sides' methods
+(`roles/generate.py`, `roles/learn.py`), the transfers the exchange's (`jobs/exchange.py`).
+Called by the entry point on every rank (`trainer.job: grpo`, `generate_ahead_steps: 0`). This
+loop is the independent reference of the asynchronous pipeline at zero steps ahead: the same
+work and side methods, its own schedule. Each stage still runs under its stage machine, so
+traces, `timing/*` and `utilization/*` come from the same clock as in the asynchronous loop; a
+rank waiting for the weight sync to start (an engine host while rank 0 trains) is idle, not busy.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from megatron_async_rl.jobs.stages import Job, exchange_samples, token_versions
-from megatron_async_rl.observability.metrics import StepTimer
+from megatron_async_rl.jobs.parts import build_parts
+from megatron_async_rl.observability.clock import RankClock
+from megatron_async_rl.roles.work import StepWork
 from megatron_async_rl.scheduler.staleness import StalenessController
-from megatron_async_rl.scheduler.states import StageState
-from megatron_async_rl.weight_sync.broadcast import sync_weights
+from megatron_async_rl.scheduler.states import Stage, StageState
+
+S = StageState
+GENERATE_STAGES = (Stage.DATALOADER, Stage.GENERATE, Stage.REWARD, Stage.VALIDATION)
+
+
+@contextmanager
+def _running(machine, step: int | None, reason: str):
+    machine.transition(S.RUNNING, reason, step=step)
+    yield
+    machine.transition(S.IDLE, "done")
+
+
+def run_steps(gen, learn, exchange, clock: RankClock, cfg) -> None:
+    """Train for `trainer.num_steps` steps on this rank's sides (collective over the world)."""
+    machines = {stage: clock.machine(stage) for stage in Stage}
+    staleness = StalenessController(0)
+    last = time.perf_counter()
+    for step in range(cfg.trainer.num_steps):
+        work = None
+        if gen is not None:
+            work = _rollout(gen, machines, clock, cfg, step)
+            if learn is None:
+                work.report.add_means(clock.utilization())
+        learned = exchange.share_step(work, step)
+        if learn is not None:
+            with _running(machines[Stage.LOGP], step, "samples in"):
+                learn.logp(learned)
+            with _running(machines[Stage.REF_LOGP], step, "logp done"):
+                learn.ref(learned)
+            with _running(machines[Stage.TRAIN], step, "ref done"):
+                learn.train(learned)
+            learned.batch_metrics.update(staleness.check_batch(step, learned.token_versions()))
+        update = machines[Stage.PARAM_UPDATE]
+        update.transition(S.WAITING_INPUT, f"every rank at the sync of v{step + 1}", step=step)
+        exchange.weights_ready()
+        with _running(update, step, f"sending v{step + 1}"):
+            metrics = exchange.sync_weights(step + 1, gen.engine if gen is not None else None)
+        timings = clock.timings(step)
+        if learn is not None:
+            learn.weights_synced(step + 1)
+            learned.report.add_measured(metrics)
+            learned.report.add_maxima(timings)
+            learned.report.add_means(clock.utilization())
+            now = time.perf_counter()
+            learn.log(learned, now - last)
+            last = now
+
+
+def _rollout(gen, machines, clock, cfg, step: int) -> StepWork:
+    """An engine host's part of a step: validation when due, prompts, samples, rewards."""
+    validation = {}
+    if gen.validator is not None and cfg.scheduler.validation_due(step):
+        with _running(machines[Stage.VALIDATION], None, f"version {step} is due"):
+            validation = gen.validate(step)  # the engine holds v{step}: evaluate it
+        validation["val/due_version"] = float(step)
+    with _running(machines[Stage.DATALOADER], step, "next prompts"):
+        work = gen.load(step)
+    with _running(machines[Stage.GENERATE], step, "prompts in"):
+        gen.generate(work)
+    with _running(machines[Stage.REWARD], step, "samples in"):
+        gen.score(work)
+    work.report.add_means(validation)
+    work.report.add_maxima(clock.timings(step, GENERATE_STAGES))
+    work.report.add_maxima(clock.timings(None, GENERATE_STAGES))
+    return work
 
 
 def run_grpo_sync(cfg, groups, platform) -> None:
-    """Train for `trainer.num_steps` steps (collective over the world)."""
-    job = Job(cfg, groups, platform)
-    staleness = StalenessController(0)
+    """The synchronous loop of the entry point (collective over the world)."""
+    parts = build_parts(cfg, groups, platform)
     dist.barrier(group=groups.control)  # engines are up: step timings start clean
     try:
-        for step in range(cfg.trainer.num_steps):
-            start = time.perf_counter()
-            timer = StepTimer(rank=job.rank)
-            records = job.dataset.next_batch(cfg.rollout.num_prompts_per_step)
-            samples, gen_report = [], {}
-            if job.engine is not None:
-                if job.validator is not None and cfg.scheduler.validation_due(step):
-                    machine = job.validation_machine  # the engine holds v{step}: evaluate it
-                    machine.transition(StageState.RUNNING, f"version {step} is due")
-                    gen_report.update(job.validate(step, step, timer))
-                    gen_report["val/due_version"] = float(step)
-                    machine.transition(StageState.IDLE, f"version {step} evaluated")
-                samples, report = job.rollout(step, records, timer)
-                gen_report.update(report)
-                if not job.roles:  # a rank with Megatron roles reports it in log_step
-                    gen_report.update(job.stages.utilization())
-                gen_report.update(timer.metrics(prefix="timing"))
-            samples, gen_reports = exchange_samples(groups, samples, gen_report)
-            report, batch_metrics = {}, {}
-            if job.roles:
-                report, batch_metrics = job.learn(step, samples, timer)
-                batch_metrics.update(staleness.check_batch(step, token_versions(samples)))
-            with job.stages("weight_sync", step, timer):
-                report.update(
-                    sync_weights(
-                        groups,
-                        job.roles,
-                        job.engine,
-                        step + 1,
-                        cfg.weight_sync,
-                        job.weight_buffers,
-                    )
-                )
-            report.update(timer.metrics(prefix="timing"))
-            if job.roles:
-                job.log_step(step, report, batch_metrics, time.perf_counter() - start, gen_reports)
-        job.write_trace()
+        run_steps(parts.gen, parts.learn, parts.exchange, parts.clock, cfg)
+        parts.write_trace()
     finally:
-        job.close()
+        parts.close()

@@ -1,13 +1,12 @@
 """The role check: every Megatron role loads the checkpoint and scores one batch; all must agree.
 
-Owned here: the job the entry point runs until the GRPO loop exists (and a cheap pre-flight
-after it). On every rank it builds the roles placed there, loads the HF checkpoint
-(`model.hf_path` or `--load`) into each, and computes per-token log-probs of one synthetic batch
-(`smoke.*` in the recipe) through each role's own TP/PP/EP layout. Rank 0 collects one copy per
-role, compares them with each other and with a `transformers` forward pass of the same
-checkpoint, writes `metrics.jsonl` and `role_check.json` to the run dir, and fails the run when
-any pair differs by more than `TOLERANCE`. With `--save DIR`, the train role's weights are
-exported there as a HF checkpoint.
+Owned here: a cheap pre-flight job (`trainer.job: role_check`). On every rank it builds the
+roles placed there, loads the HF checkpoint (`model.hf_path` or `--load`) into each, and
+computes per-token log-probs of one synthetic batch (`smoke.*` in the recipe) through each
+role's own TP/PP/EP layout. Rank 0 collects one copy per role, compares them with each other and
+with a `transformers` forward pass of the same checkpoint, writes `metrics.jsonl` and
+`role_check.json` to the run dir, and fails the run when any pair differs by more than
+`TOLERANCE`. With `--save DIR`, the train role's weights are exported there as a HF checkpoint.
 """
 
 from __future__ import annotations

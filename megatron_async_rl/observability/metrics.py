@@ -1,12 +1,12 @@
 """Per-step metrics of a run: a JSONL file always, TensorBoard scalars when it is installed.
 
 Owned here: `MetricsWriter` (created by rank 0 only; the driver calls `log(step, metrics)` once
-per step), `read_metrics` (tests, benchmarks, `plots.py`), `StepTimer` (seconds per stage within
-a step) and `summarize` (mean/std/min/max of a list of per-sample values).
+per step), `read_metrics` (tests, benchmarks, `plots.py`) and `summarize` (mean/std/min/max of a
+list of per-sample values). Seconds per stage (`timing/<stage>_s`) come from the stage machines'
+spans (`observability/clock.py`).
 
-Metric keys follow `<area>/<stage_or_role>/<name>[_unit]`. `StepTimer` keys are
-`<prefix>/<stage>_s`, the stage name supplying the middle parts: `timer("generate")` gives
-`timing/generate_s`, `timer("weight_sync/send")` gives `timing/weight_sync/send_s`.
+Metric keys follow `<area>/<stage_or_role>/<name>[_unit]`, e.g. `timing/generate_s`,
+`timing/weight_sync/send_s`.
 `summarize(rewards, "reward")` gives `reward/mean`, `reward/std`, `reward/min`, `reward/max`.
 
 `metrics.jsonl` holds one object per line: `step` first, then the keys sorted; non-finite floats
@@ -20,9 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -154,51 +151,6 @@ def read_metrics(path: str | Path) -> list[dict]:
                 continue
             raise ValueError(f"{path}:{number} is not a JSON object: {err}") from None
     return records
-
-
-class StepTimer:
-    """Accumulate wall seconds per stage name: `with timer("generate"): ...`.
-
-    Entering the same stage twice adds up. `metrics()` returns `<prefix>/<stage>_s` keys and
-    `reset()` starts the next step. With `record_spans=True` every timed block is also kept in
-    `spans` as `dict(stage, rank, start_s, end_s)`, seconds since the timer was made, the input
-    of `plots.plot_stage_timeline`. `clock` is injectable for tests.
-    """
-
-    def __init__(
-        self,
-        rank: int = 0,
-        record_spans: bool = False,
-        clock: Callable[[], float] = time.perf_counter,
-    ):
-        self.rank = rank
-        self.record_spans = record_spans
-        self.spans: list[dict] = []
-        self._clock = clock
-        self._origin = clock()
-        self._seconds: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, stage: str) -> Iterator[None]:
-        start = self._clock()
-        try:
-            yield
-        finally:
-            end = self._clock()
-            self._seconds[stage] = self._seconds.get(stage, 0.0) + (end - start)
-            if self.record_spans:
-                span_start, span_end = start - self._origin, end - self._origin
-                self.spans.append(
-                    dict(stage=stage, rank=self.rank, start_s=span_start, end_s=span_end)
-                )
-
-    def metrics(self, prefix: str = "timing") -> dict[str, float]:
-        """Seconds per stage since the last `reset()`, as `<prefix>/<stage>_s`."""
-        return {f"{prefix}/{stage}_s": seconds for stage, seconds in self._seconds.items()}
-
-    def reset(self) -> None:
-        """Clear the accumulated seconds (spans are kept)."""
-        self._seconds.clear()
 
 
 def summarize(values: list[float], prefix: str) -> dict[str, float]:

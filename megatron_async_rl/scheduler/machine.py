@@ -23,6 +23,10 @@ Lifecycle (per-stage tables in `states.py`)::
 
 Time accounting: RUNNING is busy; WAITING_INPUT, WAITING_OUTPUT_SPACE and PAUSED are idle (the
 bubbles the async pipeline exists to shrink); IDLE is bookkeeping between items and is neither.
+
+The machines are the one clock of a run: every finished span goes to the machine's `observer`
+(with the step of the item it belonged to), which `observability/clock.py` turns into the trace,
+the `utilization/*` metrics and `timing/<stage>_s`, so those views agree by construction.
 """
 
 from __future__ import annotations
@@ -67,6 +71,12 @@ class Span(NamedTuple):
     state: StageState
     start: float
     end: float
+    step: int | None = None
+    """The step of the item the machine worked on or waited for (None: not known)."""
+
+
+SpanObserver = Callable[[Stage, Span], None]
+"""Told of every finished span, outside the machine's lock, in the order they end."""
 
 
 class StageMachine:
@@ -78,6 +88,7 @@ class StageMachine:
         clock: seconds, monotonic; tests pass a fake.
         max_history: how many moves and spans to keep (older ones are dropped; the busy and
             idle totals keep counting).
+        observer: told of every finished span (see `SpanObserver`).
     """
 
     def __init__(
@@ -87,6 +98,7 @@ class StageMachine:
         *,
         clock: Callable[[], float] = time.monotonic,
         max_history: int = DEFAULT_MAX_HISTORY,
+        observer: SpanObserver | None = None,
     ):
         self.stage = Stage(stage)
         self.table = TRANSITIONS[self.stage] if table is None else table
@@ -98,6 +110,8 @@ class StageMachine:
         self._seconds = dict.fromkeys(StageState, 0.0)
         self._history: deque[Move] = deque(maxlen=max_history)
         self._spans: deque[Span] = deque(maxlen=max_history)
+        self._step: int | None = None
+        self._observer = observer
         self.error: BaseException | None = None
         """The exception passed to `fail`, if any."""
 
@@ -111,17 +125,20 @@ class StageMachine:
         with self._lock:
             return self._state in TERMINAL
 
-    def transition(self, to: StageState, reason: str) -> None:
-        """Move to `to`; `reason` says why (kept in the history). Raises IllegalTransition,
-        leaving the machine unchanged, when the stage's table forbids the move."""
-        self._move(to, reason, None)
+    def transition(self, to: StageState, reason: str, *, step: int | None = None) -> None:
+        """Move to `to`; `reason` says why (kept in the history); `step`, when given, is the
+        step of the item the machine works on from now on (its spans carry it). Raises
+        IllegalTransition, leaving the machine unchanged, when the stage's table forbids it."""
+        self._move(to, reason, None, step)
 
     def fail(self, error: BaseException) -> None:
         """Move to ERROR from any non-terminal state and keep `error`. Raises IllegalTransition
         from DONE or ERROR: both are terminal (the first error is the one kept)."""
-        self._move(StageState.ERROR, f"{type(error).__name__}: {error}", error)
+        self._move(StageState.ERROR, f"{type(error).__name__}: {error}", error, None)
 
-    def _move(self, to: StageState, reason: str, error: BaseException | None) -> None:
+    def _move(
+        self, to: StageState, reason: str, error: BaseException | None, step: int | None
+    ) -> None:
         with self._lock:
             src = self._state
             if to not in self.table[src]:
@@ -130,11 +147,16 @@ class StageMachine:
                 )
             now = self._clock()
             self._seconds[src] += now - self._since
-            self._spans.append(Span(src, self._since, now))
+            span = Span(src, self._since, now, self._step)
+            self._spans.append(span)
             self._history.append(Move(now, src, to, reason))
             self._state, self._since = to, now
+            if step is not None:
+                self._step = step
             if error is not None:
                 self.error = error
+        if self._observer is not None:
+            self._observer(self.stage, span)
 
     def seconds_in(self, state: StageState) -> float:
         """Total seconds spent in `state`, including the current stretch if it is the state."""
@@ -168,7 +190,7 @@ class StageMachine:
         with self._lock:
             spans = list(self._spans)
             if include_current:
-                spans.append(Span(self._state, self._since, self._clock()))
+                spans.append(Span(self._state, self._since, self._clock(), self._step))
             return spans
 
     def context(self) -> dict[str, str]:

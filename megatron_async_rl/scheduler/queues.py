@@ -68,9 +68,9 @@ class BoundedQueue(Generic[T]):
                 raise StageTimeout(self._space_text(), waited, timeout_s, context, self.name)
             self._append(item)
 
-    def get(self, timeout_s: float, context: Mapping[str, Any] | None = None) -> T:
-        """Take the oldest item, waiting up to `timeout_s` for one. Raises StageTimeout, or
-        QueueClosed once the queue is closed and drained."""
+    def get(self, timeout_s: float | None, context: Mapping[str, Any] | None = None) -> T:
+        """Take the oldest item, waiting up to `timeout_s` for one (None: until one comes or the
+        queue closes). Raises StageTimeout, or QueueClosed once the queue is closed and drained."""
         with self._cond:
             start = self._clock()
             ready = self._cond.wait_for(lambda: self._closed or bool(self._items), timeout_s)
@@ -113,6 +113,12 @@ class BoundedQueue(Generic[T]):
             if self._closed:
                 raise QueueClosed(f"queue {self.name} is closed and drained")
             return False, None
+
+    def has_space(self) -> bool:
+        """Whether a put would succeed now (the answer holds while this thread is the only
+        producer)."""
+        with self._cond:
+            return self._has_space()
 
     def close(self) -> None:
         """End the stream (idempotent); wakes every waiting thread."""

@@ -57,7 +57,10 @@ class StageTask:
     `work(item)` runs on the main thread and returns the item for `output` (None: the result
     is dropped). A source task (`inputs` None) produces `num_items` items; `work(index)`.
     `guard(item)` says what the task still waits for before it may start on `item` (None:
-    nothing): e.g. engine weights new enough for the item's step.
+    nothing): e.g. engine weights new enough for the item's step. `finish(result)`, when given,
+    runs on the main thread after the machine left RUNNING: what must see the stage's span
+    closed (writing the step's metrics) goes there. An item's step (its `step` attribute, or
+    the index of a source's item) labels the machine's spans.
     """
 
     machine: StageMachine
@@ -68,6 +71,7 @@ class StageTask:
     num_items: int | None = None
     done_when: Callable[[], bool] | None = None
     """For a task without inputs and without `num_items`: when it is finished."""
+    finish: Callable[[Any], None] | None = None
     produced: int = field(default=0, init=False)
     held: Any = field(default=None, init=False)
     """A result waiting for space in `output`."""
@@ -111,7 +115,7 @@ class Scheduler:
                 if kind == "error":
                     raise item
                 try:
-                    result = task.work(item)
+                    result = task.work(item) if kind == "work" else task.finish(item)
                 except BaseException as err:
                     self._from_main.put((False, err))
                     raise
@@ -197,17 +201,29 @@ class Scheduler:
             _, item = task.inputs.try_get()
         task.produced += 1
         task.waiting_since, task.waiting_for = None, None
-        machine.transition(S.RUNNING, f"item {task.produced - 1}")
-        self._to_main.put(("work", task, item))
-        ok, result = self._from_main.get()
-        if not ok:
-            raise result
-        if result is None or task.output is None or task.output.try_put(result):
+        step = item if task.inputs is None else getattr(item, "step", None)
+        machine.transition(S.RUNNING, f"item {task.produced - 1}", step=step)
+        result = self._on_main("work", task, item)
+        # The span closes before the result is handed on (only this thread puts into a task's
+        # output, so space seen here is still there): a consumer sees the stage's time whole.
+        if result is None or task.output is None or task.output.has_space():
             machine.transition(S.IDLE, "done")
+            if result is not None and task.output is not None:
+                task.output.try_put(result)
         else:
             task.held = result
             machine.transition(S.WAITING_OUTPUT_SPACE, f"queue {task.output.name} is full")
             task.waiting_since = time.monotonic()
+        if task.finish is not None:
+            self._on_main("finish", task, result)
+
+    def _on_main(self, kind: str, task: StageTask, item: Any) -> Any:
+        """Run `task.work(item)` or `task.finish(item)` on the main thread; its result."""
+        self._to_main.put((kind, task, item))
+        ok, result = self._from_main.get()
+        if not ok:
+            raise result
+        return result
 
     def _check_wait(self, task: StageTask, waiting_for: str) -> None:
         task.waiting_for = waiting_for
@@ -215,17 +231,47 @@ class Scheduler:
             task.waiting_since = time.monotonic()
 
     def _check_timeouts(self) -> None:
-        """Raise for the most upstream task that waited too long: downstream tasks waiting for
-        its output are symptoms, it is the cause."""
+        """When a task waited too long, raise for the cause: the most upstream task that waits
+        on a condition of its own (a guard: weights, validation) rather than on a queue, since
+        tasks waiting for its output (or, upstream, for space it would free) are symptoms; else
+        for the task itself, naming a stage upstream still working (a stuck call) if any."""
         now = time.monotonic()
         for task in self.tasks:
             if task.waiting_since is None or task.machine.is_terminal:
                 continue
-            waited = now - task.waiting_since
-            if waited > self.timeout_s:
-                context = {"role": self.role, "rank": self.rank, **task.machine.context()}
-                queue_name = task.inputs.name if task.inputs is not None else None
-                raise StageTimeout(task.waiting_for, waited, self.timeout_s, context, queue_name)
+            if now - task.waiting_since <= self.timeout_s:
+                continue
+            cause = next((t for t in self.tasks if self._waits_on_guard(t)), task)
+            context = {"role": self.role, "rank": self.rank, **cause.machine.context()}
+            if cause is not task:
+                context["symptom"] = f"stage {task.name} waited for {task.waiting_for}"
+            running = self._running_upstream(cause)
+            if running is not None:
+                context["cause"] = running
+            queue_name = cause.inputs.name if cause.inputs is not None else None
+            waited = now - cause.waiting_since
+            raise StageTimeout(cause.waiting_for, waited, self.timeout_s, context, queue_name)
+
+    @staticmethod
+    def _waits_on_guard(task: StageTask) -> bool:
+        return (
+            task.waiting_since is not None
+            and not task.machine.is_terminal
+            and task.machine.state == S.WAITING_INPUT
+            and task.waiting_for is not None
+            and not task.waiting_for.startswith("an item in queue")
+        )
+
+    def _running_upstream(self, task: StageTask) -> str | None:
+        """The stage upstream of `task` still working on an item (a stuck call), if any."""
+        for other in reversed(self.tasks[: self.tasks.index(task)]):
+            if other.machine.state in (S.RUNNING, S.PAUSED):
+                since = other.machine.spans(include_current=True)[-1]
+                return (
+                    f"stage {other.name} upstream has been {other.machine.state.name} for "
+                    f"{since.end - since.start:.3g} s"
+                )
+        return None
 
     def _who(self, what: str) -> str:
         return f"role {self.role}, rank {self.rank}: {what}"

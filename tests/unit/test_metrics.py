@@ -5,10 +5,10 @@
   truncated last line; misuse (bad step, non-numeric value, log after close) raises.
 - With `tensorboard` installed, scalars land in `<run_dir>/tensorboard` (read back with
   TensorBoard's own event reader); asked for but missing, a warning and JSONL only.
-- `StepTimer` accumulates seconds per stage and names keys `timing/<stage>_s`; `summarize`
+- `summarize`
   matches the formula. `Progress` logs one line per step when no bar is drawn.
 
-Faked: the clock of `StepTimer` (a list of times), and a missing `tensorboard` package (None in
+Faked: a missing `tensorboard` package (None in
 `sys.modules`). Everything else is real, in `tmp_path`.
 """
 
@@ -20,7 +20,6 @@ import pytest
 
 from megatron_async_rl.observability.metrics import (
     MetricsWriter,
-    StepTimer,
     read_metrics,
     summarize,
 )
@@ -115,30 +114,6 @@ def test_tensorboard_requested_but_missing_warns(tmp_path, monkeypatch, caplog):
     assert "tensorboard=True but the `tensorboard` package is not installed" in caplog.text
     assert not (tmp_path / "tensorboard").exists()
     assert read_metrics(writer.path) == [{"step": 0, "x": 1.0}]
-
-
-def test_step_timer_accumulates_per_stage():
-    ticks = iter([100.0, 100.0, 101.5, 102.0, 102.25, 103.0, 106.0, 110.0, 110.5])
-    timer = StepTimer(rank=3, record_spans=True, clock=lambda: next(ticks))
-    with timer("generate"):
-        pass
-    with timer("weight_sync/send"):
-        pass
-    with pytest.raises(KeyError), timer("generate"):  # an error still counts the time
-        raise KeyError("boom")
-    assert timer.metrics() == {"timing/generate_s": 4.5, "timing/weight_sync/send_s": 0.25}
-    assert timer.metrics(prefix="t") == {"t/generate_s": 4.5, "t/weight_sync/send_s": 0.25}
-    assert timer.spans[0] == dict(stage="generate", rank=3, start_s=0.0, end_s=1.5)
-    timer.reset()
-    with timer("train"):
-        pass
-    assert timer.metrics() == {"timing/train_s": 0.5}
-    assert [s["stage"] for s in timer.spans] == [
-        "generate",
-        "weight_sync/send",
-        "generate",
-        "train",
-    ]
 
 
 def test_summarize_matches_formula():

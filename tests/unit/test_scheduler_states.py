@@ -137,7 +137,7 @@ def test_legal_transition(stage, src, dst):
     move = machine.history()[-1]
     assert (move.time, move.from_state, move.to_state) == (clock.now, src, dst)
     assert move.reason == "because the test says so"
-    assert machine.spans()[-1] == (src, clock.now - 1.5, clock.now)
+    assert machine.spans()[-1] == (src, clock.now - 1.5, clock.now, None)
 
 
 @pytest.mark.parametrize("stage,src,dst", ILLEGAL)

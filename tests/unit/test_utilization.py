@@ -10,19 +10,20 @@
   the last bucket collecting larger lags.
 - Bad windows, spans, lags and step times are ValueErrors naming the value.
 
-Faked: the clock of `StepTimer` (a list of times) in the one test that feeds it real spans.
+Faked: the clock of `RankClock` (a list of times) in the one test that feeds it real spans.
 """
 
 import numpy as np
 import pytest
 
-from megatron_async_rl.observability.metrics import StepTimer
+from megatron_async_rl.observability.clock import RankClock
 from megatron_async_rl.observability.utilization import (
     busy_idle,
     ideal_step_s,
     overlap_efficiency,
     policy_lag_histogram,
 )
+from megatron_async_rl.scheduler.states import Stage, StageState
 
 ROLES = {
     0: ("train", "logp"),
@@ -75,17 +76,33 @@ def test_busy_idle_against_hand_numbers():
     )
 
 
-def test_busy_idle_on_step_timer_spans():
-    timer = StepTimer(
-        rank=0, record_spans=True, clock=iter([100.0, 100.0, 101.0, 102.0, 104.0]).__next__
-    )
-    with timer("generate"):
-        pass
-    with timer("train"):
-        pass
-    metrics = busy_idle(timer.spans, 0.0, 4.0, {0: ("train",)})
+def test_busy_idle_on_the_clock_of_stage_machines():
+    # one clock: a rank's machines report their spans; timings, trace and utilization agree
+    now = [100.0]
+    clock = RankClock(0, ("train",), clock=lambda: now[0])
+    train, logp = clock.machine(Stage.TRAIN), clock.machine(Stage.LOGP)
+
+    def at(t, machine, state, **step):
+        now[0] = t
+        machine.transition(state, "test", **step)
+
+    at(100.0, logp, StageState.RUNNING, step=3)  # 100 -> 101 busy
+    at(101.0, logp, StageState.IDLE)
+    at(101.0, train, StageState.WAITING_INPUT, step=3)  # 101 -> 102 waiting
+    at(102.0, train, StageState.RUNNING)  # 102 -> 104 busy
+    at(104.0, train, StageState.IDLE)
+    now[0] = 105.0
+    assert clock.timings(3) == {"timing/logp_s": 1.0, "timing/train_s": 2.0}
+    assert clock.timings(3) == {}, "timings are taken once"
+    spans = clock.trace.spans()
+    assert [(s["stage"], s["start_s"], s["end_s"]) for s in spans] == [
+        ("logp", 100.0, 101.0),
+        ("train", 102.0, 104.0),
+    ]
+    metrics = clock.utilization()  # window 100 -> 105
     assert metrics["utilization/train/busy_s"] == pytest.approx(3.0)
-    assert metrics["utilization/bubble_ratio"] == pytest.approx(0.25)
+    assert metrics["utilization/bubble_ratio"] == pytest.approx(0.4)
+    assert busy_idle(spans, 100.0, 105.0, {0: ("train",)}) == metrics
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,74 @@
+"""What one rank of a GRPO run is made of, built once and closed on every path.
+
+Owned here: `RankParts` (the rank's clock, its generate side and/or learn side, the exchange
+between them) and `build_parts`. Both loops (`grpo_sync.py`, `grpo_async.py`) take their parts
+from here, so they differ only in schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_async_rl.jobs.exchange import GlooExchange
+from megatron_async_rl.observability.clock import RankClock
+from megatron_async_rl.observability.plots import plot_stage_timeline
+from megatron_async_rl.observability.trace import merge_traces, write_trace
+from megatron_async_rl.roles.generate import GenerateSide, build_generate_side
+from megatron_async_rl.roles.learn import LearnSide
+from megatron_async_rl.roles.megatron_role import build_local_roles
+
+
+@dataclass
+class RankParts:
+    cfg: object
+    groups: object
+    clock: RankClock
+    gen: GenerateSide | None
+    """On an engine host only."""
+    learn: LearnSide | None
+    """On a rank with Megatron roles only."""
+    exchange: GlooExchange
+
+    def write_trace(self) -> None:
+        """Merge every rank's spans into trace.json and timeline.png (collective, world)."""
+        groups = self.groups
+        is_leader = groups.rank == groups.leader
+        parts = [None] * dist.get_world_size(groups.control)
+        payload = (self.clock.trace.events(), self.clock.trace.spans())
+        dist.gather_object(payload, parts if is_leader else None, dst=groups.leader,
+                           group=groups.control)  # fmt: skip
+        if not is_leader:
+            return
+        run_dir = Path(self.cfg.run_dir)
+        write_trace(run_dir / "trace.json", merge_traces([events for events, _ in parts]))
+        spans = [span for _, rank_spans in parts for span in rank_spans]
+        plot_stage_timeline(spans, run_dir / "timeline.png", title="stages per rank (trace.json)")
+
+    def close(self) -> None:
+        if self.gen is not None:
+            self.gen.shutdown()
+        if self.learn is not None:
+            self.learn.close()
+
+
+def build_parts(cfg, groups, platform) -> RankParts:
+    """This rank's roles (checkpoint loaded), engine, sides and exchange."""
+    from transformers import AutoTokenizer
+
+    roles = build_local_roles(cfg, groups, platform)
+    for role in roles.values():
+        role.load_hf_checkpoint(role.args.get("load") or cfg.model.hf_path)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
+    pad = tokenizer.pad_token_id
+    learn = LearnSide(cfg, groups, roles, pad if pad is not None else 0) if roles else None
+    try:
+        gen = build_generate_side(cfg, groups, platform, tokenizer)
+    except BaseException:
+        if learn is not None:
+            learn.close()
+        raise
+    clock = RankClock(groups.rank, groups.local_roles())
+    return RankParts(cfg, groups, clock, gen, learn, GlooExchange(groups, roles, cfg.weight_sync))

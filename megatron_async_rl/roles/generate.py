@@ -1,0 +1,107 @@
+"""The generate role on an engine-host rank: prompts to scored samples, validation passes.
+
+Owned here: `GenerateSide`, its stages as methods `StepWork -> StepWork` (`load`, `generate`,
+`score`) plus `validate`, and `build_generate_side` (engine, dataset, reward, validator from the
+recipe). When each stage runs, and how weights reach the engine, is the loops' business
+(`jobs/grpo_sync.py`, `jobs/grpo_async.py`); this class never waits for anything.
+
+The dataset and its cursor live here only: the rank that draws a step's prompts records where
+they started (`StepWork.cursor`). Every engine host draws the same prompts from the same seeded
+dataset and samples its share (`served_prompts`, one share per engine, not per rank: an engine of
+`engine.tp_size` spans that many ranks).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from megatron_async_rl.rewards.registry import SafeReward, get_reward
+from megatron_async_rl.roles.work import StepWork
+from megatron_async_rl.rollout.dataset import PromptDataset, encode_prompt
+from megatron_async_rl.rollout.generation import generate_samples, served_prompts
+from megatron_async_rl.rollout.validation import Validator
+
+logger = logging.getLogger(__name__)
+
+
+class GenerateSide:
+    """One engine and what feeds it: dataset, reward, validator (on an engine-host rank)."""
+
+    def __init__(self, cfg, engine, tokenizer, dataset, reward, validator, engine_index: int,
+                 num_engines: int):  # fmt: skip
+        self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
+        self.dataset, self.reward, self.validator = dataset, reward, validator
+        self.engine_index, self.num_engines = engine_index, num_engines
+
+    # -- stages ----------------------------------------------------------------------------
+    def load(self, step: int) -> StepWork:
+        """dataloader: the step's prompts, and where in the data they start."""
+        cursor = self.dataset.cursor.state_dict()
+        records = self.dataset.next_batch(self.cfg.rollout.num_prompts_per_step)
+        return StepWork(step=step, cursor=cursor, records=records)
+
+    def generate(self, work: StepWork) -> StepWork:
+        """generate: this engine's share of the step's prompts, sampled."""
+        cfg, records = self.cfg, work.records
+        mine = served_prompts(len(records), self.engine_index, self.num_engines)
+        ids = {i: records[i].prompt_ids or self.encode(records[i]) for i in mine}
+        work.samples = generate_samples(
+            self.engine, self.tokenizer, records, ids, mine,
+            cfg.algorithm.num_samples_per_prompt, cfg.rollout, step=work.step, run_seed=cfg.seed,
+        )  # fmt: skip
+        return work
+
+    def score(self, work: StepWork) -> StepWork:
+        """reward: every sample scored; the engine host's report of the step."""
+        for sample, value in zip(work.samples, self.reward.score(work.samples), strict=True):
+            sample.reward = value
+        work.report.add_sums(self.reward.metrics())
+        work.report.add_means(self.dataset.metrics())
+        return work
+
+    def validate(self, version: int) -> dict[str, float]:
+        """validation: the held-out set scored with the engine's current weights (`version`)."""
+        return self.validator.run(self.engine, self.tokenizer, version, self.encode)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def encode(self, record) -> list[int]:
+        return encode_prompt(record, self.tokenizer, self.cfg.rollout.use_chat_template)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None:
+    """This rank's generate side, its engine started; None off the engine hosts (an engine
+    follower's devices belong to its host's engine)."""
+    layout, rank = groups.layout, groups.rank
+    if "generate" not in groups.local_roles() or not layout.is_engine_host(rank):
+        return None
+    hosts = layout.engine_host_ranks()
+    index, num_engines = hosts.index(rank), len(hosts)
+    use_template = cfg.rollout.use_chat_template
+    # Data and rewards first: a mistake in them is reported before the engine's start-up.
+    dataset = PromptDataset(cfg.data, tokenizer=tokenizer, use_chat_template=use_template)
+    reward = SafeReward(get_reward(cfg.reward), cfg.reward.name)
+    validator = None
+    if cfg.scheduler.validation_every > 0:
+        val = cfg.validation
+        held_out = PromptDataset(
+            val.data, tokenizer=tokenizer, use_chat_template=use_template,
+            key_prefix="validation.data",
+        )  # fmt: skip
+        records = held_out.records[: val.num_prompts] if val.num_prompts else held_out.records
+        validator = Validator(
+            val, cfg.rollout, records, SafeReward(get_reward(cfg.reward), cfg.reward.name),
+            index, num_engines, cfg.seed,
+        )  # fmt: skip
+    from megatron_async_rl.engines.sglang_engine import SGLangEngine
+
+    config = cfg.engine.sglang_config(cfg.model.hf_path, platform.device_type, cfg.seed)
+    if platform.device_type == "cuda":  # the engine's TP ranks start at our device
+        config.server_args.setdefault("base_gpu_id", int(os.environ.get("LOCAL_RANK", "0")))
+    rank_in_role = layout.rank_in_role("generate", rank)
+    engine = SGLangEngine(config, rank_in_role=rank_in_role, global_rank=rank)
+    logger.info("generate rank %d: engine up in %.1f s", rank_in_role, engine.startup_s)
+    return GenerateSide(cfg, engine, tokenizer, dataset, reward, validator, index, num_engines)

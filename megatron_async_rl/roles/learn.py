@@ -1,0 +1,180 @@
+"""The learn side on the Megatron ranks: a step's samples to log-probs, advantages, one
+optimizer step, and the step's metrics.
+
+Owned here: `LearnSide`, its stages as methods `StepWork -> StepWork` (`logp`, `ref`, `train`),
+its guard `logp_waits_for`, and `log` (the leader writes `metrics.jsonl`). Results cross the
+Megatron ranks over the `megatron` group only, so generate ranks never take part and can run
+ahead. Called by both loops in `jobs/`; weights leave through the loops' exchange.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_async_rl.algorithms import grpo, losses
+from megatron_async_rl.observability.metrics import MetricsWriter, summarize
+from megatron_async_rl.observability.plots import plot_reward_curve
+from megatron_async_rl.observability.progress import Progress
+from megatron_async_rl.roles.work import StepReport, StepWork
+from megatron_async_rl.rollout.batch import build_batch
+
+LOSS_KEYS = ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy_loss")
+"""Each data-parallel replica reports its share of these: the leader adds them up."""
+
+
+def _reports(role) -> bool:
+    """One rank per data-parallel replica reports a role's results: last stage, TP rank 0."""
+    return role.is_last_stage and dist.get_rank(role.pgc.tp) == 0
+
+
+def train_on_batch(role, work: StepWork, cfg) -> dict:
+    """The train role's step on its data-parallel share of the batch."""
+    algo, batch, mask = cfg.algorithm, work.batch, work.loss_mask_BT
+    dp_rank, dp_size = dist.get_rank(role.pgc.dp), dist.get_world_size(role.pgc.dp)
+    rows = torch.arange(batch["tokens"].shape[0]).chunk(dp_size)[dp_rank]
+    mbs = cfg.trainer.micro_batch_size or int(role.args.get("micro_batch_size") or 1)
+    num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
+    fields = {
+        "tokens": batch["tokens"], "mask": mask, "adv": work.adv_B, "old_logp": work.logp_BT,
+        "ref_logp": work.ref_logp_BT, "behaviour_logp": batch["behaviour_logp"],
+    }  # fmt: skip
+    micro = [{k: v[chunk] for k, v in fields.items()} for chunk in rows.split(mbs)]
+
+    def loss_fn(logp, entropy, mb):
+        return losses.total_loss(
+            logp, mb["old_logp"], mb["adv"], mb["mask"], algo,
+            behaviour_logp_BT=mb["behaviour_logp"], ref_logp_BT=mb["ref_logp"],
+            entropy_BT=entropy, num_tokens_global=num_tokens, num_seqs_global=num_seqs,
+        )  # fmt: skip
+
+    metrics = role.train_step(micro, loss_fn)
+    for key in LOSS_KEYS:  # shares of the step's loss: sum over micro-batches
+        if key in metrics:
+            metrics[key] *= len(micro)
+    return metrics
+
+
+class LearnSide:
+    """The Megatron roles of one rank (`train`, `logp`, `ref`: any of them) and the step's
+    metrics writer on the leader."""
+
+    def __init__(self, cfg, groups, roles: dict, pad_id: int):
+        self.cfg, self.groups, self.roles, self.pad_id = cfg, groups, roles, pad_id
+        self.is_leader = groups.rank == groups.leader
+        self.writer = MetricsWriter(cfg.run_dir) if self.is_leader else None
+        self.progress = Progress(cfg.trainer.num_steps, enabled=self.is_leader)
+        self.logp_version = 0
+        """The policy version the logp role holds (its weights come with every sync)."""
+        self.steps_logged = 0
+
+    # -- guards ----------------------------------------------------------------------------
+    def logp_waits_for(self, work: StepWork) -> str | None:
+        """What the logp stage still waits for before `work` (None: nothing): the logp role
+        must hold the version that step `work.step` trains from."""
+        if "logp" in self.roles and self.logp_version < work.step:
+            return f"logp weights v{work.step} (logp holds v{self.logp_version})"
+        return None
+
+    def weights_synced(self, version: int) -> None:
+        self.logp_version = version
+
+    # -- stages ----------------------------------------------------------------------------
+    def logp(self, work: StepWork) -> StepWork:
+        """logp: the batch laid out, and the old policy's log-probs (on the logp ranks)."""
+        work.batch = build_batch(work.samples, self.pad_id)
+        work.logp_BT = self._forward("logp", work)
+        return work
+
+    def ref(self, work: StepWork) -> StepWork:
+        """ref_logp: the reference policy's log-probs (on the ref ranks)."""
+        work.ref_logp_BT = self._forward("ref", work)
+        return work
+
+    def _forward(self, name: str, work: StepWork) -> torch.Tensor | None:
+        role = self.roles.get(name)
+        if role is None:
+            return None
+        size = self.cfg.trainer.micro_batch_size or len(work.samples)
+        out = role.logprobs(work.batch["tokens"], size)
+        if out is not None and _reports(role) and dist.get_rank(role.pgc.dp) == 0:
+            return out[0]
+        return None
+
+    def train(self, work: StepWork) -> StepWork:
+        """train: advantages and the optimizer step (collective over the Megatron ranks)."""
+        algo, batch = self.cfg.algorithm, work.batch
+        mine = {
+            k: v for k, v in (("logp", work.logp_BT), ("ref", work.ref_logp_BT)) if v is not None
+        }
+        parts = [None] * len(self.groups.megatron_ranks)
+        dist.all_gather_object(parts, mine, group=self.groups.megatron)
+        merged = {k: v for part in parts for k, v in part.items()}
+        work.logp_BT, work.ref_logp_BT = merged["logp"], merged["ref"]
+        rewards, mask = batch["rewards"], batch["mask"]
+        if algo.kl_mode == "reward" and algo.kl_coef > 0:
+            kl = grpo.kl_penalty(work.logp_BT, work.ref_logp_BT, algo.kl_estimator)
+            rewards = grpo.kl_reward(rewards, kl, mask, algo.kl_coef)
+        dropped = 0
+        n = algo.num_samples_per_prompt
+        if algo.dynamic_filtering:
+            keep, dropped = grpo.dynamic_filter(rewards, n)
+            mask = mask * keep[:, None]
+        work.loss_mask_BT = mask
+        work.adv_B = grpo.group_advantages(
+            rewards, n, normalize_by_std=algo.normalize_advantage_by_std, eps=algo.advantage_eps
+        )
+        train = self.roles.get("train")
+        if train is not None:
+            metrics = train_on_batch(train, work, self.cfg)
+            if _reports(train):
+                work.report.add_sums({k: v for k, v in metrics.items() if k in LOSS_KEYS})
+                work.report.add_means({k: v for k, v in metrics.items() if k not in LOSS_KEYS})
+        real = batch["mask"] > 0
+        work.batch_metrics.update({
+            **summarize(batch["rewards"].tolist(), "reward"),
+            **summarize(batch["response_len"].tolist(), "response_len"),
+            "logprob/engine_vs_train_abs_diff": (
+                (batch["behaviour_logp"] - work.logp_BT).abs()[real].mean().item()
+            ),
+            "samples/kept": float((mask.sum(-1) > 0).sum().item()),
+            "samples/truncated": float(sum(s.finish_reason == "length" for s in work.samples)),
+            "data/dropped_groups": float(dropped),
+        })  # fmt: skip
+        return work
+
+    # -- metrics ---------------------------------------------------------------------------
+    def log(self, work: StepWork, step_s: float) -> None:
+        """Gather the Megatron ranks' reports on the leader (with the engine hosts' reports that
+        came with the samples) and write the step's metrics (collective, `megatron` group)."""
+        parts = [None] * len(self.groups.megatron_ranks)
+        dist.gather_object(work.report, parts if self.is_leader else None,
+                           dst=self.groups.leader, group=self.groups.megatron)  # fmt: skip
+        if not self.is_leader:
+            return
+        metrics = StepReport.merge([*parts, *work.gen_reports])
+        metrics.update(work.batch_metrics)
+        metrics["timing/step_s"] = step_s
+        busy = [v for k, v in metrics.items() if k.startswith("utilization/") and "busy_s" in k]
+        if busy:  # the busiest group bounds a perfectly overlapped step
+            metrics["utilization/ideal_step_s"] = max(busy)
+            metrics["utilization/overlap_efficiency"] = min(max(busy) / step_s, 1.0)
+        batch = work.batch
+        tokens = (batch["prompt_len"].sum() + batch["response_len"].sum()).item()
+        metrics["throughput/tokens_per_s"] = tokens / step_s
+        self.writer.log(work.step, metrics)
+        self.progress.update(work.step, metrics)
+        self.steps_logged += 1
+
+    def close(self) -> None:
+        self.progress.close()
+        if self.writer is not None:
+            self.writer.close()
+        if self.steps_logged:  # never let a plot hide the error that ended the run
+            run_dir = Path(self.cfg.run_dir)
+            plot_reward_curve(
+                run_dir / "metrics.jsonl", run_dir / "reward.png",
+                title="GRPO reward (mean per step)", std_band=False, moving_average=10,
+            )  # fmt: skip

@@ -1,0 +1,191 @@
+"""Stand-ins for the in-process pipeline tests (`test_async_pipeline.py`).
+
+- `TimedEngine`: `FakeEngine` whose generation takes time, token by token, so a weight update
+  can land mid-sequence (tokens after it carry the new version) and a pause holds generation.
+  Like SGLang it refuses `flush_cache` while a request is running, while paused, or during a
+  weight update ("requests in flight"). Its real twin, SGLang, runs in tests/e2e and
+  tests/distributed/test_sglang_engine.py.
+- `FakeLearner`: the learn side's stage methods without a model (`roles/learn.py:LearnSide` is
+  the real twin, run in tests/e2e): each stage sleeps a chosen time and records the event; the
+  "weights" are one tensor holding the number of optimizer steps taken; `log` keeps each step's
+  merged metrics.
+- `CharTokenizer` and `make_generate_side`: a real `GenerateSide` with a real dataset (the
+  arithmetic task written locally), the real reward and validator, over a `TimedEngine`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import torch
+
+from megatron_async_rl.algorithms.config import GRPOConfig
+from megatron_async_rl.config.schema import TrainerConfig
+from megatron_async_rl.engines.fake import FakeEngine
+from megatron_async_rl.engines.protocol import GenerateResult
+from megatron_async_rl.rewards.registry import SafeReward, get_reward
+from megatron_async_rl.roles.generate import GenerateSide
+from megatron_async_rl.roles.work import StepReport, StepWork
+from megatron_async_rl.rollout.arithmetic import write_arithmetic_dataset
+from megatron_async_rl.rollout.dataset import DatasetConfig, PromptDataset
+from megatron_async_rl.rollout.generation import RolloutConfig
+from megatron_async_rl.rollout.validation import ValidationConfig, Validator
+from megatron_async_rl.scheduler.config import SchedulerConfig
+
+
+class CharTokenizer:
+    """Characters as token ids; no special tokens."""
+
+    eos_token_id = None
+    pad_token_id = 0
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) % 96 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(str(i % 10) for i in ids)
+
+
+class TimedEngine(FakeEngine):
+    """A FakeEngine that generates one position every `token_s` seconds (all requests of a
+    call together) and honours pause/resume and in-place weight updates between positions."""
+
+    def __init__(self, token_s: float = 0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.token_s = token_s
+        self._cond = threading.Condition()
+        self._running = 0
+
+    def generate(self, requests):
+        self._enter("generate", rids=[r.rid for r in requests])
+        self.sessions.check_whole()
+        with self._cond:
+            self._running += 1
+        try:
+            outputs = [([], []) for _ in requests]
+            for position in range(max(r.sampling.max_new_tokens for r in requests)):
+                time.sleep(self.token_s)
+                with self._cond:
+                    self._cond.wait_for(lambda: self.paused is None)
+                    version = self._version
+                for request, (ids, versions) in zip(requests, outputs):
+                    if position < request.sampling.max_new_tokens:
+                        ids.append(self.token(request.input_ids, position, version))
+                        versions.append(version)
+            return [
+                GenerateResult(r.rid, ids, [self.logprob(t) for t in ids], versions, "length")
+                for r, (ids, versions) in zip(requests, outputs)
+            ]
+        finally:
+            with self._cond:
+                self._running -= 1
+
+    def pause(self, mode):
+        with self._cond:
+            super().pause(mode)
+
+    def resume(self):
+        with self._cond:
+            super().resume()
+            self._cond.notify_all()
+
+    def update_weights(self, named_tensors, version, flush_cache=True):
+        with self._cond:
+            if self._running and self.paused != "in_place":
+                raise RuntimeError("update_weights while generating without an in-place pause")
+            super().update_weights(named_tensors, version, flush_cache)
+
+    def flush_cache(self):
+        with self._cond:
+            if self._running or self.paused is not None or self._in_update:
+                raise RuntimeError("SGLang refused flush_cache (requests in flight?)")
+            super().flush_cache()
+
+
+class FakeLearner:
+    """The learn side's methods without a model; `durations(stage, step)` gives sleep times."""
+
+    def __init__(self, durations=lambda stage, step: 0.0):
+        self.durations = durations
+        self.logp_version = 0
+        self.trained = 0
+        self.events: list[tuple[str, int]] = []
+        self.logged: list[dict] = []
+        self._lock = threading.Lock()
+
+    def _stage(self, name: str, work: StepWork) -> StepWork:
+        time.sleep(self.durations(name, work.step))
+        with self._lock:
+            self.events.append((name, work.step))
+        return work
+
+    def logp_waits_for(self, work):
+        if self.logp_version < work.step:
+            return f"logp weights v{work.step} (logp holds v{self.logp_version})"
+        return None
+
+    def weights_synced(self, version):
+        self.logp_version = version
+
+    def logp(self, work):
+        return self._stage("logp", work)
+
+    def ref(self, work):
+        return self._stage("ref", work)
+
+    def train(self, work):
+        self._stage("train", work)
+        self.trained += 1
+        rewards = [s.reward for s in work.samples]
+        work.batch_metrics["reward/mean"] = sum(rewards) / len(rewards)
+        work.batch_metrics["samples/num"] = float(len(work.samples))
+        work.report.add_sums({"actor/loss": 0.5})
+        return work
+
+    def log(self, work, step_s):
+        metrics = StepReport.merge([work.report, *work.gen_reports])
+        metrics.update(work.batch_metrics)
+        metrics["step"] = work.step
+        self.logged.append(metrics)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"model.weight": torch.tensor([float(self.trained)])}
+
+
+def make_cfg(tmp_path, *, steps: int, ahead: int, mode: str = "wait", validation_every=0,
+             validation_version="exact", timeout_s: float = 30.0, prompts: int = 2,
+             samples: int = 2, max_new_tokens: int = 4):  # fmt: skip
+    data = write_arithmetic_dataset(tmp_path / "train.jsonl", num_rows=40, seed=0)
+    val = write_arithmetic_dataset(tmp_path / "val.jsonl", num_rows=4, seed=1)
+    return SimpleNamespace(
+        seed=7,
+        data=DatasetConfig(path=str(data)),
+        rollout=RolloutConfig(num_prompts_per_step=prompts, max_new_tokens=max_new_tokens),
+        algorithm=GRPOConfig(num_samples_per_prompt=samples),
+        trainer=TrainerConfig(job="grpo", num_steps=steps),
+        scheduler=SchedulerConfig(
+            generate_ahead_steps=ahead,
+            weight_update_mode=mode,
+            stage_timeout_s=timeout_s,
+            validation_every=validation_every,
+            validation_version=validation_version,
+            loop="async" if ahead == 0 else "auto",
+        ),  # fmt: skip
+        validation=ValidationConfig(data=DatasetConfig(path=str(val)), num_prompts=2),
+    )
+
+
+def make_generate_side(cfg, engine) -> GenerateSide:
+    tokenizer = CharTokenizer()
+    dataset = PromptDataset(cfg.data, tokenizer=tokenizer)
+    reward = SafeReward(get_reward("arithmetic"), "arithmetic")
+    validator = None
+    if cfg.scheduler.validation_every:
+        held_out = PromptDataset(cfg.validation.data, tokenizer=tokenizer)
+        validator = Validator(
+            cfg.validation, cfg.rollout, held_out.records[:2],
+            SafeReward(get_reward("arithmetic"), "arithmetic"), 0, 1, cfg.seed,
+        )  # fmt: skip
+    return GenerateSide(cfg, engine, tokenizer, dataset, reward, validator, 0, 1)
