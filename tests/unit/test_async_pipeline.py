@@ -154,9 +154,11 @@ def test_a_stuck_stage_is_reported_as_the_most_upstream_cause(tmp_path):
     assert isinstance(gen_error, StageTimeout), gen_error
     assert gen_error.context["stage"] == "generate"
     assert gen_error.waiting_for == "engine weights v1 (engine serves v0)"
-    symptom = gen_error.context.get("symptom", "stage reward waited for an item in queue")
-    assert symptom.startswith(("stage reward waited for an item in queue rollouts",
-                               "stage dataloader waited for space in queue prompts"))  # fmt: skip
+    if "symptom" in gen_error.context:  # another wait timed out first: it is named, as such
+        assert gen_error.context["symptom"].startswith(
+            ("stage reward waited for an item in queue rollouts",
+             "stage dataloader waited for space in queue prompts")
+        )  # fmt: skip
 
 
 def test_a_downstream_wait_that_times_out_first_reports_the_upstream_guard():
