@@ -326,17 +326,3 @@ def test_disk_cache_round_trip(tmp_path, monkeypatch):
     assert mf._load_derived_specs() == mf._derive_specs()  # read back from the file
     path.write_text("not json")
     assert mf._load_derived_specs() == mf._derive_specs()  # a bad cache is rebuilt
-
-
-def test_config_package_imports_without_megatron():
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    code = (
-        "import sys\n"
-        "import megatron_async_rl.config.recipe, megatron_async_rl.config.megatron_flags\n"
-        "assert not [m for m in sys.modules if m.startswith(('megatron.', 'torch'))]\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, env={"PYTHONPATH": str(root)})

@@ -3,12 +3,11 @@
 Contract checked: the defaults are the synchronous trainer; every field refuses a wrong value
 with a ConfigError naming the (relative) key, the value and the rule; in_flight updates with
 zero steps ahead warn that the setting has no effect; validation is due at versions 0, E, 2E...
-and never when off. The module imports without torch. Nothing is faked.
+and never when off. (That the module imports without torch is checked in `test_layering.py`.)
+Nothing is faked.
 """
 
 import logging
-import subprocess
-import sys
 
 import pytest
 
@@ -55,12 +54,3 @@ def test_in_flight_without_steps_ahead_warns(caplog):
 def test_validation_due():
     cfg = SchedulerConfig(validation_every=3, validation_version="latest")
     assert [v for v in range(10) if cfg.validation_due(v)] == [0, 3, 6, 9]
-
-
-def test_imports_without_torch():
-    code = (
-        "import sys; import megatron_async_rl.scheduler.config, megatron_async_rl.scheduler."
-        "staleness, megatron_async_rl.scheduler.machine, megatron_async_rl.scheduler.queues; "
-        "assert 'torch' not in sys.modules, 'torch imported'"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
