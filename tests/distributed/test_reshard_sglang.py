@@ -1,23 +1,29 @@
-"""The planned reshard into a real SGLang engine: bit-identical weights, a memory bound, errors.
+"""The planned reshard into a real SGLang engine TP=1: bit-identical weights, memory bound, errors.
 
 Contracts, each after one real optimizer step of the train role (megatron-core on gloo ranks, the
-real SGLang engine TP=1 on CPU; nothing is faked except where a test injects a fault):
+real SGLang engine TP=1 on CPU; nothing is faked except where a test injects a fault). Each model
+runs in one spawned world whose engine starts once and serves its layouts in turn
+(`reshard_world.py`: 4 train slots + 1 generate rank; ranks a layout leaves idle hold `ref`):
 - dense llama, train TP=2 x PP=2 (shared-memory transport: every rank on one host) and PP=2 x
   DP=2 (broadcast transport) (4 train+logp ranks + 1 generate rank), small buckets so tensors
-  are cut into pieces: every HF tensor read back through SGLang's own
-  `get_weights_by_name` is bit-identical to the trainer's gathered one, the engine stamps `v1`,
-  the logp role holds the same weights. (TP=2 and PP=2 on 2 train ranks: test_weight_sync_sglang.)
+  are cut into pieces: every HF tensor read back through SGLang's own `get_weights_by_name` is
+  bit-identical to the trainer's gathered one, the engine stamps the new version, the logp role
+  holds the same weights.
 - the memory bound: the executor's own counters (bytes held in produce / consume buffers, and in
   staging of split tensors) stay within 2 x produce on senders and 2 x consume on the receiver
   (none with shared memory: it reads the senders' slots in place).
 - errors: a message corrupted on the wire (a sender flips a payload byte after its checksum)
   fails its check on every receiver before anything is loaded; every participant sends the
   version again, then raises the same error naming the parameters, sender and receiver ranks
-  and the version: the engine still reports and serves `v1`. Corrupted on the first attempt
+  and the version: the engine still reports and serves v1. Corrupted on the first attempt
   only, the second attempt delivers the new version bit for bit (`weight_sync/attempts` 2). An
   engine that rejects a chunk after two loads makes every participant raise naming the same;
-  its label stays `v2` and it refuses to generate from the mixed weights until the next
+  its label stays v2 and it refuses to generate from the mixed weights until the next
   complete update, after which it serves that version bit for bit.
+- the 2-rank complement (was `test_weight_sync_sglang.py`), default bucket sizes: train TP=2
+  over broadcast and PP=2 over shared memory (both senders) into the engine and the logp role on
+  the train ranks: every tensor the engine reads back, and the logp role's, equals the trainer's
+  bit for bit, the engine stamps the new version, `weight_sync/device_bridge` is 0 (CPU).
 - MoE (qwen3_moe) train EP=2 and TP=2 x EP=2: SGLang 0.5.21's `get_weights_by_name` serves Llama
   only, so the check is behavioural and exact: greedy log-probs after the reshard equal, bit for
   bit, those of the same engine after loading the trainer's gathered HF state dict (what an
@@ -25,6 +31,18 @@ real SGLang engine TP=1 on CPU; nothing is faked except where a test injects a f
   TP>1 cannot train on CPU here (Megatron needs sequence parallel, which the local spec's torch
   RMSNorm refuses), so TP=2 x EP=2 changes the weights by one element-wise update applied to
   every shard and replica alike instead of an optimizer step.
+Versions: layout i of a world syncs 10i+1, 10i+2, 10i+3 ("v1".."v3" below are relative).
+
+Assertion mapping (before -> here). Old `test_dense_reshard_is_bit_identical_bounded_and_checked
+[ids]`: every assertion is in the test of the same name and ID, versions relative; its "the
+train step did not change the weights" check is `check_changed`, which also asserts that the
+engine served other weights before the sync (new: layouts share the engine). Old
+`test_moe_reshard_serves_the_trainers_weights[ids]`: same name and IDs, `check_moe`. Old
+`test_weight_sync_sglang.py::test_engine_weights_are_the_trainers_bit_for_bit[train_tp2_broadcast,
+train_pp2_shared_memory]`: the test of that name and IDs here; shared_memory_senders (0 / 2) and
+device_bridge == 0 on every participant, the step changed up_proj (`check_changed`), the
+engine's tensors equal the trainer's (all of them now, was 11 names, with the same zero-padding
+check), logp equals the trainer, versions == {v1}.
 """
 
 import importlib.util
@@ -33,216 +51,78 @@ import re
 import pytest
 import torch
 
-from tests.distributed.harness import spawn
+from tests.distributed.reshard_world import (
+    CONSUME_MB,
+    PRODUCE_MB,
+    Layout,
+    check_changed,
+    check_moe,
+    check_served,
+    label,
+    layout_results,
+    run_world,
+)
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang not installed"),
 ]
-PRODUCE_MB, CONSUME_MB = 0.03, 0.01
+TP2, PP2, EP2 = (
+    {"tensor_model_parallel_size": 2},
+    {"pipeline_model_parallel_size": 2},
+    {"expert_model_parallel_size": 2},
+)
+FAULTS = [
+    Layout("train_tp2_pp2_shared_memory", TP2 | PP2, 4, "dense", faults=True),
+    Layout("train_pp2_dp2_broadcast", PP2, 4, "dense", transport="broadcast", faults=True),
+]
+TWO_RANKS = [  # (layout, shared-memory senders seen by every participant)
+    (Layout("train_tp2_broadcast", TP2, 2, "dense", transport="broadcast", small_buckets=False), 0),
+    (Layout("train_pp2_shared_memory", PP2, 2, "dense", small_buckets=False), 2),
+]
+# (train layout, number of train ranks) of the MoE tests, here and with engine TP=2.
+MOE = [
+    Layout("train_ep2", EP2, 2, "moe"),
+    Layout("train_tp2_ep2", TP2 | EP2, 4, "moe", perturb=True),
+]
 
 
-def _setup(
-    rank, world_size, path, parallel, num_train, engine_tp_size=1, role_names=("train", "logp")
-):
-    """Ranks below `num_train` hold `role_names` (one layout `parallel`), the last rank an
-    SGLang engine of TP size `engine_tp_size`; returns (groups, roles, engine)."""
-    import torch.distributed as dist
-
-    from megatron_async_rl.config.schema import RoleGroupSpec
-    from megatron_async_rl.distributed.groups import build_world_groups
-    from megatron_async_rl.distributed.layout import Parallelism, plan_layout
-    from megatron_async_rl.distributed.platform import detect_platform
-    from megatron_async_rl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
-    from megatron_async_rl.roles.megatron_role import MegatronRole
-    from tests.distributed.test_hf_parity import _role_args
-
-    args = _role_args(path, **parallel)
-    args.update(lr=1e-2, clip_grad=0.0)
-    par = Parallelism.from_megatron_args(args)
-    specs = [RoleGroupSpec(list(role_names), num_ranks=num_train), RoleGroupSpec(["generate"], 1)]
-    layout = plan_layout(world_size, specs, dict.fromkeys(role_names, par))
-    platform = detect_platform("cpu", "gloo")
-    groups = build_world_groups(layout, platform.backend)
-    roles, engine = {}, None
-    if rank < num_train:
-        for name in role_names:
-            roles[name] = MegatronRole(name, args, par, groups.roles[name], platform, seed=5)
-            roles[name].load_hf_checkpoint(path)
-    else:
-        config = SGLangEngineConfig(
-            model_path=path, dtype="float32", max_total_tokens=4096, tp_size=engine_tp_size
-        )
-        engine = SGLangEngine(config, rank_in_role=0, global_rank=rank)
-    dist.barrier()
-    return groups, roles, engine
+@pytest.fixture(scope="module")
+def llama_path(tiny_model):
+    return str(tiny_model("llama"))
 
 
-def _train_step(roles, seed):
-    if "train" in roles:
-        generator = torch.Generator().manual_seed(seed)
-        tokens = torch.randint(0, 96, (2, 10), generator=generator)
-        roles["train"].train_step([{"tokens": tokens}], lambda logp, ent, mb: (-logp.mean(), {}))
+@pytest.fixture(scope="module")
+def dense_world(llama_path, tmp_path_factory):
+    layouts = FAULTS + [layout for layout, _ in TWO_RANKS]
+    return run_world(llama_path, 1, layouts, tmp_path_factory.mktemp("dense_world"))
 
 
-def _greedy(engine):
-    from megatron_async_rl.engines.protocol import GenerateRequest, SamplingParams
-
-    sampling = SamplingParams(max_new_tokens=6, temperature=0.0)
-    result = engine.generate([GenerateRequest([7, 12, 30, 4], sampling, "greedy")])[0]
-    return result.output_ids, result.output_logprobs, result.token_versions
+@pytest.fixture(scope="module")
+def moe_world(tiny_model, tmp_path_factory):
+    return run_world(tiny_model("qwen3_moe"), 1, MOE, tmp_path_factory.mktemp("moe_world"))
 
 
-def _dense_worker(rank, world_size, tmp_dir, path, parallel, transport):
-    from megatron_async_rl.weight_sync import buffers
-    from megatron_async_rl.weight_sync.broadcast import sync_weights
-    from megatron_async_rl.weight_sync.config import WeightSyncConfig
-
-    groups, roles, engine = _setup(rank, world_size, path, parallel, world_size - 1)
-    config = WeightSyncConfig(
-        produce_bucket_mb=PRODUCE_MB, consume_bucket_mb=CONSUME_MB, transport=transport
-    )
-    out = {"rank": rank}
-    try:
-        _train_step(roles, seed=0)
-        out["metrics"] = sync_weights(groups, roles, engine, version=1, config=config)
-        if "train" in roles:
-            trainer, logp = (
-                roles["train"].gather_hf_state_dict(),
-                roles["logp"].gather_hf_state_dict(),
-            )
-            if trainer is not None:
-                out.update(trainer=trainer, logp=logp)
-        if engine is not None:
-            out["engine"] = {n: engine.get_weights_by_name(n) for n in _dense_names(path)}
-            out["versions"] = _greedy(engine)[2]
-        # v2 with one payload byte flipped on the wire by the first sender, after its checksum:
-        # on every attempt (the sync fails), then on the first attempt only (the second heals).
-        _train_step(roles, seed=1)
-        original, flips = buffers.pack, []
-
-        def corrupt(buf, message, *args, seq, **kwargs):
-            original(buf, message, *args, seq=seq, **kwargs)
-            if seq == 0 and (persistent or not flips):
-                buf[buffers.HEADER_BYTES] ^= 0x10
-                flips.append(seq)
-
-        if rank == min(groups.weight_senders):
-            buffers.pack = corrupt
-        try:
-            persistent = True
-            out["corrupt"] = _error_of(lambda: sync_weights(groups, roles, engine, 2, config))
-            if engine is not None:
-                served = {n: engine.get_weights_by_name(n) for n in _dense_names(path)}
-                out["after_corrupt"] = (engine.weight_version(), served, _greedy(engine)[2])
-            persistent, flips = False, []
-            out["healed"] = sync_weights(groups, roles, engine, 2, config)
-        finally:
-            buffers.pack = original
-        _collect(out, roles, engine, path, "v2")
-        # v3: the engine rejects its third load call of every attempt (two loads went in).
-        if engine is not None:
-            load, begin, calls = engine.update_weights, engine.begin_weight_update, [0]
-
-            def reject(named_tensors, version, flush_cache=True):
-                calls[0] += 1
-                if calls[0] == 3:
-                    raise ValueError("shape mismatch, say")
-                load(named_tensors, version, flush_cache)
-
-            def begin_counting():
-                calls[0] = 0
-                begin()
-
-            engine.update_weights, engine.begin_weight_update = reject, begin_counting
-        _train_step(roles, seed=2)
-        out["rejected"] = _error_of(lambda: sync_weights(groups, roles, engine, 3, config))
-        if engine is not None:
-            out["after_reject"] = (engine.weight_version(), _error_of(lambda: _greedy(engine)))
-            engine.update_weights, engine.begin_weight_update = load, begin
-        sync_weights(groups, roles, engine, 3, config)  # a complete update: serving again
-        _collect(out, roles, engine, path, "v3")
-    finally:
-        if engine is not None:
-            engine.shutdown()
-    return out
-
-
-def _collect(out, roles, engine, path, label):
-    """The trainer's gathered weights and the engine's read-back and versions, under `label`."""
-    if "train" in roles:
-        trainer = roles["train"].gather_hf_state_dict()
-        if trainer is not None:
-            out[f"trainer_{label}"] = trainer
-    if engine is not None:
-        engine_weights = {n: engine.get_weights_by_name(n) for n in _dense_names(path)}
-        out[f"engine_{label}"] = (engine_weights, _greedy(engine)[2])
-
-
-def _check_served(engine_weights, trainer):
-    """Every HF tensor read back from the engine is bit-identical to the trainer's."""
-    assert engine_weights.keys() == trainer.keys()
-    for name, ours in trainer.items():
-        got = engine_weights[name]
-        # SGLang pads the vocab rows of embed/lm_head with zeros (to a multiple of 64 x TP).
-        assert torch.equal(got[: ours.shape[0]].to(ours.dtype), ours), name
-        assert not got[ours.shape[0] :].any(), name
-
-
-def _error_of(fn):
-    try:
-        fn()
-    except RuntimeError as err:
-        return str(err)
-    return None
-
-
-def _dense_names(path):
+def _start(path):
     from megatron_async_rl.models.hf_checkpoint import load_hf_state_dict
 
-    return sorted(load_hf_state_dict(path))
+    return load_hf_state_dict(path)
 
 
-def tiny_model(tmp_path_factory, kind: str, seed: int) -> str:
-    """A tiny HF model of `kind` ("llama", "qwen3_moe") written under a fresh directory."""
-    from megatron_async_rl.models.tiny import write_tiny_model
-
-    return str(write_tiny_model(tmp_path_factory.mktemp("m") / kind, kind, seed=seed))
-
-
-@pytest.fixture(scope="module")
-def llama_path(tmp_path_factory):
-    return tiny_model(tmp_path_factory, "llama", seed=2)
-
-
-@pytest.fixture(scope="module")
-def moe_path(tmp_path_factory):
-    return tiny_model(tmp_path_factory, "qwen3_moe", seed=2)
-
-
-@pytest.mark.parametrize(
-    "parallel,transport",
-    [
-        ({"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, "auto"),
-        ({"pipeline_model_parallel_size": 2}, "broadcast"),
-    ],
-    ids=["train_tp2_pp2_shared_memory", "train_pp2_dp2_broadcast"],
-)
-def test_dense_reshard_is_bit_identical_bounded_and_checked(
-    parallel, transport, llama_path, tmp_path
-):
-    results = spawn(_dense_worker, 5, tmp_path, llama_path, parallel, transport)
-    trainer = next(r["trainer"] for r in results if "trainer" in r)
-    logp = next(r["logp"] for r in results if "logp" in r)
-    served = next(r for r in results if "engine" in r)
-    start = _load(llama_path)
-    assert not trainer["model.layers.0.mlp.up_proj.weight"].equal(
-        start["model.layers.0.mlp.up_proj.weight"]
-    ), "the train step did not change the weights: the check would be vacuous"
-    _check_served(served["engine"], trainer)
+@pytest.mark.parametrize("layout", FAULTS, ids=[layout.name for layout in FAULTS])
+def test_dense_reshard_is_bit_identical_bounded_and_checked(layout, dense_world, llama_path):
+    results = layout_results(dense_world, layout.name)
+    transport, parallel = layout.transport, layout.parallel
+    assert len(results) == 5
+    trainer = next(r["trainer_v1"] for r in results if "trainer_v1" in r)
+    logp = next(r["logp_v1"] for r in results if "logp_v1" in r)
+    served = next(r for r in results if "engine_v1" in r)
+    check_changed(results, _start(llama_path))
+    engine_v1, versions_v1 = served["engine_v1"]
+    check_served(engine_v1, trainer)
     for name, ours in trainer.items():
         assert torch.equal(logp[name], ours), name
-    assert served["versions"] and set(served["versions"]) == {"v1"}
+    assert versions_v1 and set(versions_v1) == {label(results, 1)}
 
     produce, consume = int(PRODUCE_MB * 2**20), int(CONSUME_MB * 2**20)
     largest = max(t.numel() * t.element_size() for t in trainer.values())
@@ -270,121 +150,67 @@ def test_dense_reshard_is_bit_identical_bounded_and_checked(
 
     # A corrupted message fails on every receiver, before it is loaded; after two attempts
     # every participant (the sender too) raises the same error, naming every failing receiver.
+    v1, v2, v3 = (label(results, k) for k in (1, 2, 3))
     receivers = range(1, len(results))
     for result in results:
         corrupt = result["corrupt"]
         assert corrupt is not None, result["rank"]
-        assert corrupt.startswith("weight sync v2: failed after 2 attempt(s) (max_attempts 2)")
+        assert corrupt.startswith(f"weight sync {v2}: failed after 2 attempt(s) (max_attempts 2)")
         for receiver in receivers:
             assert (
-                f"weight sync v2: message 0 from sender global rank 0 to receiver global rank "
+                f"weight sync {v2}: message 0 from sender global rank 0 to receiver global rank "
                 f"{receiver} failed its checksum" in corrupt
             ), (result["rank"], receiver)
         assert "model.embed_tokens.weight" in corrupt and "nothing of it was loaded" in corrupt
     version, weights, versions = served["after_corrupt"]
-    assert version == "v1" and set(versions) == {"v1"}, "the engine no longer serves v1"
-    for name, tensor in served["engine"].items():
+    assert version == v1 and set(versions) == {v1}, "the engine no longer serves v1"
+    for name, tensor in engine_v1.items():
         assert torch.equal(weights[name], tensor), name
     # Corrupted on the first attempt only: the second attempt delivers v2 everywhere.
     for result in results:
         assert result["healed"]["weight_sync/attempts"] == 2, result["rank"]
-    for label in ("v2", "v3"):
-        trainer = next(r[f"trainer_{label}"] for r in results if f"trainer_{label}" in r)
-        engine_weights, versions = served[f"engine_{label}"]
-        _check_served(engine_weights, trainer)
-        assert set(versions) == {label}
+    for key, expected in (("v2", v2), ("v3", v3)):
+        trainer = next(r[f"trainer_{key}"] for r in results if f"trainer_{key}" in r)
+        engine_weights, versions = served[f"engine_{key}"]
+        check_served(engine_weights, trainer)
+        assert set(versions) == {expected}
     # Rejected after two loads, twice: the same error everywhere; the engine keeps its v2 label
     # but refuses to generate from the mixed weights until the next complete update (v3 above).
     for result in results:
         rejected = result["rejected"]
-        assert rejected.startswith("weight sync v3: failed after 2 attempt(s)"), result["rank"]
+        assert rejected.startswith(f"weight sync {v3}: failed after 2 attempt(s)"), result["rank"]
         assert (
-            f"global rank {len(results) - 1}: weight sync v3: the engine on receiver global "
+            f"global rank {len(results) - 1}: weight sync {v3}: the engine on receiver global "
             f"rank {len(results) - 1} rejected [" in rejected
         )
         assert re.search(r"\(message \d+ from sender global rank \d\): shape mismatch", rejected)
-    label, refusal = served["after_reject"]
-    assert label == "v2"
+    engine_label, refusal = served["after_reject"]
+    assert engine_label == v2
     assert refusal is not None and "abandoned after 2 load call(s)" in refusal
 
 
-def _load(path):
-    from megatron_async_rl.models.hf_checkpoint import load_hf_state_dict
-
-    return load_hf_state_dict(path)
-
-
-def _perturb(roles):
-    """An element-wise update, the same on every shard and replica (a stand-in for a step)."""
-    if "train" in roles:
-        with torch.no_grad():
-            for param in roles["train"].module.parameters():
-                param.mul_(1.01).add_(1e-3)
-
-
-def _moe_worker(rank, world_size, tmp_dir, path, parallel, num_train, engine_tp_size=1):
-    from megatron_async_rl.weight_sync.broadcast import load_into_engine, sync_weights
-    from megatron_async_rl.weight_sync.config import WeightSyncConfig
-
-    groups, roles, engine = _setup(rank, world_size, path, parallel, num_train, engine_tp_size)
-    config = WeightSyncConfig(produce_bucket_mb=PRODUCE_MB, consume_bucket_mb=CONSUME_MB)
-    out = {}
-    try:
-        before = _greedy(engine) if engine is not None else None
-        if parallel.get("tensor_model_parallel_size", 1) > 1:
-            _perturb(roles)
-        else:
-            _train_step(roles, seed=0)
-        sync_weights(groups, roles, engine, version=1, config=config)
-        trainer = logp = None
-        if "train" in roles:
-            trainer, logp = (
-                roles["train"].gather_hf_state_dict(),
-                roles["logp"].gather_hf_state_dict(),
-            )
-        if trainer is not None:
-            out.update(trainer=trainer, logp=logp)
-        # The trainer's gathered HF state dict goes to the generate rank as whole tensors.
-        import torch.distributed as dist
-
-        box = [trainer]
-        dist.broadcast_object_list(box, src=0, group=groups.control)
-        if engine is not None:
-            resharded = _greedy(engine)
-            load_into_engine(engine, box[0], version=2)
-            reference = _greedy(engine)
-            out.update(before=before, resharded=resharded, reference=reference)
-    finally:
-        if engine is not None:
-            engine.shutdown()
-    return out
-
-
-# (train layout, number of train ranks) of the MoE tests, here and with engine TP=2.
-MOE_LAYOUTS = pytest.mark.parametrize(
-    "parallel,num_train",
-    [
-        ({"expert_model_parallel_size": 2}, 2),
-        ({"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2}, 4),
-    ],
-    ids=["train_ep2", "train_tp2_ep2"],
+@pytest.mark.parametrize(
+    "layout,shared_senders", TWO_RANKS, ids=[layout.name for layout, _ in TWO_RANKS]
 )
-
-
-@MOE_LAYOUTS
-def test_moe_reshard_serves_the_trainers_weights(parallel, num_train, moe_path, tmp_path):
-    _check_moe(spawn(_moe_worker, num_train + 1, tmp_path, moe_path, parallel, num_train))
-
-
-def _check_moe(results):
-    """The `_moe_worker` contract: logp holds the trainer's weights; the engine, after the sync,
-    computes exactly what it computes from the trainer's gathered HF state dict, not the old."""
-    trainer = next(r["trainer"] for r in results if "trainer" in r)
-    logp = next(r["logp"] for r in results if "logp" in r)
+def test_engine_weights_are_the_trainers_bit_for_bit(
+    layout, shared_senders, dense_world, llama_path
+):
+    results = layout_results(dense_world, layout.name)
+    assert [r["rank"] for r in results] == [0, 1, 4]  # train+logp x 2, generate; ref idle
+    # On one host, "auto" has every sender's receivers read its slots in shared memory.
+    for result in results:
+        assert result["metrics"]["weight_sync/shared_memory_senders"] == shared_senders
+        assert result["metrics"]["weight_sync/device_bridge"] == 0.0  # CPU: the host bridge
+    trainer = next(r["trainer_v1"] for r in results if "trainer_v1" in r)
+    logp = next(r["logp_v1"] for r in results if "logp_v1" in r)
+    engine, versions = next(r["engine_v1"] for r in results if "engine_v1" in r)
+    check_changed(results, _start(llama_path))
+    check_served(engine, trainer)
     for name, tensor in trainer.items():
         assert torch.equal(logp[name], tensor), name
-    served = next(r for r in results if "resharded" in r)
-    ids, logprobs, versions = served["resharded"]
-    assert set(versions) == {"v1"}
-    assert (ids, logprobs) == served["reference"][:2]
-    assert logprobs != served["before"][1], "the sync did not change what the engine computes"
+    assert versions and set(versions) == {label(results, 1)}, versions
+
+
+@pytest.mark.parametrize("layout", MOE, ids=[layout.name for layout in MOE])
+def test_moe_reshard_serves_the_trainers_weights(layout, moe_world):
+    check_moe(layout_results(moe_world, layout.name))
