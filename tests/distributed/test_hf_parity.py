@@ -17,11 +17,8 @@ TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
-    from megatron_async_rl.models.tiny import write_tiny_model
-
-    root = tmp_path_factory.mktemp("tiny")
-    return {family: str(write_tiny_model(root / family, family, seed=3)) for family in FAMILIES}
+def tiny_models(tiny_model):
+    return {family: str(tiny_model(family)) for family in FAMILIES}
 
 
 def _tokens(vocab_size: int) -> torch.Tensor:

@@ -6,8 +6,8 @@ those log-probs match an independent `transformers` forward pass over the same s
 `get_weights_by_name` and stamps its version on later tokens; an in-place or retracting pause
 around an update switches the version mid-sequence; timeouts, misuse, a killed scheduler and a
 failed start are reported as errors naming the rank, and the test process survives; shutdown
-leaves no process behind. Nothing is faked; the model is made locally
-(`write_tiny_model`), so nothing is downloaded. One engine serves most tests (module fixture,
+leaves no process behind. Nothing is faked; the model is made locally (the session's
+`tiny_model` fixture), so nothing is downloaded. One engine serves most tests (module fixture,
 ~30 s to start on 2 cores); the death and failed-start tests start their own.
 """
 
@@ -33,7 +33,6 @@ from megatron_async_rl.engines.protocol import (
     SamplingParams,
 )
 from megatron_async_rl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
-from megatron_async_rl.models.tiny import write_tiny_model
 
 pytestmark = [
     pytest.mark.slow,
@@ -82,10 +81,9 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
+def model_dir(tiny_model) -> Path:
     # Room for long generations: the pause test must still be decoding when it pauses.
-    out = tmp_path_factory.mktemp("sglang") / "llama"
-    return write_tiny_model(out, "llama", max_position_embeddings=1024)
+    return tiny_model("llama", max_position_embeddings=1024)
 
 
 @pytest.fixture(scope="module")

@@ -62,10 +62,8 @@ def _worker(rank, world_size, tmp_dir, path, parallel):
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    from megatron_async_rl.models.tiny import write_tiny_model
-
-    return str(write_tiny_model(tmp_path_factory.mktemp("m") / "llama", "llama", seed=1))
+def tiny_path(tiny_model):
+    return str(tiny_model("llama"))
 
 
 def test_layouts_agree_after_one_step(tiny_path, tmp_path):
