@@ -6,11 +6,13 @@ begin/update/end (SGLang shards them) read back through `get_weights_by_name` as
 tensors, bit for bit (assembled from every TP rank's own parameters, which SGLang's
 `save_sharded_model` dumps), replicated ones equal on both ranks, and a read-back after an update
 sees the new weights, not a stale dump; its greedy generation after the update equals that of a
-TP=1 engine loaded with the same weights (same tokens, log-probs within 1e-4). The shard
-reassembly is also checked alone on hand-built shards for the layouts the tiny model does not
-exercise (a kv head replicated over TP ranks, tied embeddings). Nothing is faked in the engine
-tests: real SGLang 0.5.21 on CPU, fp32, a tiny Llama made locally (`write_tiny_model`). Each
-engine starts once (~20-45 s on 2 cores each).
+TP=1 engine loaded with the same weights (same tokens, log-probs within 1e-4). Nothing is faked:
+real SGLang 0.5.21 on CPU, fp32, the session's tiny Llama (`tiny_model`). Each engine starts
+once (~20-45 s on 2 cores each).
+
+The pure checks that were here (`test_assemble_hf_tensor_undoes_sglang_tp_layouts`,
+`test_cpu_threads_bind_splits_the_cores`, `test_cpu_tp_bind_with_too_few_groups_is_rejected`)
+moved, assertions unchanged, to `tests/unit/test_sglang_shards.py`.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import pytest
 import torch
 
 from megatron_async_rl.engines.protocol import GenerateRequest, SamplingParams
-from megatron_async_rl.engines.sglang_host import assemble_hf_tensor, cpu_threads_bind
 
-needs_sglang = pytest.mark.skipif(
-    importlib.util.find_spec("sglang") is None,
-    reason="sglang is not installed; run scripts/install_sglang_cpu.sh",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("sglang") is None,
+        reason="sglang is not installed; run scripts/install_sglang_cpu.sh",
+    ),
+]
 PROMPTS = ([1, 10, 11, 12, 13], [1, 20, 21], [1, 30, 31, 32, 33, 34, 35])
 
 
@@ -63,16 +67,13 @@ def _assert_same_as_sent(got: torch.Tensor, sent: torch.Tensor, name: str) -> No
     assert not got[rows:].any(), name
 
 
-@needs_sglang
-@pytest.mark.slow
-def test_tp2_engine_reads_back_full_tensors_and_generates_like_tp1(tmp_path, monkeypatch):
+def test_tp2_engine_reads_back_full_tensors_and_generates_like_tp1(tiny_model, monkeypatch):
     from safetensors.torch import load_file
 
     from megatron_async_rl.engines.sglang_engine import SGLangEngine
-    from megatron_async_rl.models.tiny import write_tiny_model
 
     monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
-    model_dir = write_tiny_model(tmp_path / "llama", "llama", seed=3)
+    model_dir = tiny_model("llama")
     start_state = load_file(model_dir / "model.safetensors")
     generator = torch.Generator().manual_seed(0)
     new_state = {
@@ -110,90 +111,3 @@ def test_tp2_engine_reads_back_full_tensors_and_generates_like_tp1(tmp_path, mon
         worst = max(worst, diff.abs().max().item())
     print(f"TP=1 vs TP=2 greedy log-probs: max abs diff {worst:.2e}")
     assert worst <= 1e-4
-
-
-def _rank_shards(full: dict[str, torch.Tensor], heads: int, kv_heads: int, head_dim: int):
-    """SGLang's per-rank parameters for TP=2, written out by hand from its layer layouts."""
-    shards = []
-    kv_replicas = max(1, 2 // kv_heads)
-    for rank in range(2):
-        q = full["q"].chunk(2)[rank]
-        kv_head = rank // kv_replicas if kv_heads < 2 else None
-        if kv_head is None:
-            k, v = full["k"].chunk(2)[rank], full["v"].chunk(2)[rank]
-        else:
-            rows = slice(kv_head * head_dim, (kv_head + 1) * head_dim)
-            k, v = full["k"][rows], full["v"][rows]
-        gate, up = full["gate"].chunk(2)[rank], full["up"].chunk(2)[rank]
-        shards.append(
-            {
-                "model.layers.0.self_attn.qkv_proj.weight": torch.cat([q, k, v]),
-                "model.layers.0.mlp.gate_up_proj.weight": torch.cat([gate, up]),
-                "model.layers.0.self_attn.o_proj.weight": full["o"].chunk(2, dim=1)[rank],
-                "model.embed_tokens.weight": full["embed"].chunk(2)[rank],
-                "model.norm.weight": full["norm"],
-            }
-        )
-    return shards
-
-
-@pytest.mark.parametrize("kv_heads", [1, 2], ids=["kv_replicated", "kv_split"])
-def test_assemble_hf_tensor_undoes_sglang_tp_layouts(kv_heads):
-    heads, head_dim, hidden = 4, 2, 8
-    gen = torch.Generator().manual_seed(0)
-    full = {
-        "q": torch.randn(heads * head_dim, hidden, generator=gen),
-        "k": torch.randn(kv_heads * head_dim, hidden, generator=gen),
-        "v": torch.randn(kv_heads * head_dim, hidden, generator=gen),
-        "gate": torch.randn(6, hidden, generator=gen),
-        "up": torch.randn(6, hidden, generator=gen),
-        "o": torch.randn(hidden, heads * head_dim, generator=gen),
-        "embed": torch.randn(10, hidden, generator=gen),  # padded vocab rows, as SGLang holds
-        "norm": torch.randn(hidden, generator=gen),
-    }
-    shards = _rank_shards(full, heads, kv_heads, head_dim)
-    hf_config = {
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "hidden_size": heads * head_dim,
-        "tie_word_embeddings": True,
-    }
-
-    def read(rank, key):
-        return shards[rank].get(key)
-
-    expected = {
-        "model.layers.0.self_attn.q_proj.weight": full["q"],
-        "model.layers.0.self_attn.k_proj.weight": full["k"],
-        "model.layers.0.self_attn.v_proj.weight": full["v"],
-        "model.layers.0.mlp.gate_proj.weight": full["gate"],
-        "model.layers.0.mlp.up_proj.weight": full["up"],
-        "model.layers.0.self_attn.o_proj.weight": full["o"],
-        "model.embed_tokens.weight": full["embed"],
-        "lm_head.weight": full["embed"],  # tied: SGLang's dump keeps one of the two names
-        "model.norm.weight": full["norm"],
-    }
-    for name, tensor in expected.items():
-        assert torch.equal(assemble_hf_tensor(name, read, 2, hf_config), tensor), name
-    shards[1]["model.norm.weight"] = full["norm"] + 1
-    with pytest.raises(RuntimeError, match="'model.norm.weight' differs between SGLang TP ranks"):
-        assemble_hf_tensor("model.norm.weight", read, 2, hf_config)
-
-
-@pytest.mark.parametrize(
-    "tp_size, cpus, expected",
-    [(2, [0, 1], "0|1"), (2, list(range(8)), "0-3|4-7"), (3, [0, 2, 4, 5], "0,2|4|5"),
-     (2, [3], "3|3")],
-)  # fmt: skip
-def test_cpu_threads_bind_splits_the_cores(tp_size, cpus, expected):
-    assert cpu_threads_bind(tp_size, cpus) == expected
-
-
-def test_cpu_tp_bind_with_too_few_groups_is_rejected(monkeypatch):
-    from megatron_async_rl.engines.sglang_engine import SGLangEngineConfig
-
-    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0")
-    with pytest.raises(ValueError, match="names the cores of 1 rank"):
-        SGLangEngineConfig(model_path="m", tp_size=2)
-    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND")
-    assert SGLangEngineConfig(model_path="m", tp_size=2).tp_size == 2
