@@ -8,11 +8,25 @@ Contracts checked:
 - a bad recipe or flag ends with exit code 2 and one `error:` line naming the key, with no
   traceback, both from `python -m megatron_async_rl.train` and through `launch/torchrun.sh`
   (which validates in one process before starting torchrun).
-Nothing is faked: real torchrun, megatron-core, gloo and transformers.
+Nothing is faked: real torchrun, megatron-core, gloo and transformers. Five of the six bad
+inputs and the dry run call `train.main` in this process (the same code, without an
+interpreter start each); one bad input still runs `python -m megatron_async_rl.train` in a
+subprocess, for what only a fresh interpreter shows (import-time output on stderr). torchrun
+gets a free port, so that runs can overlap.
+
+Assertion mapping (before -> here): `test_bad_input_exits_2_with_one_line[key]` (6 subprocesses)
+-> `test_bad_input_exits_2_with_one_line[key]` for 5 keys in process (exit code 2 from
+`SystemExit`, one non-empty stderr line starting `error: ` and naming the key, no `Traceback`),
+and `test_bad_input_in_a_fresh_interpreter_exits_2_with_one_line[--hidden-sise]`, the same
+assertions on a subprocess. `test_dry_run_prints_the_layout`: return code 0 (was the exit
+status), "valid for 4 ranks" and "train" on stdout, now in process. The main-job and launch
+script tests are unchanged but for the port and the session's tiny model (`tiny_model`).
 """
 
 import json
+import logging
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,18 +38,46 @@ RECIPE = REPO / "yaml_configs" / "tiny-cpu.yaml"
 pytestmark = pytest.mark.e2e
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _env():
     env = dict(os.environ)
-    env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1", MASTER_PORT="29611")
+    env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    from megatron_async_rl.models.tiny import write_tiny_model
+def tiny_llama(tiny_model):
+    return tiny_model("llama")
 
-    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama", "llama", seed=0)
+
+@pytest.fixture
+def main_in_process(capsys):
+    """`train.main(argv)` -> (return code or exit status, stdout, stderr); the logging set-up
+    it installs (handlers bound to the captured stderr) is undone afterwards."""
+    from megatron_async_rl.train import main
+
+    names = ("", "megatron", "torch.distributed", "transformers", "httpx")
+    saved = [(logging.getLogger(n), logging.getLogger(n).level) for n in names]
+    handlers = logging.getLogger().handlers[:]
+
+    def run(argv):
+        try:
+            code = main(argv)
+        except SystemExit as exit_:
+            code = exit_.code
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    yield run
+    logging.getLogger().handlers[:] = handlers
+    for logger, level in saved:
+        logger.setLevel(level)
 
 
 def test_main_job_on_four_ranks(tiny_llama, tmp_path):
@@ -75,22 +117,37 @@ def test_main_job_on_four_ranks(tiny_llama, tmp_path):
 BAD = [
     (["--set", "roles.grups=1"], "roles.grups"),
     (["--", "--lr", "two"], "--lr"),
-    (["--", "--hidden-sise", "64"], "--hidden-sise"),
     (["--set", "model.hf_path=/no/such/dir"], "model.hf_path"),
     (["--set", "roles.train.megatron.tensor_model_parallel_size=3"], "--num-attention-heads"),
     (["--world-size", "5"], "rank counts must sum to the world size 5"),
 ]
+# Through a fresh interpreter: a Megatron flag, whose table may import megatron-core there.
+BAD_IN_SUBPROCESS = [(["--", "--hidden-sise", "64"], "--hidden-sise")]
+
+
+def _dry_run_argv(tiny_llama, args):
+    argv = ["--config", str(RECIPE), "--set", f"model.hf_path={tiny_llama}", "--dry-run"]
+    return argv + ["--world-size", "4", *args]
+
+
+def _assert_one_error_line(code, stderr, key):
+    assert code == 2, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert key in lines[0] and "Traceback" not in stderr
 
 
 @pytest.mark.parametrize("args,key", BAD, ids=[key for _, key in BAD])
-def test_bad_input_exits_2_with_one_line(args, key, tiny_llama):
-    cmd = [sys.executable, "-m", "megatron_async_rl.train", "--config", str(RECIPE)]
-    cmd += ["--set", f"model.hf_path={tiny_llama}", "--dry-run", "--world-size", "4", *args]
+def test_bad_input_exits_2_with_one_line(args, key, tiny_llama, main_in_process):
+    code, _, err = main_in_process(_dry_run_argv(tiny_llama, args))
+    _assert_one_error_line(code, err, key)
+
+
+@pytest.mark.parametrize("args,key", BAD_IN_SUBPROCESS, ids=[k for _, k in BAD_IN_SUBPROCESS])
+def test_bad_input_in_a_fresh_interpreter_exits_2_with_one_line(args, key, tiny_llama):
+    cmd = [sys.executable, "-m", "megatron_async_rl.train", *_dry_run_argv(tiny_llama, args)]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    assert key in lines[0] and "Traceback" not in proc.stderr
+    _assert_one_error_line(proc.returncode, proc.stderr, key)
 
 
 def test_launch_script_validates_before_starting_ranks(tiny_llama):
@@ -105,9 +162,7 @@ def test_launch_script_validates_before_starting_ranks(tiny_llama):
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
 
 
-def test_dry_run_prints_the_layout(tiny_llama):
-    cmd = [sys.executable, "-m", "megatron_async_rl.train", "--config", str(RECIPE)]
-    cmd += ["--set", f"model.hf_path={tiny_llama}", "--dry-run", "--world-size", "4"]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "valid for 4 ranks" in proc.stdout and "train" in proc.stdout
+def test_dry_run_prints_the_layout(tiny_llama, main_in_process):
+    code, out, err = main_in_process(_dry_run_argv(tiny_llama, []))
+    assert code == 0, err
+    assert "valid for 4 ranks" in out and "train" in out
