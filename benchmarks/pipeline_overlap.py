@@ -30,9 +30,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = (
-    "generate", "reward", "wait_samples", "logp", "ref", "train", "weight_sync",
-    "weight_sync/receive",
+    "dataloader", "generate", "reward", "logp", "ref", "train", "weight_sync",
+    "weight_sync/receive", "load_weights",
 )  # fmt: skip
+PAUSED = " (paused)"
+"""Trace spans of a stage paused by an in-flight weight load: a wait, not work."""
 
 
 def _run(root: Path, name: str, steps: int, port: int, *sets: str) -> Path:
@@ -62,9 +64,10 @@ def _mean(rows: list[dict], key: str) -> float:
 
 
 def _step_of(event: dict) -> int:
-    """The step a span belongs to; a weight load of version v serves the step v - 1 produced."""
-    step = event["args"].get("step", -1)
-    return step - 1 if event["name"] == "load_weights" else step
+    """The step a span belongs to (a weight load of version v: step v - 1, which produced it;
+    validation: none)."""
+    step = event["args"].get("step")
+    return -1 if step is None else step
 
 
 def _ideal_step_s(run_dir: Path, warmup: int, steps: int) -> tuple[float, dict]:
@@ -77,9 +80,7 @@ def _ideal_step_s(run_dir: Path, warmup: int, steps: int) -> tuple[float, dict]:
         if e["ph"] == "M" and e["name"] == "process_name":
             label = e["args"]["name"]  # "rank 0 (train+logp+ref)"
             roles_of_rank[e["pid"]] = tuple(label.split("(")[1].rstrip(")").split("+"))
-        elif e["ph"] == "X" and _step_of(e) >= warmup and e["name"] not in (
-            "admit", "wait_samples",  # waiting, not work
-        ):  # fmt: skip
+        elif e["ph"] == "X" and _step_of(e) >= warmup and not e["name"].endswith(PAUSED):
             start = e["ts"] / 1e6
             spans.append({"stage": e["name"], "rank": e["pid"], "start_s": start,
                           "end_s": start + e["dur"] / 1e6})  # fmt: skip
