@@ -37,14 +37,12 @@ class EngineGate:
         self.load_lock = threading.Lock()
         self._generating = False
         self._needs_flush = False
-        self.flushes = 0
 
     def _flush_if_stale(self) -> None:
         """Under `load_lock` with the engine idle: drop KV computed with older weights."""
         if self._needs_flush:
             self.engine.flush_cache()
             self._needs_flush = False
-            self.flushes += 1
 
     @contextmanager
     def generating(self):
