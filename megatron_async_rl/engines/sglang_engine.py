@@ -50,9 +50,11 @@ unset, the host sets it for its engine by splitting the cores this process may r
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -121,6 +123,7 @@ class SGLangEngine:
         self.host_pid: int = self._proc.pid
         self.engine_child_pids: list[int] = info["child_pids"]
         self._engine_procs = processes(self.engine_child_pids)
+        self._engine_files: list[str] = info.get("files", [])
         self.startup_s = time.monotonic() - start
         self._reader = threading.Thread(target=self._read_replies, daemon=True)
         self._reader.start()
@@ -216,7 +219,14 @@ class SGLangEngine:
         # Whatever is left, e.g. after a timed-out shutdown or a host that was killed.
         kill_tree(self._proc.pid, also=self._engine_procs)
         self._proc.join(timeout=10)
+        self._remove_engine_files()
         self._conn.close()
+
+    def _remove_engine_files(self) -> None:
+        """Remove what SGLang left in /dev/shm for this engine (the host has exited)."""
+        for path in self._engine_files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     # -- RPC plumbing -------------------------------------------------------------------------
 
@@ -262,6 +272,7 @@ class SGLangEngine:
                 pending.resolve(kind, payload)
         self._proc.join(timeout=10)
         kill_tree(None, also=self._engine_procs)  # orphans, if the host was killed outright
+        self._remove_engine_files()
         if not self._closed:
             cause = self._death_notice or "the engine host process exited"
             self._death = f"{cause}; host pid {self._proc.pid} exit code {self._proc.exitcode}"

@@ -119,8 +119,16 @@ class _EngineHost:
         self.tm.auto_create_handle_loop()
         loop.add_signal_handler(signal.SIGQUIT, self._on_child_failure)
         threading.Thread(target=self._read_calls, args=(loop,), daemon=True).start()
-        self.conn.send(("ready", {"child_pids": self.child_pids}))
+        self.conn.send(("ready", {"child_pids": self.child_pids, "files": self._own_files()}))
         await self.stopped.wait()
+
+    def _own_files(self) -> list[str]:
+        """Files SGLang creates for this engine and never removes (its load-snapshot slot file
+        in /dev/shm): the rank removes them once the engine is gone, however it ended."""
+        from sglang.srt.managers.load_snapshot import shm_path_for
+
+        instance_id = getattr(getattr(self.engine, "port_args", None), "instance_id", "")
+        return [shm_path_for(instance_id)] if instance_id else []
 
     def _read_calls(self, loop) -> None:
         while True:

@@ -6,7 +6,8 @@ those log-probs match an independent `transformers` forward pass over the same s
 `get_weights_by_name` and stamps its version on later tokens; an in-place or retracting pause
 around an update switches the version mid-sequence; timeouts, misuse, a killed scheduler and a
 failed start are reported as errors naming the rank, and the test process survives; shutdown
-leaves no process behind. Nothing is faked; the model is made locally (the session's
+leaves no process and no file in /dev/shm behind (SGLang never removes its load-snapshot
+file). Nothing is faked; the model is made locally (the session's
 `tiny_model` fixture), so nothing is downloaded. One engine serves most tests (module fixture,
 ~30 s to start on 2 cores); the death and failed-start tests start their own.
 """
@@ -246,9 +247,12 @@ def test_generate_timeout_is_reported_and_engine_recovers(served):
 
 def test_shutdown_leaves_no_processes(served):
     pids = [served.engine.host_pid, *served.engine.engine_child_pids]
+    files = served.engine._engine_files  # SGLang's load-snapshot file in /dev/shm
+    assert files and all(os.path.exists(f) for f in files)
     served.engine.shutdown()
     served.engine.shutdown()  # idempotent
     assert not any(_alive(pid) for pid in pids)
+    assert not any(os.path.exists(f) for f in files), "the engine left files in /dev/shm"
     assert not served.engine.health()
     with pytest.raises(RuntimeError, match="was shut down; cannot call generate"):
         served.engine.generate(_greedy(4, "after-shutdown"))
@@ -274,6 +278,7 @@ def test_killed_scheduler_raises_engine_died_error(model_dir):
         engine.weight_version()
     engine.shutdown()
     assert not any(_alive(pid) for pid in pids)
+    assert not any(os.path.exists(f) for f in engine._engine_files)
 
 
 def test_failed_start_raises_engine_died_error(tmp_path):
