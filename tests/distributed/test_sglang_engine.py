@@ -7,9 +7,11 @@ those log-probs match an independent `transformers` forward pass over the same s
 around an update switches the version mid-sequence; timeouts, misuse, a killed scheduler and a
 failed start are reported as errors naming the rank, and the test process survives; shutdown
 leaves no process and no file in /dev/shm behind (SGLang never removes its load-snapshot
-file). Nothing is faked; the model is made locally (the session's
-`tiny_model` fixture), so nothing is downloaded. One engine serves most tests (module fixture,
-~30 s to start on 2 cores); the death and failed-start tests start their own.
+file). A TP=2 engine reads back the full tensors it was sent, generates like the TP=1 engine
+with the same weights, and reports its killed scheduler (one engine for the three contracts).
+Nothing is faked; the model is made locally (the session's `tiny_model` fixture), so nothing is
+downloaded. One TP=1 engine serves most tests (module fixture, ~30 s to start on 2 cores); the
+TP=2 and failed-start tests start their own.
 """
 
 from __future__ import annotations
@@ -233,6 +235,82 @@ def test_pause_update_resume_switches_version_mid_sequence(served, mode):
     served.engine.flush_cache()  # in_place kept KV computed by older weights
 
 
+def _assert_read_back_as_sent(got: torch.Tensor, sent: torch.Tensor, name: str) -> None:
+    # The vocab rows of embedding and LM head come back padded with zeros.
+    assert got.shape[1:] == sent.shape[1:], (name, got.shape, sent.shape)
+    assert torch.equal(got[: sent.shape[0]], sent), name
+    assert not got[sent.shape[0] :].any(), name
+
+
+def test_tp2_engine_reads_back_full_tensors_generates_like_tp1_and_reports_its_death(
+    served, monkeypatch
+):
+    """TP=2 with SGLANG_CPU_OMP_THREADS_BIND unset: the host binds the two TP ranks itself. Full
+    HF tensors sent through begin/update/end (SGLang shards them) read back whole, bit for bit
+    (assembled from every TP rank's parameters), and a read-back after an update sees the new
+    weights; greedy generation equals the module's TP=1 engine loaded with the same weights
+    (same tokens, log-probs within 1e-4). Then its scheduler is SIGKILLed: the next call raises
+    EngineDiedError naming the rank, the process and the exit code, and shutdown leaves no
+    process and no file in /dev/shm."""
+    from safetensors.torch import load_file
+
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    start_state = load_file(served.model_dir / "model.safetensors")  # what a new engine serves
+    generator = torch.Generator().manual_seed(0)
+    new_state = {
+        name: t + 0.01 * torch.randn(t.shape, generator=generator)
+        for name, t in start_state.items()
+    }
+    requests = _greedy(16, "tp")
+    engine = SGLangEngine(_config(served.model_dir, tp_size=2), rank_in_role=1, global_rank=7)
+    pids = [engine.host_pid, *engine.engine_child_pids]
+    try:
+        print(f"\nTP=2 engine startup: {engine.startup_s:.1f} s")
+        q_name = "model.layers.0.self_attn.q_proj.weight"
+        assert torch.equal(engine.get_weights_by_name(q_name), start_state[q_name])
+        engine.begin_weight_update()
+        engine.update_weights(list(new_state.items()), "tp-v1")
+        engine.end_weight_update()
+        tp2 = engine.generate(requests)
+        for name, sent in new_state.items():  # every tensor, not a sample
+            _assert_read_back_as_sent(engine.get_weights_by_name(name), sent, name)
+        with pytest.raises(KeyError, match="no weight 'no.such.weight' on every TP rank"):
+            engine.get_weights_by_name("no.such.weight")
+
+        scheduler = next(
+            pid for pid in engine.engine_child_pids if "scheduler" in psutil.Process(pid).name()
+        )
+        os.kill(scheduler, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(
+            EngineDiedError,
+            match=rf"rank in role 1, global rank 7.*scheduler_0 \(pid {scheduler}\) exited "
+            r"with code -9.*exit code 3",
+        ):
+            engine.generate(_greedy(8, "dead"))
+        print(f"engine death reported after {time.monotonic() - start:.2f} s")
+        assert not engine.health()
+        with pytest.raises(EngineDiedError, match="cannot call weight_version"):
+            engine.weight_version()
+    finally:
+        engine.shutdown()
+    assert not any(_alive(pid) for pid in pids)
+    assert not any(os.path.exists(f) for f in engine._engine_files)
+    assert all(r.token_versions == ["tp-v1"] * len(r.output_ids) for r in tp2)
+
+    served.engine.begin_weight_update()
+    served.engine.update_weights(list(new_state.items()), "tp-v1")
+    served.engine.end_weight_update()
+    served.state, served.version = new_state, "tp-v1"
+    worst = 0.0
+    for one, two in zip(served.engine.generate(requests), tp2, strict=True):
+        assert one.output_ids == two.output_ids, (one.rid, one.output_ids, two.output_ids)
+        diff = torch.tensor(one.output_logprobs) - torch.tensor(two.output_logprobs)
+        worst = max(worst, diff.abs().max().item())
+    print(f"TP=1 vs TP=2 greedy log-probs: max abs diff {worst:.2e}")
+    assert worst <= 1e-4
+
+
 def test_generate_timeout_is_reported_and_engine_recovers(served):
     config = served.engine.config
     served.engine.config = dataclasses.replace(config, generate_timeout_s=0.2)
@@ -256,29 +334,6 @@ def test_shutdown_leaves_no_processes(served):
     assert not served.engine.health()
     with pytest.raises(RuntimeError, match="was shut down; cannot call generate"):
         served.engine.generate(_greedy(4, "after-shutdown"))
-
-
-def test_killed_scheduler_raises_engine_died_error(model_dir):
-    engine = SGLangEngine(_config(model_dir), rank_in_role=1, global_rank=7)
-    pids = [engine.host_pid, *engine.engine_child_pids]
-    scheduler = next(
-        pid for pid in engine.engine_child_pids if "scheduler" in psutil.Process(pid).name()
-    )
-    os.kill(scheduler, signal.SIGKILL)
-    start = time.monotonic()
-    with pytest.raises(
-        EngineDiedError,
-        match=rf"rank in role 1, global rank 7.*scheduler_0 \(pid {scheduler}\) exited with "
-        r"code -9.*exit code 3",
-    ):
-        engine.generate(_greedy(8, "dead"))
-    print(f"engine death reported after {time.monotonic() - start:.2f} s")
-    assert not engine.health()
-    with pytest.raises(EngineDiedError, match="cannot call weight_version"):
-        engine.weight_version()
-    engine.shutdown()
-    assert not any(_alive(pid) for pid in pids)
-    assert not any(os.path.exists(f) for f in engine._engine_files)
 
 
 def test_failed_start_raises_engine_died_error(tmp_path):

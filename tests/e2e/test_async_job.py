@@ -2,8 +2,9 @@
 
 Contracts checked:
 - at `generate_ahead_steps: 0` the asynchronous loop (`scheduler.loop: async`) reproduces the
-  synchronous loop exactly: same seed and data give identical metrics (every key but timings,
-  throughput, scheduler and utilization seconds) at every step, validation results included;
+  synchronous loop (the e2e tests' shared run, `conftest.sync_run`) exactly: same seed and data
+  give identical metrics (every key but timings, throughput, scheduler and utilization seconds)
+  at every step, validation results included;
 - at `generate_ahead_steps: 1` with `weight_update_mode: in_flight` over 10 steps, no token is
   ever trained more than one policy version after the one that produced it (`policy_lag/max`
   read from the per-token versions the engine reported), generation does run ahead (some step
@@ -15,15 +16,12 @@ Nothing is faked: real torchrun, megatron-core, gloo and SGLang on CPU.
 
 import importlib.util
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "yaml_configs" / "tiny-grpo-cpu.yaml"
+from tests.e2e.recipe_runs import REPO, SYNC_SETS, launch_command, launch_env, run_recipe
+
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.slow,
@@ -39,47 +37,13 @@ VOLATILE = (
 )
 
 
-@pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    from megatron_async_rl.models.tiny import write_tiny_model
-    from megatron_async_rl.rollout.arithmetic import write_arithmetic_dataset
-
-    root = tmp_path_factory.mktemp("task")
-    model = write_tiny_model(root / "model", "llama", seed=0)
-    data = write_arithmetic_dataset(root / "train.jsonl", num_rows=300, seed=0)
-    val = write_arithmetic_dataset(root / "val.jsonl", num_rows=12, seed=1)
-    return model, data, val
-
-
-def _run(task, run_dir, port, *sets):
-    model, data, _ = task
-    cmd = [
-        "bash", str(REPO / "launch" / "torchrun.sh"), str(RECIPE), "--run-dir", str(run_dir),
-        "--set", f"model.hf_path={model}", "--set", f"data.path={data}",
-    ]  # fmt: skip
-    for item in sets:
-        cmd += ["--set", item]
-    env = dict(os.environ)
-    env.update(PYTHON=sys.executable, NPROC_PER_NODE="2", MASTER_PORT=str(port))
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
-
-
 def _stable(row):
     return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
 
 
-def test_zero_steps_ahead_is_the_synchronous_loop_exactly(task, tmp_path):
-    sets = [
-        "trainer.num_steps=4",
-        "scheduler.validation_every=2",
-        f"validation.data.path={task[2]}",
-    ]
-    sync = _run(task, tmp_path / "sync", 29641, *sets)
-    async_ = _run(task, tmp_path / "async", 29642, *sets, "scheduler.loop=async")
+def test_zero_steps_ahead_is_the_synchronous_loop_exactly(task, sync_run, tmp_path):
+    sets = (*SYNC_SETS, f"validation.data.path={task.val}", "scheduler.loop=async")
+    sync, async_ = sync_run.rows, run_recipe(task, tmp_path / "async", 29642, *sets).rows
     assert len(sync) == len(async_) == 4
     # validation of versions 0 and 2 (every 2), reported with the step that follows it
     assert [r.get("val/version") for r in sync] == [0.0, None, 2.0, None]
@@ -97,9 +61,9 @@ def test_one_step_ahead_in_flight_mixes_versions_within_the_bound(task, tmp_path
     # scheduling rules themselves (admission over 200 steps, validation gating, timeouts) are
     # unit-tested in one process (tests/unit/test_async_pipeline.py); this run checks them
     # with the real engine, Megatron and gloo.
-    rows = _run(task, tmp_path / "n1", 29643, "trainer.num_steps=10",
+    rows = run_recipe(task, tmp_path / "n1", 29643, "trainer.num_steps=10",
                 "scheduler.generate_ahead_steps=1", "scheduler.weight_update_mode=in_flight",
-                "rollout.max_new_tokens=48")  # fmt: skip
+                "rollout.max_new_tokens=48").rows  # fmt: skip
     assert len(rows) == 10
     lags = [row["policy_lag/max"] for row in rows]
     assert max(lags) <= 1, lags
@@ -120,19 +84,16 @@ def test_one_step_ahead_in_flight_mixes_versions_within_the_bound(task, tmp_path
 def test_logp_and_ref_on_ranks_of_their_own_run_ahead_within_the_bound(task, tmp_path):
     # [train] [logp] [ref] [generate]: each Megatron role on its own rank, one scheduler each;
     # logp waits for its weights of version s before scoring step s (its proximal policy).
-    model, data, _ = task
     recipe = tmp_path / "four_windows.yaml"
     recipe.write_text(
         (REPO / "tests" / "e2e" / "four_windows.yaml")
         .read_text()
-        .replace("MODEL_PATH", str(model))
-        .replace("DATA_PATH", str(data))
+        .replace("MODEL_PATH", str(task.model))
+        .replace("DATA_PATH", str(task.data))
     )
-    cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), str(recipe), "--run-dir",
-           str(tmp_path / "four")]  # fmt: skip
-    env = dict(os.environ, PYTHON=sys.executable, NPROC_PER_NODE="4", MASTER_PORT="29645")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    cmd = launch_command(recipe, tmp_path / "four")
+    proc = subprocess.run(cmd, env=launch_env(29645, nproc=4), capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-5000:]
     lines = (tmp_path / "four" / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]

@@ -1,8 +1,9 @@
 """The GRPO job through the real entry point: `launch/torchrun.sh yaml_configs/tiny-grpo-cpu.yaml`.
 
 Contracts checked:
-- 3 steps on 2 CPU ranks (train+logp+ref | a real SGLang engine) finish; `metrics.jsonl` has one
-  object per step with the documented keys; `reward.png` and `config.resolved.yaml` are written;
+- 4 steps on 2 CPU ranks (train+logp+ref | a real SGLang engine) finish (the run the e2e tests
+  share, `conftest.sync_run`); `metrics.jsonl` has one object per step with the documented keys;
+  `reward.png` and `config.resolved.yaml` are written;
   at step 0 the engine's log-probs of its own tokens match the trainer's within 1e-3 (fp32);
   malformed dataset rows are reported with file and line and counted in the metrics.
 - an engine that dies mid-run stops the run with a non-zero exit and an error naming the
@@ -12,18 +13,15 @@ real SIGKILL of its scheduler process.
 """
 
 import importlib.util
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "yaml_configs" / "tiny-grpo-cpu.yaml"
+from tests.e2e.recipe_runs import RECIPE, launch_command, launch_env
+
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.slow,
@@ -37,46 +35,9 @@ REQUIRED_KEYS = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    from megatron_async_rl.models.tiny import write_tiny_model
-    from megatron_async_rl.rollout.arithmetic import write_arithmetic_dataset
-
-    root = tmp_path_factory.mktemp("task")
-    model = write_tiny_model(root / "model", "llama", seed=0)
-    data = write_arithmetic_dataset(root / "train.jsonl", num_rows=200, seed=0)
-    with open(data, "a") as f:
-        f.write('{"prompt": "1+1="}\n')  # missing answer
-        f.write("{not json\n")  # malformed JSON
-        f.write('{"prompt": "", "answer": "0"}\n')  # empty prompt
-    return model, data
-
-
-def _command(task, run_dir, steps):
-    model, data = task
-    return [
-        "bash", str(REPO / "launch" / "torchrun.sh"), str(RECIPE),
-        "--run-dir", str(run_dir),
-        "--set", f"model.hf_path={model}", "--set", f"data.path={data}",
-        "--set", f"trainer.num_steps={steps}",
-    ]  # fmt: skip
-
-
-def _env(port):
-    env = dict(os.environ)
-    env.update(PYTHON=sys.executable, NPROC_PER_NODE="2", MASTER_PORT=str(port))
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-def test_three_steps(task, tmp_path):
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        _command(task, run_dir, 3), env=_env(29631), capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
+def test_the_shared_synchronous_run(sync_run):
+    rows = sync_run.rows
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
     for row in rows:
         missing = REQUIRED_KEYS - row.keys()
         assert not missing, missing
@@ -85,9 +46,9 @@ def test_three_steps(task, tmp_path):
     assert rows[0]["data/bad_rows/missing_answer"] == 1
     assert rows[0]["data/bad_rows/malformed_json"] == 1
     assert rows[0]["data/bad_rows/empty_prompt"] == 1
-    assert "train.jsonl:202" in proc.stderr  # the malformed line, reported with file and line
-    assert (run_dir / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (run_dir / "config.resolved.yaml").is_file()
+    assert "train.jsonl:202" in sync_run.stderr  # the malformed line, reported with file and line
+    assert (sync_run.run_dir / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (sync_run.run_dir / "config.resolved.yaml").is_file()
 
 
 def _scheduler_pids(root_pid):
@@ -105,8 +66,9 @@ def _scheduler_pids(root_pid):
 
 def test_engine_death_stops_the_run_naming_the_rank(task, tmp_path):
     run_dir = tmp_path / "run"
+    sets = (f"model.hf_path={task.model}", f"data.path={task.data}", "trainer.num_steps=10000")
     proc = subprocess.Popen(
-        _command(task, run_dir, 10_000), env=_env(29632), stdout=subprocess.PIPE,
+        launch_command(RECIPE, run_dir, *sets), env=launch_env(29632), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:

@@ -1,7 +1,7 @@
 """SGLang's TP=2 weight shards reassembled into HF tensors, and the engine's CPU core binding.
 
-Contracts (pure: no ranks, no engine, no sglang import; moved out of
-`tests/distributed/test_sglang_engine_tp2.py`, where the `needs_sglang` skip hid them):
+Contracts (pure: no ranks, no engine, no sglang import; moved out of the TP=2 engine test, now
+in `tests/distributed/test_sglang_engine.py`, where the `needs_sglang` skip hid them):
 `sglang_host.assemble_hf_tensor` rebuilds every full HF tensor from hand-built per-rank
 parameters in SGLang's TP=2 layouts, for the layouts the tiny model does not exercise (a kv head
 replicated over TP ranks, tied embeddings), and names a replicated parameter that differs between

@@ -1,0 +1,54 @@
+"""Running a recipe through `launch/torchrun.sh` from a test, and what a run leaves."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "yaml_configs" / "tiny-grpo-cpu.yaml"
+SYNC_SETS = ("trainer.num_steps=4", "scheduler.validation_every=2")
+"""The shared synchronous run: 4 steps, validation of versions 0 and 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    model: Path
+    data: Path
+    val: Path
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    rows: list[dict]
+    stderr: str
+    run_dir: Path
+
+
+def launch_command(recipe: Path, run_dir: Path, *sets: str) -> list[str]:
+    cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), str(recipe), "--run-dir", str(run_dir)]
+    for item in sets:
+        cmd += ["--set", item]
+    return cmd
+
+
+def launch_env(port: int, nproc: int = 2) -> dict[str, str]:
+    env = dict(os.environ, PYTHON=sys.executable, NPROC_PER_NODE=str(nproc), MASTER_PORT=str(port))
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_recipe(task: Task, run_dir: Path, port: int, *sets: str) -> Run:
+    """`yaml_configs/tiny-grpo-cpu.yaml` on 2 ranks with the task's model and data; must succeed."""
+    sets = (f"model.hf_path={task.model}", f"data.path={task.data}", *sets)
+    proc = subprocess.run(
+        launch_command(RECIPE, run_dir, *sets), env=launch_env(port), capture_output=True,
+        text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return Run([json.loads(line) for line in lines], proc.stderr, run_dir)
