@@ -1,7 +1,7 @@
 """Synchronous vs asynchronous GRPO step time, side by side in one run, on the tiny CPU setup.
 
     .venv/bin/python benchmarks/pipeline_overlap.py [--steps 13] [--warmup 3] [--ahead 1]
-        [--hidden-size 384 --num-layers 6]
+        [--hidden-size 384 --num-layers 6] [--in-flight] [--max-new-tokens 4]
 
 Runs `yaml_configs/tiny-grpo-cpu.yaml` twice through `launch/torchrun.sh` (one Megatron rank,
 one generate rank): the synchronous loop, then the asynchronous loop with
@@ -9,7 +9,10 @@ one generate rank): the synchronous loop, then the asynchronous loop with
 (after warm-up) it prints each stage's seconds, the sync step, the async step, the ideal bound
 (the larger per-rank-group busy time per step in the async run, from its trace.json) and
 eta = ideal / async step. Last line: `RESULT eta=<float> speedup=<float>` with
-speedup = sync step / async step. A benchmark, not a test: both runs share this machine's
+speedup = sync step / async step. With `--in-flight` a third run uses
+`weight_update_mode: in_flight` (the others `wait`), and the last line adds
+`in_flight_vs_wait=<in-flight step / wait step>` (at most 1: in-flight is not slower).
+A benchmark, not a test: both runs share this machine's
 noise, so read the ratios, not the absolute seconds.
 
 The default model (hidden 384, 6 layers; still tiny) makes the generate rank and the Megatron
@@ -102,6 +105,15 @@ def main() -> None:
         "with it much faster than SGLang's per-token overhead on CPU)",
     )  # fmt: skip
     parser.add_argument("--num-layers", type=int, default=6)
+    parser.add_argument(
+        "--in-flight", action="store_true",
+        help="also run the async loop with weight_update_mode=in_flight and compare with wait",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=4,
+        help="rollout.max_new_tokens of every run (longer answers give in-flight loads "
+        "something to interrupt)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.steps - args.warmup < 5:
         raise SystemExit("--steps - --warmup must leave at least 5 measured steps")
@@ -113,16 +125,21 @@ def main() -> None:
     write_tiny_model(root / "model", "llama", seed=0, hidden_size=args.hidden_size,
                      num_hidden_layers=args.num_layers)  # fmt: skip
     write_arithmetic_dataset(root / "train.jsonl", num_rows=500, seed=0)
-    sync_dir = _run(root, "sync", args.steps, 29701)
-    async_dir = _run(
-        root, "async", args.steps, 29702, f"scheduler.generate_ahead_steps={args.ahead}"
-    )
-    sync_rows, async_rows = _steps(sync_dir, args.warmup), _steps(async_dir, args.warmup)
+    tokens = f"rollout.max_new_tokens={args.max_new_tokens}"
+    ahead = f"scheduler.generate_ahead_steps={args.ahead}"
+    sync_dir = _run(root, "sync", args.steps, 29701, tokens)
+    async_dir = _run(root, "async", args.steps, 29702, tokens, ahead)
+    runs = {"sync": _steps(sync_dir, args.warmup), "async": _steps(async_dir, args.warmup)}
+    if args.in_flight:
+        in_flight = "scheduler.weight_update_mode=in_flight"
+        runs["in_flight"] = _steps(_run(root, "in_flight", args.steps, 29703, tokens, ahead,
+                                        in_flight), args.warmup)  # fmt: skip
+    sync_rows, async_rows = runs["sync"], runs["async"]
 
-    print(f"{'stage (mean s per step)':<26}{'sync':>10}{'async':>10}")
-    for stage in STAGES:
+    print(f"{'stage (mean s per step)':<26}" + "".join(f"{name:>10}" for name in runs))
+    for stage in (*STAGES, "step"):
         key = f"timing/{stage}_s"
-        print(f"{stage:<26}{_mean(sync_rows, key):>10.3f}{_mean(async_rows, key):>10.3f}")
+        print(f"{stage:<26}" + "".join(f"{_mean(rows, key):>10.3f}" for rows in runs.values()))
     sync_step, async_step = _mean(sync_rows, "timing/step_s"), _mean(async_rows, "timing/step_s")
     ideal, per_group = _ideal_step_s(async_dir, args.warmup, args.steps)
     for group, busy in sorted(per_group.items()):
@@ -132,9 +149,15 @@ def main() -> None:
     print(
         f"sync step {sync_step:.3f} s   async step {async_step:.3f} s   ideal bound {ideal:.3f} s"
     )
-    print(f"policy_lag/max in the async run: {max(r['policy_lag/max'] for r in async_rows):.0f}")
+    for name, rows in runs.items():
+        lag, stall = _mean(rows, "policy_lag/mean"), _mean(rows, "weight_sync/stall_s")
+        lag_max = max(r["policy_lag/max"] for r in rows)
+        print(f"{name}: policy_lag/max {lag_max:.0f}, mean {lag:.2f}; stall {stall:.3f} s")
     print(f"runs in {root}")
-    print(f"RESULT eta={ideal / async_step:.3f} speedup={sync_step / async_step:.3f}")
+    result = f"RESULT eta={ideal / async_step:.3f} speedup={sync_step / async_step:.3f}"
+    if args.in_flight:
+        result += f" in_flight_vs_wait={_mean(runs['in_flight'], 'timing/step_s') / async_step:.3f}"
+    print(result)
 
 
 if __name__ == "__main__":
