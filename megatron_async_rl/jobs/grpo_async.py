@@ -74,7 +74,8 @@ def run_generate_pipeline(gen, exchange, clock: RankClock, cfg, rank: int) -> No
     )
     generate_machine = clock.machine(Stage.GENERATE)
     validation_machine = clock.machine(Stage.VALIDATION)
-    gate = EngineGate(gen.engine, generate_machine, sched.weight_update_mode == "in_flight")
+    in_flight = sched.weight_update_mode == "in_flight"
+    gate = EngineGate(gen.engine, generate_machine, in_flight, sched.in_flight_pause)
     receiver = WeightReceiver(
         exchange, gate, clock.machine(Stage.PARAM_UPDATE), sched, steps,
         gen.validator is not None, rank, wake=lambda: scheduler.wake(),

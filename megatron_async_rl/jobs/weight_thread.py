@@ -9,9 +9,10 @@ The rules, each a lock or a flag of `EngineGate`:
   so a load lands between two batches.
 - `load_lock` is held by every load, and by whatever must not overlap one: the cache flush, a
   validation pass, and the generate stage's entry and exit. Mode `in_flight` loads without
-  `engine_lock`: if a batch is generating, the load pauses it in place (the generate machine goes
-  RUNNING -> PAUSED -> RUNNING) and the prefix cache is flushed before the next batch, under
-  `load_lock`, when no request can be in flight (SGLang refuses a flush with requests running).
+  `engine_lock`: if a batch is generating, the load pauses it (the generate machine goes
+  RUNNING -> PAUSED -> RUNNING). Pause `retract` flushes the prefix cache with the load; pause
+  `in_place` leaves KV of older weights in it, flushed before the next batch, under `load_lock`,
+  when no request can be in flight (SGLang refuses a flush with requests running).
 - The generate stage leaves through `load_lock`, so a pause it is in always ends before its
   machine moves on.
 """
@@ -31,8 +32,10 @@ S = StageState
 class EngineGate:
     """The engine's users on one host, and the cache state loads leave behind."""
 
-    def __init__(self, engine, generate_machine, in_flight: bool):
+    def __init__(self, engine, generate_machine, in_flight: bool, pause: str = "retract"):
         self.engine, self.generate_machine, self.in_flight = engine, generate_machine, in_flight
+        self.pause = pause
+        """How an in-flight load pauses a generating batch (`SchedulerConfig.in_flight_pause`)."""
         self.engine_lock = threading.Lock()
         self.load_lock = threading.Lock()
         self._generating = False
@@ -74,11 +77,11 @@ class EngineGate:
             if paused:
                 self.generate_machine.transition(S.PAUSED, f"in-flight load of v{version}")
             try:
-                load_into_engine(self.engine, tensors, version, in_place=paused)
+                load_into_engine(self.engine, tensors, version, self.pause if paused else None)
             finally:
                 if paused:
                     self.generate_machine.transition(S.RUNNING, f"v{version} loaded")
-            self._needs_flush |= paused
+            self._needs_flush |= paused and self.pause == "in_place"
             return time.perf_counter() - start
 
 

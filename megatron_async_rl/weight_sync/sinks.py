@@ -137,14 +137,16 @@ class EngineSink:
 
 
 def load_into_engine(
-    engine, tensors: dict, version: int, in_place: bool = False, consume_bytes: int | None = None
+    engine, tensors: dict, version: int, pause: str | None = None, consume_bytes: int | None = None
 ) -> None:
     """Load HF-named whole tensors into `engine` in chunks of <= `consume_bytes`; stamp version.
 
     `consume_bytes` defaults to the one `tensors` was received with (a `StagedWeights`), else
-    to `WeightSyncConfig`'s. A tensor larger than a chunk is loaded alone. `in_place`: the engine
-    keeps its requests around the load (pause in place -> load -> continue); its prefix cache is
-    not flushed here (SGLang cannot flush with requests held): the caller flushes once idle.
+    to `WeightSyncConfig`'s. A tensor larger than a chunk is loaded alone. `pause`: the engine keeps
+    its requests around the load (pause -> load -> continue). `retract` puts them back in the
+    queue, so the prefix cache is flushed with the load as without a pause; `in_place` keeps
+    their KV, so it is not flushed here (SGLang cannot flush with requests held): the caller
+    flushes once idle.
     """
     if consume_bytes is None:
         from megatron_async_rl.weight_sync.config import WeightSyncConfig
@@ -160,8 +162,8 @@ def load_into_engine(
         chunks[-1].append((name, tensor))
         size += nbytes
     chunks = [_in_shared_memory(chunk) for chunk in chunks]
-    if in_place:
-        engine.pause("in_place")
+    if pause is not None:
+        engine.pause(pause)
     try:
         old_label = engine.weight_version()
         engine.begin_weight_update()
@@ -172,13 +174,13 @@ def load_into_engine(
                 engine.update_weights(
                     chunk,
                     version=engine_version_label(version) if final else old_label,
-                    flush_cache=final and not in_place,
+                    flush_cache=final and pause != "in_place",
                 )
             complete = True
         finally:
             engine.end_weight_update(complete=complete)
     finally:
-        if in_place:
+        if pause is not None:
             engine.resume()
 
 

@@ -50,7 +50,8 @@ class CharTokenizer:
 
 class TimedEngine(FakeEngine):
     """A FakeEngine that generates one position every `token_s` seconds (all requests of a
-    call together) and honours pause/resume and in-place weight updates between positions."""
+    call together) and honours pause/resume and weight updates between positions; it refuses a
+    cache flush while requests are held in place, as SGLang does."""
 
     def __init__(self, token_s: float = 0.0, **kwargs):
         super().__init__(**kwargs)
@@ -92,9 +93,11 @@ class TimedEngine(FakeEngine):
             self._cond.notify_all()
 
     def update_weights(self, named_tensors, version, flush_cache=True):
-        with self._cond:
-            if self._running and self.paused != "in_place":
-                raise RuntimeError("update_weights while generating without an in-place pause")
+        with self._cond:  # SGLang's rules for requests held by a pause
+            if self._running and self.paused is None:
+                raise RuntimeError("update_weights while generating without a pause")
+            if self._running and self.paused == "in_place" and flush_cache:
+                raise RuntimeError("SGLang refused flush_cache (requests held in place)")
             super().update_weights(named_tensors, version, flush_cache)
 
     def flush_cache(self):
@@ -156,7 +159,7 @@ class FakeLearner:
 
 def make_cfg(tmp_path, *, steps: int, ahead: int, mode: str = "wait", validation_every=0,
              validation_version="exact", timeout_s: float = 30.0, prompts: int = 2,
-             samples: int = 2, max_new_tokens: int = 4):  # fmt: skip
+             samples: int = 2, max_new_tokens: int = 4, pause: str = "retract"):  # fmt: skip
     data = write_arithmetic_dataset(tmp_path / "train.jsonl", num_rows=40, seed=0)
     val = write_arithmetic_dataset(tmp_path / "val.jsonl", num_rows=4, seed=1)
     return SimpleNamespace(
@@ -168,6 +171,7 @@ def make_cfg(tmp_path, *, steps: int, ahead: int, mode: str = "wait", validation
         scheduler=SchedulerConfig(
             generate_ahead_steps=ahead,
             weight_update_mode=mode,
+            in_flight_pause=pause,
             stage_timeout_s=timeout_s,
             validation_every=validation_every,
             validation_version=validation_version,

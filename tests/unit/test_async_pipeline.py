@@ -6,9 +6,10 @@ Contracts checked (each run takes well under a second to a few seconds):
   (`jobs/grpo_sync.run_steps`, an independent schedule) logs, validation included;
 - at N = 1 and N = 2, over 200 steps with randomised stage durations, no token is trained more
   than N versions after the one that produced it, and generation does run ahead (lag N occurs);
-- with in-flight loads, samples mix versions within the bound, the generate machine is PAUSED
-  during each in-flight load, the cache is flushed only with the engine idle (the engine
-  refuses otherwise, as SGLang does), and 20 repeated runs never fail;
+- with in-flight loads (pause `retract` and `in_place`), samples mix versions within the bound,
+  the generate machine is PAUSED during each in-flight load, the cache is flushed with the load
+  (retract) or only with the engine idle (in_place; the engine refuses otherwise, as SGLang
+  does), and 20 repeated runs of each never fail;
 - a stage that stops producing ends the run with a `StageTimeout` naming the most upstream
   waiting stage (the cause), not a downstream symptom;
 - validation `exact` evaluates every due version and never lets a load pass an unevaluated due
@@ -115,29 +116,36 @@ def test_weights_reach_the_engine_once_per_version_in_order(tmp_path):
     assert engine.weights["model.weight"].item() == 5.0
 
 
-def test_in_flight_loads_pause_generation_and_mix_versions(tmp_path):
+@pytest.mark.parametrize("pause", ["retract", "in_place"])
+def test_in_flight_loads_pause_generation_and_mix_versions(tmp_path, pause):
     engine = TimedEngine(token_s=0.004)
     learner = FakeLearner(lambda stage, step: 0.02 if stage == "train" else 0.0)
-    cfg = make_cfg(tmp_path, steps=8, ahead=1, mode="in_flight", max_new_tokens=12)
+    cfg = make_cfg(tmp_path, steps=8, ahead=1, mode="in_flight", max_new_tokens=12, pause=pause)
     gen_clock, _ = run_async(cfg, engine, learner)
     assert max(m["policy_lag/max"] for m in learner.logged) <= 1
     assert sum(m["policy_lag/mixed_samples"] for m in learner.logged) > 0
     paused = [e for e in gen_clock.trace.events() if e.get("name") == "generate (paused)"]
     pauses = [kw for name, kw in engine.calls if name == "pause"]
-    assert pauses and all(kw["mode"] == "in_place" for kw in pauses)
-    assert len(paused) == len(pauses), "every in-place pause is a PAUSED span of generate"
+    assert pauses and all(kw["mode"] == pause for kw in pauses)
+    assert len(paused) == len(pauses), "every in-flight pause is a PAUSED span of generate"
     flushes = [i for i, (name, _) in enumerate(engine.calls) if name == "flush_cache"]
-    assert flushes, "in-flight loads leave KV to flush before the next batch"
+    if pause == "in_place":
+        assert flushes, "in-place loads leave KV to flush before the next batch"
+    else:  # retract: every load flushes as it lands; nothing is left for later
+        assert not flushes
+        finals = [kw for name, kw in engine.calls if name == "update_weights"]
+        assert finals and all(kw["flush_cache"] for kw in finals)
 
 
-def test_in_flight_stress_twenty_runs_without_a_failure(tmp_path):
+@pytest.mark.parametrize("pause", ["retract", "in_place"])
+def test_in_flight_stress_twenty_runs_without_a_failure(tmp_path, pause):
     for run in range(20):
         engine = TimedEngine(token_s=0.001)
         rng = random.Random(run)
         learner = FakeLearner(lambda stage, step, rng=rng: rng.choice([0.0, 0.002, 0.005]))
         (tmp_path / str(run)).mkdir()
         cfg = make_cfg(tmp_path / str(run), steps=6, ahead=2, mode="in_flight",
-                       validation_every=2, max_new_tokens=6)  # fmt: skip
+                       validation_every=2, max_new_tokens=6, pause=pause)  # fmt: skip
         run_async(cfg, engine, learner)
         assert len(learner.logged) == 6
 

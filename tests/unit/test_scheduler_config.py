@@ -29,6 +29,7 @@ def test_defaults_are_synchronous():
         ("generate_ahead_steps", 1.0, "must be an integer >= 0"),
         ("generate_ahead_steps", True, "must be an integer >= 0"),
         ("weight_update_mode", "pause", "must be one of wait, in_flight"),
+        ("in_flight_pause", "abort", "must be one of retract, in_place"),
         ("queue_capacity", 0, "must be an integer >= 1"),
         ("stage_timeout_s", "10", "must be a finite number of seconds > 0"),
         ("stage_timeout_s", float("inf"), "must be a finite number of seconds > 0"),
