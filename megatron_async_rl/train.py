@@ -10,6 +10,7 @@ its own layout (`jobs/role_check.py`).
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import sys
@@ -59,11 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.platform import init_distributed
 
-    rank, world_size = init_distributed(platform)
+    rank, world_size = init_distributed(platform, timeout_s=cfg.platform.timeout_s)
     try:
         setup_logging(rank, layout.roles_of_rank(rank))
         logger.info("layout on %d ranks (%s):\n%s", world_size, platform, layout.describe())
-        groups = build_world_groups(layout, platform.backend)
+        timeout = datetime.timedelta(seconds=cfg.platform.timeout_s)
+        groups = build_world_groups(layout, platform.backend, timeout)
         if rank == 0:
             Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
             write_resolved(cfg, Path(cfg.run_dir) / RESOLVED_NAME)

@@ -21,8 +21,9 @@ call sites. They fall in four kinds, each handled by one named patch below:
 4. MoE utilities gated on `is_cuda` or on Transformer Engine symbols (`_patch_moe`).
 
 Trade-off: these patches are process-global. They are therefore opt-in (`install()`), refused on
-a process that uses CUDA, refused for megatron-core versions they were not measured on, and
-idempotent. `installed()` says whether they are active.
+a process that has used CUDA (a GPU that is only visible is hidden instead), refused for
+megatron-core versions they were not measured on, and idempotent. `installed()` says whether
+they are active.
 
 Known casualty: `transformers` 5 must not load a model in a process where this layer is
 installed. With the factories wrapped, its non-persistent RoPE `inv_freq` buffers come out of
@@ -55,13 +56,16 @@ def installed() -> bool:
 
 
 def install() -> None:
-    """Install every patch (idempotent). Raises RuntimeError on CUDA or an unknown version."""
+    """Install every patch (idempotent). Raises RuntimeError in a process that has used CUDA
+    or on an unknown megatron-core version. A GPU that is merely visible is hidden from this
+    process (`torch.cuda.is_available()` is False after), so a GPU node runs CPU recipes and
+    the CPU suite as a CPU-only machine does."""
     if _STATE["installed"]:
         return
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():
         raise RuntimeError(
-            "megatron_cpu.install(): CUDA is available in this process; the CPU compatibility "
-            "layer is only for CPU-only runs (set platform.device=cuda to use the GPU)"
+            "megatron_cpu.install(): this process already uses CUDA; the CPU compatibility "
+            "layer is only for processes that run on the CPU (platform.device=cpu)"
         )
     from megatron.core import package_info
 
@@ -134,6 +138,8 @@ class _CpuEvent:
 
 def _patch_torch_cuda() -> None:
     cuda = torch.cuda
+    cuda.is_available = lambda: False  # megatron-core gates GPU paths on it
+    cuda.device_count = lambda: 0
     cuda.current_device = lambda: torch.device("cpu")
     cuda.synchronize = lambda device=None: None
     cuda.Stream = _CpuStream

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron_async_rl.algorithms.config import GRPOConfig
-from megatron_async_rl.config.checks import require_choice, require_int
+from megatron_async_rl.config.checks import require_choice, require_int, require_number
 from megatron_async_rl.config.errors import ConfigError
 from megatron_async_rl.config.roles import (  # noqa: F401 - re-exported
     MEGATRON_ROLES,
@@ -121,10 +121,15 @@ class PlatformConfig:
     """auto, cpu or cuda."""
     backend: str = "auto"
     """auto, gloo or nccl (nccl needs cuda)."""
+    timeout_s: float = 1800.0
+    """Seconds a collective may wait before torch.distributed fails it, on the default group
+    and on every group the layout builds (start-up included: checkpoint loading, engine
+    start)."""
 
     def __post_init__(self) -> None:
         require_choice("device", self.device, ("auto", "cpu", "cuda"))
         require_choice("backend", self.backend, ("auto", "gloo", "nccl"))
+        require_number("timeout_s", self.timeout_s, gt=0, unit="seconds")
         if self.device == "cpu" and self.backend == "nccl":
             raise ConfigError("backend", self.backend, "nccl needs device cuda", "use gloo on cpu")
 

@@ -28,6 +28,7 @@ the order they are created:
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 from typing import TYPE_CHECKING
 
@@ -105,7 +106,7 @@ class WorldGroups:
         return self.layout.roles_of_rank(self.rank)
 
 
-def _role_collection(grid: RoleGrid, backend: str) -> ProcessGroupCollection | None:
+def _role_collection(grid: RoleGrid, backend: str, timeout) -> ProcessGroupCollection | None:
     """Create (collectively) the dense and expert grids of one role window."""
     from megatron.core.hyper_comm_grid import HyperCommGrid
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -123,27 +124,29 @@ def _role_collection(grid: RoleGrid, backend: str) -> ProcessGroupCollection | N
         backend=backend,
     )
     pgs = {
-        "tp": dense.create_pg("tp"),
-        "cp": dense.create_pg("cp"),
-        "dp": dense.create_pg("dp"),
-        "pp": dense.create_pg("pp"),
-        "dp_cp": dense.create_pg(["cp", "dp"]),
-        "tp_cp": dense.create_pg(["tp", "cp"]),
-        "mp": dense.create_pg(["tp", "pp"]),
-        "tp_dp_cp": dense.create_pg(["tp", "cp", "dp"]),
-        "intra_dist_opt": dense.create_pg(["tp", "cp", "dp", "pp"]),
-        "expt_tp": expert.create_pg("tp"),
-        "ep": expert.create_pg("ep"),
-        "expt_dp": expert.create_pg("dp"),
-        "tp_ep": expert.create_pg(["tp", "ep"]),
-        "tp_ep_pp": expert.create_pg(["tp", "ep", "pp"]),
+        "tp": dense.create_pg("tp", timeout=timeout),
+        "cp": dense.create_pg("cp", timeout=timeout),
+        "dp": dense.create_pg("dp", timeout=timeout),
+        "pp": dense.create_pg("pp", timeout=timeout),
+        "dp_cp": dense.create_pg(["cp", "dp"], timeout=timeout),
+        "tp_cp": dense.create_pg(["tp", "cp"], timeout=timeout),
+        "mp": dense.create_pg(["tp", "pp"], timeout=timeout),
+        "tp_dp_cp": dense.create_pg(["tp", "cp", "dp"], timeout=timeout),
+        "intra_dist_opt": dense.create_pg(["tp", "cp", "dp", "pp"], timeout=timeout),
+        "expt_tp": expert.create_pg("tp", timeout=timeout),
+        "ep": expert.create_pg("ep", timeout=timeout),
+        "expt_dp": expert.create_pg("dp", timeout=timeout),
+        "tp_ep": expert.create_pg(["tp", "ep"], timeout=timeout),
+        "tp_ep_pp": expert.create_pg(["tp", "ep", "pp"], timeout=timeout),
     }
     # Embedding group: first and last pipeline stage of every pipeline (tied-embedding grads).
     pp_enum = dense.get_rank_enum("pp")
     embd_enum = [sorted({ranks[0], ranks[-1]}) for ranks in pp_enum]
-    pgs["embd"], _ = dist.new_subgroups_by_enumeration(embd_enum, backend=backend)
+    pgs["embd"], _ = dist.new_subgroups_by_enumeration(embd_enum, backend=backend, timeout=timeout)
     pos_enum = [[ranks[0]] for ranks in pp_enum]
-    pgs["pos_embd"], _ = dist.new_subgroups_by_enumeration(pos_enum, backend=backend)
+    pgs["pos_embd"], _ = dist.new_subgroups_by_enumeration(
+        pos_enum, backend=backend, timeout=timeout
+    )
 
     if dist.get_rank() not in grid.ranks:
         return None
@@ -157,7 +160,7 @@ def _role_collection(grid: RoleGrid, backend: str) -> ProcessGroupCollection | N
     return collection
 
 
-def _weight_sender_groups(layout: RoleLayout, followers: set[int], backend: str = "gloo"):
+def _weight_sender_groups(layout: RoleLayout, followers: set[int], timeout, backend="gloo"):
     """One group per reshard sender (collective, sender order); and the receiver ranks."""
     placed = {role for window in layout.windows for role in window.roles}
     if "train" not in placed or "train" not in layout.parallelism:
@@ -172,13 +175,18 @@ def _weight_sender_groups(layout: RoleLayout, followers: set[int], backend: str 
     groups = {}
     for sender in senders:
         members = sorted(receivers | {sender})
-        group = dist.new_group(members, backend=backend)
+        group = dist.new_group(members, backend=backend, timeout=timeout)
         groups[sender] = group if dist.get_rank() in members else None
     return groups, tuple(sorted(receivers))
 
 
-def build_world_groups(layout: RoleLayout, backend: str) -> WorldGroups:
-    """Build every group of `layout` (collective: call on every rank, same arguments)."""
+def build_world_groups(
+    layout: RoleLayout, backend: str, timeout: datetime.timedelta | None = None
+) -> WorldGroups:
+    """Build every group of `layout` (collective: call on every rank, same arguments).
+
+    `timeout`: how long any collective on these groups may wait before torch.distributed fails
+    it (`platform.timeout_s`); None: torch's default (10 min for NCCL, 30 min for gloo)."""
     if not dist.is_initialized():
         raise RuntimeError("build_world_groups needs torch.distributed to be initialised first")
     world_size, rank = dist.get_world_size(), dist.get_rank()
@@ -187,7 +195,7 @@ def build_world_groups(layout: RoleLayout, backend: str) -> WorldGroups:
             f"layout was planned for world size {layout.world_size} but torch.distributed has "
             f"{world_size} ranks (global rank {rank})"
         )
-    control = dist.new_group(list(range(world_size)), backend="gloo")
+    control = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
     roles: dict[str, RoleGroups] = {}
     for role in MEGATRON_ROLES:
         if role not in layout.parallelism:
@@ -196,7 +204,7 @@ def build_world_groups(layout: RoleLayout, backend: str) -> WorldGroups:
         roles[role] = RoleGroups(
             role=role,
             ranks=tuple(grid.ranks),
-            pg_collection=_role_collection(grid, backend),
+            pg_collection=_role_collection(grid, backend, timeout),
             pp_size=grid.pp,
         )
     placed = {role for window in layout.windows for role in window.roles}
@@ -215,16 +223,18 @@ def build_world_groups(layout: RoleLayout, backend: str) -> WorldGroups:
             if role in placed:
                 members |= set(layout.window_of(role).ranks) - followers
         sync_ranks = tuple(sorted(members))
-        group = dist.new_group(list(sync_ranks), backend="gloo")
+        group = dist.new_group(list(sync_ranks), backend="gloo", timeout=timeout)
         weight_sync = group if rank in sync_ranks else None
-    weight_senders, receivers = _weight_sender_groups(layout, followers)
+    weight_senders, receivers = _weight_sender_groups(layout, followers, timeout)
     weight_senders_device = {}
     if backend != "gloo":
-        weight_senders_device, _ = _weight_sender_groups(layout, followers, backend)
+        weight_senders_device, _ = _weight_sender_groups(layout, followers, timeout, backend)
     megatron_ranks = tuple(sorted({r for name in roles for r in roles[name].ranks}))
-    megatron = dist.new_group(list(megatron_ranks), backend="gloo") if megatron_ranks else None
+    megatron = None
+    if megatron_ranks:
+        megatron = dist.new_group(list(megatron_ranks), backend="gloo", timeout=timeout)
     samples_ranks = tuple(r for r in range(world_size) if r not in followers)
-    samples = dist.new_group(list(samples_ranks), backend="gloo")
+    samples = dist.new_group(list(samples_ranks), backend="gloo", timeout=timeout)
     logger.info("rank %d: built groups for roles %s", rank, layout.roles_of_rank(rank))
     return WorldGroups(
         layout=layout,

@@ -25,14 +25,18 @@ class Platform:
 
     device_type: str  # "cpu" or "cuda"
     backend: str  # "gloo" or "nccl"
+    local_rank: int = 0
+    """This process's index on its node (torchrun's LOCAL_RANK): its GPU on CUDA."""
 
     @property
     def use_cuda(self) -> bool:
         return self.device_type == "cuda"
 
     def device(self) -> torch.device:
+        """The rank's device, the same from every thread (the current CUDA device is per
+        thread; a worker thread would get GPU 0 from `torch.cuda.current_device()`)."""
         if self.use_cuda:
-            return torch.device("cuda", torch.cuda.current_device())
+            return torch.device("cuda", self.local_rank)
         return torch.device("cpu")
 
 
@@ -50,7 +54,7 @@ def detect_platform(device: str = "auto", backend: str = "auto") -> Platform:
         backend = "nccl" if device == "cuda" else "gloo"
     if backend == "nccl" and device != "cuda":
         raise ValueError(f"platform.backend = nccl: NCCL needs platform.device=cuda, got {device}")
-    return Platform(device_type=device, backend=backend)
+    return Platform(device, backend, int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def init_distributed(
@@ -67,8 +71,7 @@ def init_distributed(
     to a thread count that does not oversubscribe the cores shared by the local ranks.
     """
     if platform.use_cuda:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(platform.device())
     kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)}
     if init_method is not None:
         kwargs.update(init_method=init_method, rank=rank, world_size=world_size)

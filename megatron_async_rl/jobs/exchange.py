@@ -31,6 +31,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_async_rl.distributed import devices
 from megatron_async_rl.roles.work import StepReport, StepWork
 from megatron_async_rl.rollout.generation import Sample
 from megatron_async_rl.scheduler.states import StageTimeout
@@ -85,8 +86,10 @@ def _learn_work(step: int, payloads: list) -> StepWork:
 class GlooExchange:
     """The exchange between the ranks of one world (its groups, this rank's roles)."""
 
-    def __init__(self, groups, roles: dict, weight_sync_config):
+    def __init__(self, groups, roles: dict, weight_sync_config, device: torch.device):
         self.groups, self.roles, self.config = groups, roles, weight_sync_config
+        self.device = device
+        """The rank's device (`Platform.device()`), decided on the main thread."""
         self.pool = BufferPool()
         """This rank's weight-sync buffers, reused from one version to the next."""
 
@@ -95,7 +98,7 @@ class GlooExchange:
         if groups.samples is None:  # an engine follower: not in the group
             return StepWork(step=step, samples=[])
         parts = [None] * dist.get_world_size(groups.samples)
-        dist.all_gather_object(parts, _payload(work), group=groups.samples)
+        devices.all_gather_object(parts, _payload(work), group=groups.samples)
         return _learn_work(step, parts)
 
     def send_step(self, work):
@@ -109,10 +112,13 @@ class GlooExchange:
             dist.barrier(group=self.groups.weight_sync)
 
     def sync_weights(self, version, engine=None):
-        return sync_weights(self.groups, self.roles, engine, version, self.config, self.pool)
+        return sync_weights(
+            self.groups, self.roles, engine, version, self.config, self.pool, self.device
+        )
 
     def receive_weights(self, version):
-        return broadcast_weights(self.groups, {}, self.config, version, self.pool)
+        devices.bind_thread(self.device)  # the engine host's weight thread
+        return broadcast_weights(self.groups, {}, self.config, version, self.pool, self.device)
 
 
 class LocalExchange:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_async_rl.distributed import devices
 from megatron_async_rl.jobs.exchange import GlooExchange
 from megatron_async_rl.observability.clock import RankClock
 from megatron_async_rl.observability.plots import plot_stage_timeline
@@ -38,8 +39,8 @@ class RankParts:
         is_leader = groups.rank == groups.leader
         parts = [None] * dist.get_world_size(groups.control)
         payload = (self.clock.trace.events(), self.clock.trace.spans())
-        dist.gather_object(payload, parts if is_leader else None, dst=groups.leader,
-                           group=groups.control)  # fmt: skip
+        devices.gather_object(payload, parts if is_leader else None, dst=groups.leader,
+                              group=groups.control)  # fmt: skip
         if not is_leader:
             return
         run_dir = Path(self.cfg.run_dir)
@@ -71,4 +72,5 @@ def build_parts(cfg, groups, platform) -> RankParts:
             learn.close()
         raise
     clock = RankClock(groups.rank, groups.local_roles())
-    return RankParts(cfg, groups, clock, gen, learn, GlooExchange(groups, roles, cfg.weight_sync))
+    exchange = GlooExchange(groups, roles, cfg.weight_sync, platform.device())
+    return RankParts(cfg, groups, clock, gen, learn, exchange)

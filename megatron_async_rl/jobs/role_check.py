@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_async_rl.config.schema import ResolvedConfig
+from megatron_async_rl.distributed import devices
 from megatron_async_rl.distributed.groups import WorldGroups
 from megatron_async_rl.distributed.platform import Platform
 from megatron_async_rl.models import hf_checkpoint
@@ -77,7 +78,7 @@ def run_role_check(cfg: ResolvedConfig, groups: WorldGroups, platform: Platform)
             logger.info("exported the train role's weights to %s", save)
 
     gathered = [None] * dist.get_world_size(groups.control)
-    dist.gather_object(reports, gathered if rank == 0 else None, dst=0, group=groups.control)
+    devices.gather_object(reports, gathered if rank == 0 else None, dst=0, group=groups.control)
     if rank != 0:
         return {}
     logps = {name: r["logp"] for part in gathered for name, r in part.items()}

@@ -109,8 +109,10 @@ def layer_spec(config, spec: ModelSpec):
     return gpt_layer_specs.get_gpt_layer_local_spec(**common, normalization=config.normalization)
 
 
-def build_gpt_model(config, spec: ModelSpec, pg_collection, seed: int):
-    """The GPTModel stage held by this rank (pre/post process from the PP rank)."""
+def build_gpt_model(config, spec: ModelSpec, pg_collection, seed: int, device=None):
+    """The GPTModel stage held by this rank (pre/post process from the PP rank), moved whole to
+    `device` (the rank's; as Megatron-LM's `get_model` does): modules that megatron-core builds
+    on the CPU whatever the config (torch norms without TE, the MoE router) follow it."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -137,4 +139,6 @@ def build_gpt_model(config, spec: ModelSpec, pg_collection, seed: int):
         pg_collection=pg_collection,
         **spec.gpt_kwargs,
     )
+    if device is not None and torch.device(device).type != "cpu":
+        model = model.to(device)
     return model

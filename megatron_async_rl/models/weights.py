@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_async_rl.distributed import devices
 from megatron_async_rl.models import hf_checkpoint, name_map
 
 
@@ -112,7 +113,7 @@ def gather_megatron_state_dict(module, args: dict[str, Any], pgc, spec):
             gathered[name] = tensor.detach().clone()
     role_group = pgc.intra_dist_opt
     parts = [None] * dist.get_world_size(role_group)
-    dist.gather_object(
+    devices.gather_object(
         gathered,
         parts if dist.get_rank(role_group) == 0 else None,
         dst=dist.get_global_rank(role_group, 0),

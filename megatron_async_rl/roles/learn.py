@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_async_rl.algorithms import grpo, losses
+from megatron_async_rl.distributed import devices
 from megatron_async_rl.observability.metrics import MetricsWriter, summarize
 from megatron_async_rl.observability.plots import plot_reward_curve
 from megatron_async_rl.observability.progress import Progress
@@ -110,7 +111,7 @@ class LearnSide:
             k: v for k, v in (("logp", work.logp_BT), ("ref", work.ref_logp_BT)) if v is not None
         }
         parts = [None] * len(self.groups.megatron_ranks)
-        dist.all_gather_object(parts, mine, group=self.groups.megatron)
+        devices.all_gather_object(parts, mine, group=self.groups.megatron)
         merged = {k: v for part in parts for k, v in part.items()}
         work.logp_BT, work.ref_logp_BT = merged["logp"], merged["ref"]
         rewards, mask = batch["rewards"], batch["mask"]
@@ -150,8 +151,8 @@ class LearnSide:
         """Gather the Megatron ranks' reports on the leader (with the engine hosts' reports that
         came with the samples) and write the step's metrics (collective, `megatron` group)."""
         parts = [None] * len(self.groups.megatron_ranks)
-        dist.gather_object(work.report, parts if self.is_leader else None,
-                           dst=self.groups.leader, group=self.groups.megatron)  # fmt: skip
+        devices.gather_object(work.report, parts if self.is_leader else None,
+                              dst=self.groups.leader, group=self.groups.megatron)  # fmt: skip
         if not self.is_leader:
             return
         metrics = StepReport.merge([*parts, *work.gen_reports])

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_async_rl.algorithms.logprobs import vocab_parallel_logprobs
 from megatron_async_rl.config import megatron_flags
+from megatron_async_rl.distributed import devices
 from megatron_async_rl.distributed.groups import MEGATRON_ROLES, RoleGroups, WorldGroups
 from megatron_async_rl.distributed.layout import Parallelism
 from megatron_async_rl.distributed.platform import Platform
@@ -69,10 +70,12 @@ class MegatronRole:
         if not groups.is_member:
             raise RuntimeError(f"role {role}: rank {dist.get_rank()} is not in its window")
         self.role, self.args, self.par, self.platform = role, args, par, platform
+        self.device = platform.device()
+        """Where the model lives; every input enters through `devices.to_device`."""
         self.pgc = groups.pg_collection
         self.config = builder.build_transformer_config(args, par, platform)
         self.spec = builder.model_spec(args, par, platform)
-        self.module = builder.build_gpt_model(self.config, self.spec, self.pgc, seed)
+        self.module = builder.build_gpt_model(self.config, self.spec, self.pgc, seed, self.device)
         self.pp_rank = dist.get_rank(self.pgc.pp)
         self.is_last_stage = self.pp_rank == par.pp - 1
         self.model = self.module
@@ -131,6 +134,7 @@ class MegatronRole:
         Returns the per-micro-batch dicts on the last stage, None on other stages. Every rank of
         the role must call it with the same batch (data-parallel replicas too).
         """
+        tokens_BT = devices.to_device(tokens_BT, self.device)
         batch, seq_len = tokens_BT.shape
         if batch % micro_batch_size:
             raise ValueError(
@@ -211,6 +215,7 @@ class MegatronRole:
         """
         if self.optimizer is None:
             raise RuntimeError(f"role {self.role}: train_step needs the train role's optimizer")
+        micro_batches = devices.to_device(micro_batches, self.device)
         num_micro = len(micro_batches)
         mb_size, seq_len = micro_batches[0]["tokens"].shape
         scale = float(num_micro * dist.get_world_size(self.pgc.dp))

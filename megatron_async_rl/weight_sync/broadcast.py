@@ -40,6 +40,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_async_rl.distributed import devices
 from megatron_async_rl.distributed.layout import RoleGrid
 from megatron_async_rl.models import name_map, weights
 from megatron_async_rl.weight_sync import buffers, executor, plan
@@ -121,31 +122,29 @@ def _metrics(stats: executor.SyncStats, reshard: plan.ReshardPlan) -> dict[str, 
 def _agree(groups, error: str | None) -> list[str]:
     """Every participant's error of this attempt, "global rank r: ..." (collective)."""
     box: list = [None] * dist.get_world_size(groups.weight_sync)
-    dist.all_gather_object(box, (groups.rank, error), group=groups.weight_sync)
+    devices.all_gather_object(box, (groups.rank, error), group=groups.weight_sync)
     return [f"global rank {r}: {e}" for r, e in box if e]
 
 
-def _attempt(groups, train, receiving: bool, version, config, make_sink, pool):
+def _attempt(groups, train, receiving: bool, version, config, make_sink, pool, device):
     """One run of the reshard: (sink, metrics, errors of every participant, retryable)."""
     rank = groups.rank
     key = _train_key(groups, train, version, config) if train else None
     first = min(groups.weight_senders)
     if groups.weight_senders[first] is not None:
         box = [key]
-        dist.broadcast_object_list(box, src=first, group=groups.weight_senders[first])
+        devices.broadcast_object_list(box, src=first, group=groups.weight_senders[first])
         key = box[0]
     error = None
     if version is not None and key.version != version:
         error = f"expects version {version} but sender global rank {first} sends {key.version}"
-    device = torch.device("cpu")
-    if key.device_type == "cuda":
-        if torch.cuda.is_available():
-            device = torch.device("cuda", torch.cuda.current_device())
-        elif error is None:
-            error = (
-                "weight_sync.bridge: the train role sends over the device bridge (its weights "
-                "are on CUDA) but this receiver has no CUDA device; set weight_sync.bridge=host"
-            )
+    if key.device_type != "cuda":
+        device = torch.device("cpu")
+    elif (device is None or device.type != "cuda") and error is None:
+        error = (
+            "weight_sync.bridge: the train role sends over the device bridge (its weights "
+            "are on CUDA) but this receiver has no CUDA device; set weight_sync.bridge=host"
+        )
     reshard = plan.build_plan(key.layout, key.dims, key.dtype, key.produce_bytes, key.consume_bytes)
     local = tp_groups = None
     if train is not None and error is None:
@@ -177,7 +176,7 @@ def _attempt(groups, train, receiving: bool, version, config, make_sink, pool):
     return sink, metrics, errors, True
 
 
-def _reshard(groups, roles: dict, version: int | None, config, make_sink, pool):
+def _reshard(groups, roles: dict, version: int | None, config, make_sink, pool, device):
     """Take part in one reshard; returns (sink or None, metrics). Collective.
 
     Every participant (train ranks and receivers, `groups.weight_sync`) learns every other's
@@ -192,7 +191,7 @@ def _reshard(groups, roles: dict, version: int | None, config, make_sink, pool):
     config = config or WeightSyncConfig()
     for attempt in range(1, config.max_attempts + 1):
         sink, metrics, errors, retryable = _attempt(
-            groups, train, receiving, version, config, make_sink, pool
+            groups, train, receiving, version, config, make_sink, pool, device
         )
         if not errors:
             metrics["weight_sync/attempts"] = attempt
@@ -215,6 +214,7 @@ def broadcast_weights(
     config: WeightSyncConfig | None = None,
     version: int | None = None,
     pool: buffers.BufferPool | None = None,
+    device: torch.device | None = None,
 ) -> tuple[StagedWeights | None, dict[str, float]]:
     """Reshard with receivers staging whole tensors in host memory (collective).
 
@@ -222,13 +222,15 @@ def broadcast_weights(
     asynchronous generate rank calls it from its weight thread with no roles (generation keeps
     running), then pauses, `load_into_engine`s the result in consume chunks and resumes.
     `pool`: buffers kept from one call to the next (the staging arena among them: the result
-    is valid until the next call with the same pool).
+    is valid until the next call with the same pool). `device`: the rank's device
+    (`Platform.device()`, passed in: never the calling thread's current CUDA device), where
+    device-bridge buffers go; None: this rank has none but the CPU.
     """
 
     def staging(reshard, key, counter) -> StagingSink:
         return StagingSink(reshard, counter, key.version, key.consume_bytes, pool)
 
-    sink, metrics = _reshard(groups, roles, version, config, staging, pool)
+    sink, metrics = _reshard(groups, roles, version, config, staging, pool, device)
     return (sink.weights if sink is not None else None), metrics
 
 
@@ -239,14 +241,16 @@ def sync_weights(
     version: int,
     config: WeightSyncConfig | None = None,
     pool: buffers.BufferPool | None = None,
+    device: torch.device | None = None,
 ) -> dict[str, float]:
     """Push the train role's weights to engines and the logp role (collective); returns metrics.
 
     A generate rank with an engine (and no logp role) streams into it within the consume bound;
     other receivers stage the whole model first. `pool`: this rank's buffers, kept from one
-    sync to the next (a job passes the same one every step). Raises RuntimeError, on every
-    participant, naming parameters, sender and receiver ranks and the version on a checksum
-    mismatch or a chunk the engine rejects that persists over `config.max_attempts`.
+    sync to the next (a job passes the same one every step); `device`: as `broadcast_weights`.
+    Raises RuntimeError, on every participant, naming parameters, sender and receiver ranks and
+    the version on a checksum mismatch or a chunk the engine rejects that persists over
+    `config.max_attempts`.
     """
     streaming = engine is not None and "logp" not in roles
     if streaming:
@@ -257,8 +261,8 @@ def sync_weights(
             sink.begin()
             return sink
 
-        return _reshard(groups, roles, version, config, make, pool)[1]
-    staged, metrics = broadcast_weights(groups, roles, config, version, pool)
+        return _reshard(groups, roles, version, config, make, pool, device)[1]
+    staged, metrics = broadcast_weights(groups, roles, config, version, pool, device)
     if staged is None:
         return metrics
     start = metrics.get("timing/weight_sync/load_s", 0.0)

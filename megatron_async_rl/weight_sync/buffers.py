@@ -306,7 +306,10 @@ class BufferPool:
         buf = self._buffers.get(key)
         device = torch.device(device if device is not None else "cpu")
         if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+            raise ValueError(
+                f"BufferPool.get({kind!r}, {index}): device {device} has no index; pass the "
+                "rank's device (Platform.device()), not the calling thread's current one"
+            )
         on_cpu = device.type == "cpu"
         if (
             buf is None

@@ -50,6 +50,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_async_rl.distributed import devices
 from megatron_async_rl.models import name_map
 from megatron_async_rl.weight_sync import buffers
 from megatron_async_rl.weight_sync.plan import HEADER_BYTES, Message, Piece, ReshardPlan
@@ -357,7 +358,7 @@ def _negotiate(plan, rank, sender_groups, sender_state, receiver, transport, sta
         box: list = [None]
         if sender.rank == rank and transport != "broadcast":
             box = [sender_state.offer_shared_memory(len(sender.buckets))]
-        dist.broadcast_object_list(box, src=sender.rank, group=group)
+        devices.broadcast_object_list(box, src=sender.rank, group=group)
         problem = "the sender offers none" if box[0] is None else None
         if box[0] is not None and receiver is not None and sender.rank != rank:
             try:
@@ -365,7 +366,7 @@ def _negotiate(plan, rank, sender_groups, sender_state, receiver, transport, sta
             except OSError as exc:
                 problem = f"receiver global rank {rank} cannot map them: {exc}"
         flags = [None] * dist.get_world_size(group)
-        dist.all_gather_object(flags, problem, group=group)
+        devices.all_gather_object(flags, problem, group=group)
         problems = [p for p in flags if p]
         if not problems:
             if sender.rank == rank:

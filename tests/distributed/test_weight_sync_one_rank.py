@@ -21,7 +21,7 @@ def _one_rank_sync(device_type: str) -> list[str]:
     """Names whose staged tensor differs from the trainer's, after two syncs (pooled slots)."""
     import torch.distributed as dist
 
-    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else None
+    device = torch.device("cuda", 0) if device_type == "cuda" else None
     plan = build_plan(TrainLayout(offset=0, tp=1, pp=1, dp=1), DIMS, "float32", 64 << 10, 16 << 10)
     gen = torch.Generator().manual_seed(0)
     hf = {name: torch.randn(shape, generator=gen) for name, shape in plan.hf_shapes}
@@ -38,7 +38,9 @@ def _one_rank_sync(device_type: str) -> list[str]:
             counter=counter, pool=pool, device=device,
         )  # fmt: skip
         assert stats.error is None, stats.error
-        assert all(b.device.type == device_type for b in pool._buffers.values() if b.numel())
+        # Produce and consume slots on the device; the staging arena is host shared memory.
+        slots = [b for (kind, _), b in pool._buffers.items() if kind != "staging" and b.numel()]
+        assert slots and all(b.device.type == device_type for b in slots)
         bad += [n for n, t in hf.items() if not torch.equal(sink.weights[n].cpu(), t)]
     return bad
 

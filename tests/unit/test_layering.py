@@ -111,7 +111,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("config.errors", "config.checks", "config.roles", "config.megatron_flags",
                 "*.config")),
     ("layout", ("distributed.layout",)),
-    ("groups", ("distributed.groups", "distributed.platform", "compat")),
+    ("groups", ("distributed.groups", "distributed.platform", "distributed.devices", "compat")),
     ("models", ("models",)),
     ("engines", ("engines",)),
     ("weight_sync", ("weight_sync",)),
