@@ -95,3 +95,18 @@ def setup_process(platform: Platform) -> None:
     # Local DotProductAttention reads this rank-local buffer (facts: leak 1); not a group.
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:
         parallel_state._set_global_memory_buffer()
+
+
+LOGPROB_TOLERANCE = {"fp32": 1e-5, "bf16": 1e-1}
+"""Max abs difference of per-token log-probs two correct sources may show, by the precision the
+models run in: fp32 with TF32 off (`exact_fp32_matmuls`); bf16 (8-bit mantissa, different
+reduction orders per layout; an estimate until measured on a GPU)."""
+
+
+def exact_fp32_matmuls() -> None:
+    """TF32 off for fp32 matmuls and convolutions, in torch and in Transformer Engine (its fp32
+    GEMMs use cuBLASLt's FAST_TF32 unless NVIDIA_TF32_OVERRIDE=0, read when cuBLAS starts: call
+    this before the first GEMM). For parity checks; training keeps TF32 where it is on."""
+    os.environ["NVIDIA_TF32_OVERRIDE"] = "0"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False

@@ -5,8 +5,9 @@ roles placed there, loads the HF checkpoint (`model.hf_path` or `--load`) into e
 computes per-token log-probs of one synthetic batch (`smoke.*` in the recipe) through each
 role's own TP/PP/EP layout. Rank 0 collects one copy per role, compares them with each other and
 with a `transformers` forward pass of the same checkpoint, writes `metrics.jsonl` and
-`role_check.json` to the run dir, and fails the run when any pair differs by more than
-`TOLERANCE`. With `--save DIR`, the train role's weights are exported there as a HF checkpoint.
+`role_check.json` to the run dir, and fails the run when any pair differs by more than the
+tolerance of the roles' precision (`platform.LOGPROB_TOLERANCE`; fp32 runs with TF32 off).
+With `--save DIR`, the train role's weights are exported there as a HF checkpoint.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from megatron_async_rl.config.schema import ResolvedConfig
 from megatron_async_rl.distributed import devices
 from megatron_async_rl.distributed.groups import WorldGroups
-from megatron_async_rl.distributed.platform import Platform
+from megatron_async_rl.distributed.platform import LOGPROB_TOLERANCE, Platform, exact_fp32_matmuls
 from megatron_async_rl.models import hf_checkpoint
 from megatron_async_rl.models.hf_reference import hf_logprobs
 from megatron_async_rl.observability.logs import leader_print
@@ -30,7 +31,11 @@ from megatron_async_rl.roles.megatron_role import MegatronRole, build_local_role
 
 logger = logging.getLogger(__name__)
 
-TOLERANCE = 1e-5  # fp32: max abs difference of per-token log-probs between any two sources
+
+def tolerance_of(cfg: ResolvedConfig) -> float:
+    """The log-prob tolerance of the roles' precision: bf16 if any role runs in bf16."""
+    bf16 = any(args.get("bf16") for args in cfg.role_megatron_args.values())
+    return LOGPROB_TOLERANCE["bf16" if bf16 else "fp32"]
 
 
 def _batch(cfg: ResolvedConfig, vocab_size: int) -> torch.Tensor:
@@ -57,6 +62,8 @@ def _compare(logps: dict[str, torch.Tensor]) -> dict[str, float]:
 
 def run_role_check(cfg: ResolvedConfig, groups: WorldGroups, platform: Platform) -> dict:
     """Run the check on every rank (collective); returns the metrics (complete on rank 0)."""
+    if platform.use_cuda:
+        exact_fp32_matmuls()
     rank = dist.get_rank()
     start = time.perf_counter()
     roles = build_local_roles(cfg, groups, platform)
@@ -93,9 +100,10 @@ def run_role_check(cfg: ResolvedConfig, groups: WorldGroups, platform: Platform)
     metrics["timing/role_check/total_s"] = time.perf_counter() - start
     _write(cfg, metrics, groups)
     worst = max((v for k, v in metrics.items() if k.endswith("_max_abs_diff")), default=0.0)
-    if worst > TOLERANCE:
+    tolerance = tolerance_of(cfg)
+    if worst > tolerance:
         raise RuntimeError(
-            f"role check failed: per-token log-probs differ by {worst:.3g} > {TOLERANCE} "
+            f"role check failed: per-token log-probs differ by {worst:.3g} > {tolerance} "
             f"between roles (see {cfg.run_dir}/role_check.json)"
         )
     return metrics
@@ -106,7 +114,8 @@ def _write(cfg: ResolvedConfig, metrics: dict, groups: WorldGroups) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps(metrics) + "\n")
-    report = {"layout": groups.layout.describe(), "tolerance": TOLERANCE, "metrics": metrics}
+    report = {"layout": groups.layout.describe(), "tolerance": tolerance_of(cfg),
+              "metrics": metrics}  # fmt: skip
     (run_dir / "role_check.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = ["role check: per-token log-probs of one batch, max abs difference"]
     lines += [f"  {k.split('/')[1]:<20} {v:.3e}" for k, v in metrics.items() if "_vs_" in k]
