@@ -1,8 +1,11 @@
-"""Test-suite wiring: skip `gpu` tests without CUDA; keep CPU ranks from oversubscribing."""
+"""Test-suite wiring: skip `gpu` tests without CUDA; keep CPU ranks from oversubscribing; the
+session's tiny models, task and shared synchronous run."""
 
 import os
 
 import pytest
+
+from tests.e2e.recipe_runs import SYNC_SETS, Run, Task, run_recipe
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -42,3 +45,29 @@ def tiny_model(tmp_path_factory):
         return written[key]
 
     return get
+
+
+# What the e2e and cluster tests share: one task (tiny model, a dataset with bad rows, a
+# validation set) and one run of the synchronous recipe on one host, which `test_grpo_job` reads
+# for the job's contracts and the others compare with (the asynchronous loop at N = 0, the same
+# run on two hosts).
+@pytest.fixture(scope="session")
+def task(tmp_path_factory) -> Task:
+    from megatron_async_rl.models.tiny import write_tiny_model
+    from megatron_async_rl.rollout.arithmetic import write_arithmetic_dataset
+
+    root = tmp_path_factory.mktemp("task")
+    model = write_tiny_model(root / "model", "llama", seed=0)
+    data = write_arithmetic_dataset(root / "train.jsonl", num_rows=200, seed=0)
+    with open(data, "a") as f:
+        f.write('{"prompt": "1+1="}\n')  # missing answer
+        f.write("{not json\n")  # malformed JSON, line 202
+        f.write('{"prompt": "", "answer": "0"}\n')  # empty prompt
+    val = write_arithmetic_dataset(root / "val.jsonl", num_rows=12, seed=1)
+    return Task(model, data, val)
+
+
+@pytest.fixture(scope="session")
+def sync_run(task, tmp_path_factory) -> Run:
+    run_dir = tmp_path_factory.mktemp("sync") / "run"
+    return run_recipe(task, run_dir, 29631, *SYNC_SETS, f"validation.data.path={task.val}")

@@ -2,9 +2,9 @@
 
 Contracts checked:
 - at `generate_ahead_steps: 0` the asynchronous loop (`scheduler.loop: async`) reproduces the
-  synchronous loop (the e2e tests' shared run, `conftest.sync_run`) exactly: same seed and data
-  give identical metrics (every key but timings, throughput, scheduler and utilization seconds)
-  at every step, validation results included;
+  synchronous loop (the tests' shared run, `sync_run` in tests/conftest.py) exactly: same seed
+  and data give identical metrics (every key but timings, throughput, scheduler and
+  utilization seconds) at every step, validation results included;
 - at `generate_ahead_steps: 1` with `weight_update_mode: in_flight` over 10 steps, no token is
   ever trained more than one policy version after the one that produced it (`policy_lag/max`
   read from the per-token versions the engine reported), generation does run ahead (some step

@@ -1,9 +1,9 @@
 """The GRPO job through the real entry point: `launch/torchrun.sh yaml_configs/tiny-grpo-cpu.yaml`.
 
 Contracts checked:
-- 4 steps on 2 CPU ranks (train+logp+ref | a real SGLang engine) finish (the run the e2e tests
-  share, `conftest.sync_run`); `metrics.jsonl` has one object per step with the documented keys;
-  `reward.png` and `config.resolved.yaml` are written;
+- 4 steps on 2 CPU ranks (train+logp+ref | a real SGLang engine) finish (the run the tests
+  share, `sync_run` in tests/conftest.py); `metrics.jsonl` has one object per step with the
+  documented keys; `reward.png` and `config.resolved.yaml` are written;
   at step 0 the engine's log-probs of its own tokens match the trainer's within 1e-3 (fp32);
   malformed dataset rows are reported with file and line and counted in the metrics.
 - an engine that dies mid-run stops the run with a non-zero exit and an error naming the

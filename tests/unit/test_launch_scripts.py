@@ -320,3 +320,14 @@ def test_slurm_validates_the_moe_recipe_for_the_whole_world(sandbox, nodes, gpus
         assert f"error: config error: {error}" in result.stderr
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "Traceback" not in result.stderr
+
+
+def test_slurm_help_prints_the_header_without_running_anything():
+    script = REPO_ROOT / "launch" / "slurm.sbatch"
+    proc = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True,
+                          env={"PATH": os.environ["PATH"]}, timeout=30)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    header = [line for line in script.read_text().splitlines()[1:] if line.startswith("#")]
+    assert proc.stdout.splitlines()[0] == header[0].removeprefix("# ")
+    assert "Usage: sbatch" in proc.stdout and "#SBATCH --nodes=2" in proc.stdout
+    assert "set -euo" not in proc.stdout and not proc.stderr
