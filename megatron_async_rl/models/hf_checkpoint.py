@@ -1,10 +1,10 @@
 """Reading and writing HuggingFace model directories (safetensors + config.json + tokenizer).
 
-Owns the on-disk side of HF checkpoints: loading every `*.safetensors` of a directory (honouring
-`model.safetensors.index.json`), reading `config.json`, writing an export directory that
-`transformers` and SGLang load, and turning a transformers 5 module's state dict into the hub
-layout (`to_hub_layout`). Called by model building (HF init), export and tests; tensor layouts
-between Megatron and HF live in `name_map`.
+Owns the on-disk side of HF checkpoints: reading the `*.safetensors` of a directory, all of it or
+tensor by tensor (`HFTensorReader`, honouring `model.safetensors.index.json`), reading
+`config.json`, writing an export directory that `transformers` and SGLang load, and turning a
+transformers 5 module's state dict into the hub layout (`to_hub_layout`). Called by model
+building (HF init), export and tests; tensor layouts between Megatron and HF live in `name_map`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -56,36 +57,58 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
         return json.load(f)
 
 
-def load_hf_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
-    """Every tensor of the directory's safetensors files, on CPU, in hub layout.
+class HFTensorReader:
+    """The tensors of a HF directory's safetensors files, read one at a time on request.
 
-    With an index file only the files it names are read, and every indexed tensor must be found.
+    `read(name)` reads only that tensor's bytes (safetensors' memory map: a rank that needs a
+    tenth of the model reads a tenth); `bytes_read` counts them. With an index file only the
+    files it names are read, and every indexed tensor must be found in its file.
     """
-    model_dir = _model_dir(path)
-    index_path = model_dir / INDEX_FILE
-    expected: set[str] | None = None
-    if index_path.is_file():
-        with open(index_path) as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
-        expected = set(weight_map)
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-        missing_files = [str(f) for f in files if not f.is_file()]
-        if missing_files:
-            raise ValueError(f"{index_path} names files that do not exist: {missing_files}")
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"HF model directory {str(model_dir)!r} has no *.safetensors files")
-    state: dict[str, Tensor] = {}
-    for file in files:
-        for key, tensor in load_file(str(file), device="cpu").items():
-            if key in state:
-                raise ValueError(f"tensor {key!r} appears in more than one file of {model_dir}")
-            state[key] = tensor
-    if expected is not None and expected != state.keys():
-        missing = sorted(expected - state.keys())[:8]
-        raise ValueError(f"{index_path} lists tensors not found in its files: {missing}")
-    return state
+
+    def __init__(self, path: str | os.PathLike):
+        model_dir = _model_dir(path)
+        index_path = model_dir / INDEX_FILE
+        if index_path.is_file():
+            with open(index_path) as f:
+                weight_map: dict[str, str] = json.load(f)["weight_map"]
+            files = [model_dir / name for name in sorted(set(weight_map.values()))]
+            missing_files = [str(f) for f in files if not f.is_file()]
+            if missing_files:
+                raise ValueError(f"{index_path} names files that do not exist: {missing_files}")
+        else:
+            weight_map, files = None, sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"HF model directory {str(model_dir)!r} has no *.safetensors files")
+        self._files: dict[str, Any] = {}
+        self._where: dict[str, Path] = {}
+        for file in files:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+            self._files[str(file)] = handle
+            for key in handle.keys():
+                if key in self._where:
+                    raise ValueError(f"tensor {key!r} appears in more than one file of {model_dir}")
+                self._where[key] = file
+        if weight_map is not None and set(weight_map) != self._where.keys():
+            missing = sorted(set(weight_map) - self._where.keys())[:8]
+            raise ValueError(f"{index_path} lists tensors not found in its files: {missing}")
+        self.bytes_read = 0
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def read(self, name: str) -> Tensor:
+        if name not in self._where:
+            raise KeyError(f"the HF checkpoint has no tensor {name!r}")
+        tensor = self._files[str(self._where[name])].get_tensor(name)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+
+def load_hf_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
+    """Every tensor of the directory's safetensors files, on CPU, in hub layout (see
+    `HFTensorReader` to read only some)."""
+    reader = HFTensorReader(path)
+    return {key: reader.read(key) for key in reader.keys()}
 
 
 def to_hub_layout(hf_sd: Mapping[str, Tensor]) -> dict[str, Tensor]:

@@ -29,7 +29,7 @@ loads as is.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -429,6 +429,42 @@ def stage_state_dict(
     The tied `output_layer.weight` of the last stage (PP>1) is read from the embedding. Expert-TP
     defaults to TP, as megatron-core's `expert_tensor_parallel_size` does.
     """
+    return _stage(
+        full_sd.__getitem__, dims, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
+        pp_size=pp_size, ep_rank=ep_rank, ep_size=ep_size, etp_rank=etp_rank, etp_size=etp_size,
+    )  # fmt: skip
+
+
+def stage_state_dict_from_hf(read: Callable[[str], Tensor], dims: ModelDims, **ranks) -> dict:
+    """`stage_state_dict` of the Megatron form of a HF checkpoint, reading through `read(hf
+    name)` only the HF tensors this rank's parameters come from (its stage's layers, its
+    experts), one parameter at a time; `ranks` as `stage_state_dict`'s."""
+
+    def full(name: str) -> Tensor:
+        return hf_to_megatron_param(name, [read(h) for h in hf_names_for(name, dims)], dims)
+
+    return _stage(full, dims, **ranks)
+
+
+def check_hf_names(names: Iterable[str], dims: ModelDims) -> None:
+    """The rules `hf_to_megatron` applies to a whole checkpoint, on its tensor names only:
+    every source of every parameter is present, and nothing is left without a counterpart."""
+    names = set(names)
+    needed = {h for name in stage_param_names(dims) for h in hf_names_for(name, dims)}
+    missing = sorted(needed - names)
+    if missing:
+        raise ValueError(f"HF state dict lacks {missing[:8]} needed for Megatron parameters")
+    ignorable = {"lm_head.weight"} if dims.tied_embeddings else set()
+    extra = sorted(n for n in names - needed - ignorable if not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise ValueError(f"HF state dict has tensors with no Megatron counterpart: {extra[:8]}")
+
+
+def _stage(
+    full: Callable[[str], Tensor], dims: ModelDims, *, tp_rank=0, tp_size=1, pp_rank=0,
+    pp_size=1, ep_rank=0, ep_size=1, etp_rank=None, etp_size=None,
+) -> dict[str, Tensor]:  # fmt: skip
+    """The rank's local slices; `full(global Megatron name)` gives a whole parameter."""
     etp_rank, etp_size = (tp_rank, tp_size) if etp_size is None else (etp_rank or 0, etp_size)
     l0 = layer_offset(pp_rank, pp_size, dims.num_layers)
     e0 = expert_offset(ep_rank, ep_size, dims.num_experts) if dims.num_experts else 0
@@ -442,5 +478,8 @@ def stage_state_dict(
         spec = shard_spec(name, dims)
         rank, size = (etp_rank, etp_size) if spec.is_expert else (tp_rank, tp_size)
         local = to_local_name(name, layer_offset=l0, expert_offset=e0)
-        out[local] = shard_for_rank(full_sd[source], spec, rank, size)
+        shard = shard_for_rank(full(source), spec, rank, size)
+        if shard.untyped_storage().nbytes() > shard.nbytes:  # a view: do not keep the whole
+            shard = shard.clone()
+        out[local] = shard
     return out

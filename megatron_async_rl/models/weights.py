@@ -49,11 +49,15 @@ def _own_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_hf_into_megatron(module, path: str, args: dict[str, Any], pgc, spec) -> None:
-    """Copy this rank's slice of every parameter of the HF checkpoint at `path` into `module`."""
-    load_hf_state_dict_into_megatron(
-        module, hf_checkpoint.load_hf_state_dict(path), args, pgc, spec, path
-    )
+def load_hf_into_megatron(module, path: str, args: dict[str, Any], pgc, spec) -> int:
+    """Copy this rank's slice of every parameter of the HF checkpoint at `path` into `module`,
+    reading only the tensors this rank's parameters come from (its pipeline stage's layers, its
+    experts; whole tensors, then sliced for TP). Returns the bytes read."""
+    dims = model_dims(args, spec)
+    reader = hf_checkpoint.HFTensorReader(path)
+    name_map.check_hf_names(reader.keys(), dims)
+    _copy_into(module, name_map.stage_state_dict_from_hf(reader.read, dims, **_ranks(pgc)), path)
+    return reader.bytes_read
 
 
 @torch.no_grad()
@@ -63,7 +67,11 @@ def load_hf_state_dict_into_megatron(
     """Copy this rank's slice of every tensor of a full HF state dict into `module`."""
     dims = model_dims(args, spec)
     full = name_map.hf_to_megatron(hf_sd, dims)
-    local = name_map.stage_state_dict(full, dims, **_ranks(pgc))
+    _copy_into(module, name_map.stage_state_dict(full, dims, **_ranks(pgc)), path)
+
+
+def _copy_into(module, local: dict, path: str) -> None:
+    """Copy the rank's local slices into `module`'s parameters; every one must match."""
     own = _own_tensors(module)
     missing, unexpected = sorted(own.keys() - local.keys()), sorted(local.keys() - own.keys())
     if missing or unexpected:

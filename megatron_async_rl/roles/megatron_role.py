@@ -116,8 +116,11 @@ class MegatronRole:
 
     # ------------------------------------------------------------------------------------------
     def load_hf_checkpoint(self, path: str) -> None:
-        """Load this rank's shard of every parameter from a HuggingFace directory."""
-        weights.load_hf_into_megatron(self.module, path, self.args, self.pgc, self.spec)
+        """Load this rank's shard of every parameter from a HuggingFace directory (reading only
+        the tensors of its stage and experts)."""
+        read = weights.load_hf_into_megatron(self.module, path, self.args, self.pgc, self.spec)
+        logger.info("role %s: read %.1f MB of %s for this rank's stage", self.role, read / 2**20,
+                    path)  # fmt: skip
         if self.optimizer is not None:
             # The optimizer keeps fp32 main params; refresh them from the loaded model params.
             self.optimizer.reload_model_params()
