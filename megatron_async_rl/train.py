@@ -48,9 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     if cli.dry_run:
         device, backend = cfg.platform.device, cfg.platform.backend
         auto = " (auto: cuda/nccl where a GPU is visible)" if "auto" in (device, backend) else ""
+        from megatron_async_rl.roles import memory
+
+        memory_lines = memory.describe(
+            memory.plan_memory(cfg, layout), cfg.engine.mem_fraction_static or 0.8
+        )
         leader_print(
             f"recipe {cli.config}: valid for {world_size} ranks on platform {device}/{backend}"
-            f"{auto}\n{layout.describe()}"
+            f"{auto}\n{layout.describe()}\n{memory_lines}"
         )
         return 0
     platform = exit_on_config_error(_platform, cfg)

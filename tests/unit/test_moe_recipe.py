@@ -2,7 +2,8 @@
 
 Contract: `python -m megatron_async_rl.train --config RECIPE --dry-run --world-size 32` runs on a
 CPU machine without the checkpoint: it exits 0, prints every role's window and parallel sizes
-and the SGLang engines (engine.tp_size 2: hosts 24, 26, 28, 30), and warns on one line that
+and the SGLang engines (engine.tp_size 2: hosts 24, 26, 28, 30), the device and host memory of
+each role's busiest rank (`roles/memory.py`), and warns on one line that
 `model.hf_path` was not checked. A wrong world size, engine TP split, EP split or MoE TP without
 sequence parallelism exits 2 with one `error:` line naming the key, the value and the rule. A
 real (non-dry) resolve of the same recipe still fails on the missing checkpoint. Where the
@@ -62,6 +63,15 @@ def test_dry_run_on_32_ranks_prints_the_layout():
         f"  engine {i}: ranks {24 + 2 * i}-{25 + 2 * i}, host {24 + 2 * i}" for i in range(4)
     ]
     assert lines[12] == "nodes: 4 x 8 ranks (no engine spans two)"
+    memory = {line.split()[0]: line for line in lines[14:18]}
+    assert lines[13].startswith("memory per rank (busiest rank of each role;")
+    # 16.0B weights in bf16 = 29.9 GiB; train EP4 holds a quarter of the experts (9.6 GiB) with
+    # bf16 grads and Adam's fp32 state spread over DP16; logp and engine hosts stage the whole
+    # model in host memory every sync (review finding 9, still open).
+    assert "device 22.8 GiB (weights 9.6 + grads 9.6 + optimizer 3.6)" in memory["train"]
+    assert "device 14.9 GiB (weights 14.9)" in memory["logp"]
+    assert "sync staging 29.9" in memory["logp"] and "sync staging 29.9" in memory["generate"]
+    assert "sync staging" not in memory["ref"] and "engine weights 14.9" in memory["generate"]
     if not Path(CHECKPOINT).exists():
         warnings = [line for line in proc.stderr.splitlines() if "WARNING" in line]
         assert len(warnings) == 1, proc.stderr

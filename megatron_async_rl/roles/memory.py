@@ -1,0 +1,117 @@
+"""What one rank of each role holds, in bytes, from the recipe alone (pure; for `--dry-run`).
+
+Owned here: `plan_memory(cfg, layout)` -> one `RankMemory` per role, for that role's busiest
+rank (the pipeline stage and expert shard with the most weights), and `describe`. Counted:
+- device: the rank's weights (its pipeline stage, its experts, its TP/expert-TP slice, vocab
+  padding ignored) in the role's dtype; for `train` also the gradient buffer (fp32 when
+  `grad_reduce_in_fp32` or not bf16/fp16, else the param dtype) and Adam's state: an fp32 main
+  copy when training in bf16/fp16, plus two fp32 moments, divided over data-parallel ranks
+  with `use_distributed_optimizer`. Activations, the KV cache and allocator slack are not
+  counted (they depend on batch and sequence shapes); an engine host holds its engine's share
+  of the model plus SGLang's KV pool (`mem_fraction_static` of its GPUs).
+- host: reading the checkpoint (the rank's weights, in the checkpoint's dtype, built before
+  they move to the device) and, on logp ranks and engine hosts, the weight-sync staging arena:
+  the whole model in the train dtype, every step (review finding 9: not yet on the device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_async_rl.models import name_map as nm
+from megatron_async_rl.weight_sync.plan import hf_shape
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class RankMemory:
+    role: str
+    ranks: range
+    device: dict[str, int]
+    host: dict[str, int]
+
+    def line(self) -> str:
+        dev = " + ".join(f"{k} {v / GiB:.1f}" for k, v in self.device.items() if v)
+        host = " + ".join(f"{k} {v / GiB:.1f}" for k, v in self.host.items() if v)
+        return (f"  {self.role:<9} ranks {self.ranks.start}-{self.ranks.stop - 1}: device "
+                f"{sum(self.device.values()) / GiB:.1f} GiB ({dev}); host "
+                f"{sum(self.host.values()) / GiB:.1f} GiB ({host})")  # fmt: skip
+
+
+def _dtype_bytes(args: dict) -> int:
+    return 2 if args.get("bf16") or args.get("fp16") else 4
+
+
+def _param_numel(name: str, dims: nm.ModelDims) -> int:
+    total = 0
+    for hf in nm.hf_names_for(name, dims):
+        n = 1
+        for size in hf_shape(hf, dims):
+            n *= size
+        total += n
+    return total
+
+
+def stage_numel(dims: nm.ModelDims, grid) -> int:
+    """Weights on the busiest rank of a role grid (after TP / expert-TP slicing)."""
+    best = 0
+    for pp_rank in range(grid.pp):
+        for ep_rank in range(grid.ep):
+            names = nm.stage_param_names(dims, pp_rank=pp_rank, pp_size=grid.pp,
+                                         ep_rank=ep_rank, ep_size=grid.ep)  # fmt: skip
+            n = 0
+            for name in names:
+                spec = nm.shard_spec(name, dims)
+                split = 1 if spec.partition_dim is None else grid.etp if spec.is_expert else grid.tp
+                n += _param_numel(name, dims) // split
+            best = max(best, n)
+    return best
+
+
+def model_numel(dims: nm.ModelDims) -> int:
+    return sum(_param_numel(name, dims) for name in nm.stage_param_names(dims))
+
+
+def plan_memory(cfg, layout) -> list[RankMemory]:
+    """One `RankMemory` per placed role (Megatron roles and generate)."""
+    out = []
+    train_args = cfg.role_megatron_args.get("train") or next(iter(cfg.role_megatron_args.values()))
+    dims = nm.ModelDims.from_megatron_args(train_args)
+    whole = model_numel(dims)
+    sync_bytes = whole * _dtype_bytes(train_args)
+    receivers = {"logp"} | ({"generate"} if cfg.scheduler.use_async_loop else set())
+    for role, args in cfg.role_megatron_args.items():
+        if role not in layout.parallelism:
+            continue
+        grid, b = layout.grid(role), _dtype_bytes(args)
+        n = stage_numel(dims, grid)
+        device = {"weights": n * b}
+        if role == "train":
+            low = bool(args.get("bf16") or args.get("fp16"))
+            grad = 4 if args.get("grad_reduce_in_fp32") or not low else b
+            state = n * ((4 if low else 0) + 8)
+            if args.get("use_distributed_optimizer"):
+                state //= grid.dp
+            device.update(grads=n * grad, optimizer=state)
+        host = {"checkpoint read": n * b}
+        if role in receivers:
+            host["sync staging"] = sync_bytes
+        out.append(RankMemory(role, grid.ranks, device, host))
+    if "generate" in {r for w in layout.windows for r in w.roles}:
+        window = layout.window_of("generate")
+        tp = cfg.engine.tp_size
+        engine_b = 4 if cfg.engine.dtype == "float32" else 2  # auto: a bf16 checkpoint
+        host = {"sync staging": sync_bytes} if "generate" in receivers else {}
+        ranks = range(window.ranks[0], window.ranks[-1] + 1)
+        out.append(RankMemory("generate", ranks, {"engine weights": whole * engine_b // tp}, host))
+    return out
+
+
+def describe(plans: list[RankMemory], engine_fraction: float | None = None) -> str:
+    lines = ["memory per rank (busiest rank of each role; activations and KV cache not counted):"]
+    lines += [p.line() for p in plans]
+    if engine_fraction is not None:
+        lines.append(f"  generate: plus SGLang's KV pool, mem_fraction_static={engine_fraction} "
+                     "of each engine GPU")  # fmt: skip
+    return "\n".join(lines)
