@@ -97,11 +97,22 @@ class HFTensorReader:
         return list(self._where)
 
     def read(self, name: str) -> Tensor:
-        if name not in self._where:
-            raise KeyError(f"the HF checkpoint has no tensor {name!r}")
-        tensor = self._files[str(self._where[name])].get_tensor(name)
+        tensor = self._file(name).get_tensor(name)
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
+
+    def read_range(self, name: str, dim: int, start: int, stop: int) -> Tensor:
+        """Rows (dim 0) or columns (dim 1) `start:stop` of a tensor, reading only those."""
+        view = self._file(name).get_slice(name)
+        index = (slice(start, stop),) if dim == 0 else (slice(None), slice(start, stop))
+        tensor = view[index]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def _file(self, name: str):
+        if name not in self._where:
+            raise KeyError(f"the HF checkpoint has no tensor {name!r}")
+        return self._files[str(self._where[name])]
 
 
 def load_hf_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:

@@ -28,6 +28,7 @@ loads as is.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -435,15 +436,69 @@ def stage_state_dict(
     )  # fmt: skip
 
 
-def stage_state_dict_from_hf(read: Callable[[str], Tensor], dims: ModelDims, **ranks) -> dict:
+def stage_state_dict_from_hf(
+    read: Callable[[str], Tensor],
+    dims: ModelDims,
+    read_range: Callable[[str, int, int, int], Tensor] | None = None,
+    **ranks,
+) -> dict:
     """`stage_state_dict` of the Megatron form of a HF checkpoint, reading through `read(hf
     name)` only the HF tensors this rank's parameters come from (its stage's layers, its
-    experts), one parameter at a time; `ranks` as `stage_state_dict`'s."""
+    experts), one parameter at a time; `ranks` as `stage_state_dict`'s. With
+    `read_range(hf name, dim, start, stop)` a TP-split parameter reads only the rank's rows or
+    columns of its sources (a TP rank then reads about 1/TP of them)."""
 
     def full(name: str) -> Tensor:
         return hf_to_megatron_param(name, [read(h) for h in hf_names_for(name, dims)], dims)
 
-    return _stage(full, dims, **ranks)
+    sliced = None if read_range is None else lambda name, spec, rank, size: _rank_param(
+        name, spec, rank, size, dims, read_range
+    )  # fmt: skip
+    return _stage(full, dims, sliced=sliced, **ranks)
+
+
+def _rank_param(name, spec: ShardSpec, rank: int, size: int, dims: ModelDims, read_range):
+    """TP rank `rank`'s slice of a split parameter, from the matching slices of its sources
+    (equal to `shard_for_rank` of the whole parameter, tested)."""
+    sources, kind, _ = _rule(name, dims)
+    dim = spec.partition_dim
+
+    def chunk(hf: str, length: int) -> Tensor:
+        if length % size:
+            raise ValueError(f"{hf}: dim {dim} of size {length} does not split over TP {size}")
+        step = length // size
+        return read_range(hf, dim, rank * step, (rank + 1) * step)
+
+    if kind == "vocab":
+        padded = dims.padded_vocab_size or dims.vocab_size
+        step = padded // size
+        start, stop = rank * step, (rank + 1) * step
+        rows = read_range(sources[0], 0, min(start, dims.vocab_size), min(stop, dims.vocab_size))
+        pad = rows.new_zeros(step - rows.shape[0], *rows.shape[1:])
+        return torch.cat([rows, pad]) if pad.shape[0] else rows
+    lengths = [_hf_dim(h, dim, dims) for h in sources]
+    parts = [chunk(h, n) for h, n in zip(sources, lengths)]
+    if kind == "copy":
+        return parts[0]
+    if kind == "glu":  # [gate_r; up_r], what stride 2 gives
+        return torch.cat(parts, dim=0)
+    local = dataclasses.replace(
+        dims, num_query_groups=dims.num_query_groups // size,
+        num_attention_heads=dims.num_attention_heads // size,
+    )  # fmt: skip
+    return hf_to_megatron_param(name, parts, local)
+
+
+def _hf_dim(hf_name: str, dim: int, dims: ModelDims) -> int:
+    """Length of `dim` of an HF tensor, from the model's sizes."""
+    h, d = dims.hidden_size, dims.head_dim
+    nq, ng = dims.num_attention_heads, dims.num_query_groups
+    ffn = dims.moe_ffn_hidden_size if ".experts." in hf_name else dims.ffn_hidden_size
+    rows = {"q_proj": nq * d, "k_proj": ng * d, "v_proj": ng * d, "o_proj": h,
+            "gate_proj": ffn, "up_proj": ffn, "down_proj": h}  # fmt: skip
+    cols = {"o_proj": nq * d, "down_proj": ffn}
+    key = hf_name.split(".")[-2]
+    return rows[key] if dim == 0 else cols[key]
 
 
 def check_hf_names(names: Iterable[str], dims: ModelDims) -> None:
@@ -462,9 +517,10 @@ def check_hf_names(names: Iterable[str], dims: ModelDims) -> None:
 
 def _stage(
     full: Callable[[str], Tensor], dims: ModelDims, *, tp_rank=0, tp_size=1, pp_rank=0,
-    pp_size=1, ep_rank=0, ep_size=1, etp_rank=None, etp_size=None,
+    pp_size=1, ep_rank=0, ep_size=1, etp_rank=None, etp_size=None, sliced=None,
 ) -> dict[str, Tensor]:  # fmt: skip
-    """The rank's local slices; `full(global Megatron name)` gives a whole parameter."""
+    """The rank's local slices; `full(global Megatron name)` gives a whole parameter,
+    `sliced(name, spec, rank, size)` (optional) a TP-split one's slice directly."""
     etp_rank, etp_size = (tp_rank, tp_size) if etp_size is None else (etp_rank or 0, etp_size)
     l0 = layer_offset(pp_rank, pp_size, dims.num_layers)
     e0 = expert_offset(ep_rank, ep_size, dims.num_experts) if dims.num_experts else 0
@@ -478,7 +534,10 @@ def _stage(
         spec = shard_spec(name, dims)
         rank, size = (etp_rank, etp_size) if spec.is_expert else (tp_rank, tp_size)
         local = to_local_name(name, layer_offset=l0, expert_offset=e0)
-        shard = shard_for_rank(full(source), spec, rank, size)
+        if sliced is not None and spec.partition_dim is not None and size > 1:
+            shard = sliced(source, spec, rank, size)
+        else:
+            shard = shard_for_rank(full(source), spec, rank, size)
         if shard.untyped_storage().nbytes() > shard.nbytes:  # a view: do not keep the whole
             shard = shard.clone()
         out[local] = shard

@@ -51,12 +51,13 @@ def _own_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def load_hf_into_megatron(module, path: str, args: dict[str, Any], pgc, spec) -> int:
     """Copy this rank's slice of every parameter of the HF checkpoint at `path` into `module`,
-    reading only the tensors this rank's parameters come from (its pipeline stage's layers, its
-    experts; whole tensors, then sliced for TP). Returns the bytes read."""
+    reading only what this rank's parameters come from: its pipeline stage's layers, its
+    experts, and of TP-split tensors its rows or columns. Returns the bytes read."""
     dims = model_dims(args, spec)
     reader = hf_checkpoint.HFTensorReader(path)
     name_map.check_hf_names(reader.keys(), dims)
-    _copy_into(module, name_map.stage_state_dict_from_hf(reader.read, dims, **_ranks(pgc)), path)
+    local = name_map.stage_state_dict_from_hf(reader.read, dims, reader.read_range, **_ranks(pgc))
+    _copy_into(module, local, path)
     return reader.bytes_read
 
 

@@ -1,17 +1,21 @@
 """Each rank reads only its shards of a HF checkpoint (review finding 10).
 
-Contracts checked: `HFTensorReader` reads a tensor's bytes only when asked (its counter) and
-enforces an index file as `load_hf_state_dict` did; `name_map.stage_state_dict_from_hf` gives
-exactly what the whole-model path gives (`stage_state_dict(hf_to_megatron(all))`) for every
-(tp, pp, ep) stage of a dense and a MoE family, while reading only the HF tensors of that
-stage: for PP=2 the first stage reads the embedding and its layers, not the others, and for
-EP=2 each rank reads its half of the experts; `check_hf_names` keeps the whole-model checks
-(a missing source, a tensor without a counterpart) on names alone. Pure torch and safetensors;
+Contracts checked: `HFTensorReader` reads a tensor's bytes (or a row/column range of them) only
+when asked (its counter) and enforces an index file as `load_hf_state_dict` did;
+`name_map.stage_state_dict_from_hf` gives exactly what the whole-model path gives
+(`stage_state_dict(hf_to_megatron(all))`) for every (tp, pp, ep) stage of a dense and a MoE
+family, with whole tensors sliced after reading or with only the rank's slices read, while
+reading only the HF tensors of that stage: for PP=2 the first stage reads the embedding and its
+layers, not the others; for EP=2 each rank reads its half of the experts; with TP=2 a rank
+reads under 60% of its stage's bytes (norms and the router are replicated), also with a padded,
+tied vocabulary; `check_hf_names` keeps the whole-model checks (a missing source, a tensor
+without a counterpart) on names alone. Pure torch and safetensors;
 tiny checkpoints written here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -54,20 +58,41 @@ def test_a_stage_read_alone_equals_the_whole_model_path_and_reads_only_its_sourc
     path, dims, hf_sd = models[family]
     if "ep_size" in ranks and dims.num_experts is None:
         pytest.skip("dense model: no experts to split")
-    reader = HFTensorReader(path)
-    got = nm.stage_state_dict_from_hf(reader.read, dims, **ranks)
     want = nm.stage_state_dict(nm.hf_to_megatron(hf_sd, dims), dims, **ranks)
-    assert got.keys() == want.keys()
-    for name, tensor in want.items():
-        assert torch.equal(got[name], tensor), name
     stage = {k: v for k, v in ranks.items() if k.startswith(("pp", "ep"))}
     sources = {h for n in nm.stage_param_names(dims, **stage) for h in nm.hf_names_for(
         "embedding.word_embeddings.weight" if n == "output_layer.weight" and dims.tied_embeddings
         else n, dims)}  # fmt: skip
-    assert reader.bytes_read == _nbytes(hf_sd[h] for h in sources)
-    if stage:  # a pipeline stage or an expert shard: strictly less than the model
-        assert reader.bytes_read < _nbytes(hf_sd.values())
-    print(f"{family} {ranks}: read {reader.bytes_read} of {_nbytes(hf_sd.values())} bytes")
+    whole, mine = _nbytes(hf_sd.values()), _nbytes(hf_sd[h] for h in sources)
+    for sliced in (False, True):  # whole tensors then sliced, or only the rank's slices read
+        reader = HFTensorReader(path)
+        got = nm.stage_state_dict_from_hf(
+            reader.read, dims, reader.read_range if sliced else None, **ranks
+        )
+        assert got.keys() == want.keys()
+        for name, tensor in want.items():
+            assert torch.equal(got[name], tensor), (sliced, name)
+        if sliced and ranks.get("tp_size", 1) > 1:  # the split tensors: about half of each
+            assert reader.bytes_read < 0.6 * mine, (reader.bytes_read, mine)
+        else:
+            assert reader.bytes_read == mine
+        if stage or (sliced and "tp_size" in ranks):
+            assert reader.bytes_read < whole
+        print(f"{family} {ranks} sliced={sliced}: read {reader.bytes_read} of {whole} bytes")
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_tp_slices_of_a_padded_tied_vocabulary(tmp_path, tp_rank):
+    path = write_tiny_model(tmp_path, "qwen3", seed=5, tie_word_embeddings=True)
+    dims = nm.ModelDims.from_megatron_args(megatron_args_from_hf(read_hf_config(path)))
+    dims = dataclasses.replace(dims, padded_vocab_size=dims.vocab_size + 6)  # rows to pad
+    ranks = dict(tp_rank=tp_rank, tp_size=2, pp_rank=1, pp_size=2)  # tied output on stage 1
+    want = nm.stage_state_dict(nm.hf_to_megatron(load_hf_state_dict(path), dims), dims, **ranks)
+    reader = HFTensorReader(path)
+    got = nm.stage_state_dict_from_hf(reader.read, dims, reader.read_range, **ranks)
+    assert "output_layer.weight" in got and got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
 
 
 def test_the_first_of_two_stages_reads_its_layers_and_not_the_others(models):
