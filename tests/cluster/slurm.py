@@ -66,6 +66,7 @@ class SlurmCluster:
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
         self._pidfiles = [self.root / "slurmctld.pid", self.root / "slurmd.pid"]
         self._pids: list[int] = []
+        self._munged: int | None = None
 
     def start(self) -> SlurmCluster:
         install()
@@ -99,9 +100,12 @@ class SlurmCluster:
         run_dir = Path("/run/munge")
         run_dir.mkdir(parents=True, exist_ok=True)
         shutil.chown(run_dir, "munge", "munge")
-        if not (run_dir / "munge.socket.2").exists():
+        if not (run_dir / "munge.socket.2").exists():  # started here: stopped with the rest
             _run("runuser", "-u", "munge", "--", "munged")
             self._wait_for([run_dir / "munge.socket.2"], nonempty=False)
+            pidfile = run_dir / "munged.pid"
+            if pidfile.exists():
+                self._munged = int(pidfile.read_text())
 
     def _config(self) -> str:
         node = _run("slurmd", "-C").splitlines()[0]  # NodeName=... CPUs=... RealMemory=...
@@ -144,6 +148,9 @@ class SlurmCluster:
         for pid in self._pids:
             _signal(pid, signal.SIGKILL)
         self._pids = []
+        if self._munged is not None:
+            _signal(self._munged, signal.SIGTERM)
+            self._munged = None
 
 
 def _signal(pid: int, sig: int) -> None:
