@@ -357,22 +357,11 @@ def hf_to_megatron(hf_sd: Mapping[str, Tensor], dims: ModelDims) -> dict[str, Te
     Hub layout is what `hf_checkpoint.load_hf_state_dict` returns; a transformers 5 module's
     own `state_dict()` fuses MoE experts: pass it through `hf_checkpoint.to_hub_layout` first.
     """
-    out, used = {}, set()
-    for name in stage_param_names(dims):
-        sources = hf_names_for(name, dims)
-        missing = [s for s in sources if s not in hf_sd]
-        if missing:
-            raise ValueError(f"HF state dict lacks {missing} needed for Megatron {name!r}")
-        out[name] = hf_to_megatron_param(name, [hf_sd[s] for s in sources], dims)
-        used.update(sources)
-    # A tied checkpoint may still carry lm_head; old ones carry rotary buffers.
-    ignorable = {"lm_head.weight"} if dims.tied_embeddings else set()
-    extra = sorted(
-        k for k in hf_sd if k not in used | ignorable and not k.endswith("rotary_emb.inv_freq")
-    )
-    if extra:
-        raise ValueError(f"HF state dict has tensors with no Megatron counterpart: {extra[:8]}")
-    return out
+    check_hf_names(hf_sd.keys(), dims)
+    return {
+        name: hf_to_megatron_param(name, [hf_sd[h] for h in hf_names_for(name, dims)], dims)
+        for name in stage_param_names(dims)
+    }
 
 
 def megatron_to_hf(mc_sd: Mapping[str, Tensor], dims: ModelDims) -> dict[str, Tensor]:
@@ -476,8 +465,7 @@ def _rank_param(name, spec: ShardSpec, rank: int, size: int, dims: ModelDims, re
         rows = read_range(sources[0], 0, min(start, dims.vocab_size), min(stop, dims.vocab_size))
         pad = rows.new_zeros(step - rows.shape[0], *rows.shape[1:])
         return torch.cat([rows, pad]) if pad.shape[0] else rows
-    lengths = [_hf_dim(h, dim, dims) for h in sources]
-    parts = [chunk(h, n) for h, n in zip(sources, lengths)]
+    parts = [chunk(h, hf_shape(h, dims)[dim]) for h in sources]
     if kind == "copy":
         return parts[0]
     if kind == "glu":  # [gate_r; up_r], what stride 2 gives
@@ -489,16 +477,34 @@ def _rank_param(name, spec: ShardSpec, rank: int, size: int, dims: ModelDims, re
     return hf_to_megatron_param(name, parts, local)
 
 
-def _hf_dim(hf_name: str, dim: int, dims: ModelDims) -> int:
-    """Length of `dim` of an HF tensor, from the model's sizes."""
-    h, d = dims.hidden_size, dims.head_dim
-    nq, ng = dims.num_attention_heads, dims.num_query_groups
+def hf_shape(hf_name: str, dims: ModelDims) -> tuple[int, ...]:
+    """Full shape of one HF tensor, from HF conventions (independent of Megatron's layouts)."""
+    h, d, nq, ng = dims.hidden_size, dims.head_dim, dims.num_attention_heads, dims.num_query_groups
     ffn = dims.moe_ffn_hidden_size if ".experts." in hf_name else dims.ffn_hidden_size
-    rows = {"q_proj": nq * d, "k_proj": ng * d, "v_proj": ng * d, "o_proj": h,
-            "gate_proj": ffn, "up_proj": ffn, "down_proj": h}  # fmt: skip
-    cols = {"o_proj": nq * d, "down_proj": ffn}
-    key = hf_name.split(".")[-2]
-    return rows[key] if dim == 0 else cols[key]
+    shapes = {
+        "embed_tokens.weight": (dims.vocab_size, h),
+        "lm_head.weight": (dims.vocab_size, h),
+        "q_proj.weight": (nq * d, h),
+        "k_proj.weight": (ng * d, h),
+        "v_proj.weight": (ng * d, h),
+        "q_proj.bias": (nq * d,),
+        "k_proj.bias": (ng * d,),
+        "v_proj.bias": (ng * d,),
+        "q_norm.weight": (d,),
+        "k_norm.weight": (d,),
+        "o_proj.weight": (h, nq * d),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "norm.weight": (h,),
+        "gate_proj.weight": (ffn, h),
+        "up_proj.weight": (ffn, h),
+        "down_proj.weight": (h, ffn),
+        "gate.weight": (dims.num_experts, h),
+    }
+    suffix = ".".join(hf_name.split(".")[-2:])
+    if suffix not in shapes:
+        raise ValueError(f"no HF shape rule for tensor {hf_name!r}")
+    return shapes[suffix]
 
 
 def check_hf_names(names: Iterable[str], dims: ModelDims) -> None:
@@ -509,6 +515,7 @@ def check_hf_names(names: Iterable[str], dims: ModelDims) -> None:
     missing = sorted(needed - names)
     if missing:
         raise ValueError(f"HF state dict lacks {missing[:8]} needed for Megatron parameters")
+    # A tied checkpoint may still carry lm_head; old ones carry rotary buffers.
     ignorable = {"lm_head.weight"} if dims.tied_embeddings else set()
     extra = sorted(n for n in names - needed - ignorable if not n.endswith("rotary_emb.inv_freq"))
     if extra:

@@ -17,9 +17,9 @@ rank (the pipeline stage and expert shard with the most weights), and `describe`
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from megatron_async_rl.models import name_map as nm
-from megatron_async_rl.weight_sync.plan import hf_shape
 
 GiB = 2**30
 
@@ -44,13 +44,7 @@ def _dtype_bytes(args: dict) -> int:
 
 
 def _param_numel(name: str, dims: nm.ModelDims) -> int:
-    total = 0
-    for hf in nm.hf_names_for(name, dims):
-        n = 1
-        for size in hf_shape(hf, dims):
-            n *= size
-        total += n
-    return total
+    return sum(math.prod(nm.hf_shape(hf, dims)) for hf in nm.hf_names_for(name, dims))
 
 
 def stage_numel(dims: nm.ModelDims, grid) -> int:

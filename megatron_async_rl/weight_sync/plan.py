@@ -34,6 +34,7 @@ from megatron_async_rl.models.name_map import (
     ShardSpec,
     expert_offset,
     hf_names_for,
+    hf_shape,
     layer_offset,
     shard_spec,
     stage_param_names,
@@ -199,36 +200,6 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _align(nbytes: int) -> int:
     return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
-
-
-def hf_shape(hf_name: str, dims: ModelDims) -> tuple[int, ...]:
-    """Full shape of one HF tensor, from HF conventions (independent of Megatron's layouts)."""
-    h, d, nq, ng = dims.hidden_size, dims.head_dim, dims.num_attention_heads, dims.num_query_groups
-    ffn = dims.moe_ffn_hidden_size if ".experts." in hf_name else dims.ffn_hidden_size
-    shapes = {
-        "embed_tokens.weight": (dims.vocab_size, h),
-        "lm_head.weight": (dims.vocab_size, h),
-        "q_proj.weight": (nq * d, h),
-        "k_proj.weight": (ng * d, h),
-        "v_proj.weight": (ng * d, h),
-        "q_proj.bias": (nq * d,),
-        "k_proj.bias": (ng * d,),
-        "v_proj.bias": (ng * d,),
-        "q_norm.weight": (d,),
-        "k_norm.weight": (d,),
-        "o_proj.weight": (h, nq * d),
-        "input_layernorm.weight": (h,),
-        "post_attention_layernorm.weight": (h,),
-        "norm.weight": (h,),
-        "gate_proj.weight": (ffn, h),
-        "up_proj.weight": (ffn, h),
-        "down_proj.weight": (h, ffn),
-        "gate.weight": (dims.num_experts, h),
-    }
-    suffix = ".".join(hf_name.split(".")[-2:])
-    if suffix not in shapes:
-        raise ValueError(f"weight sync: no HF shape rule for tensor {hf_name!r}")
-    return shapes[suffix]
 
 
 def _sender_gathers(layout: RoleGrid, dims: ModelDims) -> dict[int, list[Gather]]:
