@@ -227,6 +227,29 @@ class RunConfig:
                     None,
                     "the grpo job needs a HF checkpoint (the engines load it)",
                 )
+        if (
+            self.weight_sync.bridge == "device"
+            and self.engine.tp_size > 1
+            and self.platform.device != "cpu"
+        ):
+            raise ConfigError(
+                "weight_sync.bridge", "device",
+                f"engines of engine.tp_size {self.engine.tp_size} take weights from host "
+                "memory: on the device bridge every engine TP rank would map its host's GPU "
+                "buffer over CUDA IPC (a second CUDA context on that GPU, peer copies)",
+                hint="set weight_sync.bridge: auto (or host), or engine.tp_size: 1",
+            )  # fmt: skip
+        for index, group in enumerate(self.roles.groups):
+            shared = "generate" in group.roles and len(group.roles) > 1
+            if shared and self.platform.device != "cpu" and self.engine.mem_fraction_static is None:
+                raise ConfigError(
+                    "engine.mem_fraction_static", None,
+                    f"roles.groups[{index}] puts generate on the ranks of {list(group.roles)}: "
+                    "on GPUs its engine starts after their models and optimizer are resident, "
+                    "and SGLang's default sizes its pool as if the GPU were its own",
+                    hint="set engine.mem_fraction_static to the share of GPU memory the "
+                    "engine may take (weights plus KV cache), or give generate its own ranks",
+                )  # fmt: skip
         if self.scheduler.use_async_loop:
             for index, group in enumerate(self.roles.groups):
                 if "generate" in group.roles and len(group.roles) > 1:

@@ -35,7 +35,7 @@ from megatron_async_rl.distributed import devices
 from megatron_async_rl.roles.work import StepReport, StepWork
 from megatron_async_rl.rollout.generation import Sample
 from megatron_async_rl.scheduler.states import StageTimeout
-from megatron_async_rl.weight_sync.broadcast import broadcast_weights, sync_weights
+from megatron_async_rl.weight_sync.broadcast import broadcast_weights, sync_weights, warm_up
 from megatron_async_rl.weight_sync.buffers import BufferPool
 from megatron_async_rl.weight_sync.sinks import load_into_engine
 
@@ -110,6 +110,12 @@ class GlooExchange:
     def weights_ready(self):
         if self.groups.weight_sync is not None:
             dist.barrier(group=self.groups.weight_sync)
+
+    def warm_up(self, streaming: bool, staging: bool) -> dict[str, float]:
+        """Start-up, before engines start (collective): `broadcast.warm_up`."""
+        return warm_up(
+            self.groups, self.roles, self.config, self.pool, self.device, streaming, staging
+        )
 
     def sync_weights(self, version, engine=None):
         return sync_weights(

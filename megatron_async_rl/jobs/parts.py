@@ -7,6 +7,8 @@ from here, so they differ only in schedule.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,9 +19,12 @@ from megatron_async_rl.jobs.exchange import GlooExchange
 from megatron_async_rl.observability.clock import RankClock
 from megatron_async_rl.observability.plots import plot_stage_timeline
 from megatron_async_rl.observability.trace import merge_traces, write_trace
+from megatron_async_rl.roles import memory
 from megatron_async_rl.roles.generate import GenerateSide, build_generate_side
 from megatron_async_rl.roles.learn import LearnSide
 from megatron_async_rl.roles.megatron_role import build_local_roles
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -65,12 +70,31 @@ def build_parts(cfg, groups, platform) -> RankParts:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
     pad = tokenizer.pad_token_id
     learn = LearnSide(cfg, groups, roles, pad if pad is not None else 0) if roles else None
+    exchange = GlooExchange(groups, roles, cfg.weight_sync, platform.device())
     try:
+        _warm_up(cfg, groups, roles, exchange)
         gen = build_generate_side(cfg, groups, platform, tokenizer)
     except BaseException:
         if learn is not None:
             learn.close()
         raise
     clock = RankClock(groups.rank, groups.local_roles())
-    exchange = GlooExchange(groups, roles, cfg.weight_sync, platform.device())
     return RankParts(cfg, groups, clock, gen, learn, exchange)
+
+
+def _warm_up(cfg, groups, roles, exchange) -> None:
+    """Weight sync's communicators and buffers, before this rank's engine starts (review
+    finding 8); an asynchronous engine host first checks that /dev/shm holds its staging."""
+    host = "generate" in groups.local_roles() and groups.layout.is_engine_host(groups.rank)
+    staging = host and cfg.scheduler.use_async_loop
+    if staging:
+        memory.check_shared_memory(memory.staging_bytes(cfg))
+    start = time.perf_counter()
+    metrics = exchange.warm_up(streaming=host and not staging and "logp" not in roles,
+                               staging=staging)  # fmt: skip
+    if metrics:
+        logger.info(
+            "weight sync warm-up (version 0, nothing loaded): %.2f s, %.3f GB, buffers kept "
+            "%.1f MB", time.perf_counter() - start, metrics.get("weight_sync/GB", 0.0),
+            metrics.get("weight_sync/pool_MB", 0.0),
+        )  # fmt: skip

@@ -437,13 +437,10 @@ def stage_state_dict_from_hf(
     `read_range(hf name, dim, start, stop)` a TP-split parameter reads only the rank's rows or
     columns of its sources (a TP rank then reads about 1/TP of them)."""
 
-    def full(name: str) -> Tensor:
-        return hf_to_megatron_param(name, [read(h) for h in hf_names_for(name, dims)], dims)
-
-    sliced = None if read_range is None else lambda name, spec, rank, size: _rank_param(
-        name, spec, rank, size, dims, read_range
-    )  # fmt: skip
-    return _stage(full, dims, sliced=sliced, **ranks)
+    return {
+        e.local: _owned(build_shard(e, dims, read, read_range))
+        for e in stage_entries(dims, **ranks)
+    }
 
 
 def _rank_param(name, spec: ShardSpec, rank: int, size: int, dims: ModelDims, read_range):
@@ -522,16 +519,27 @@ def check_hf_names(names: Iterable[str], dims: ModelDims) -> None:
         raise ValueError(f"HF state dict has tensors with no Megatron counterpart: {extra[:8]}")
 
 
-def _stage(
-    full: Callable[[str], Tensor], dims: ModelDims, *, tp_rank=0, tp_size=1, pp_rank=0,
-    pp_size=1, ep_rank=0, ep_size=1, etp_rank=None, etp_size=None, sliced=None,
-) -> dict[str, Tensor]:  # fmt: skip
-    """The rank's local slices; `full(global Megatron name)` gives a whole parameter,
-    `sliced(name, spec, rank, size)` (optional) a TP-split one's slice directly."""
+@dataclass(frozen=True)
+class StageEntry:
+    """One parameter a rank holds: its local name, the global parameter it is sliced from
+    (the embedding for a tied `output_layer.weight`), and the slice (`rank` of `size`)."""
+
+    local: str
+    source: str
+    spec: ShardSpec
+    rank: int
+    size: int
+
+
+def stage_entries(
+    dims: ModelDims, *, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, ep_rank=0, ep_size=1,
+    etp_rank=None, etp_size=None,
+) -> list[StageEntry]:  # fmt: skip
+    """What one rank holds, parameter by parameter (keyword arguments as `stage_state_dict`)."""
     etp_rank, etp_size = (tp_rank, tp_size) if etp_size is None else (etp_rank or 0, etp_size)
     l0 = layer_offset(pp_rank, pp_size, dims.num_layers)
     e0 = expert_offset(ep_rank, ep_size, dims.num_experts) if dims.num_experts else 0
-    out = {}
+    out = []
     for name in stage_param_names(
         dims, pp_rank=pp_rank, pp_size=pp_size, ep_rank=ep_rank, ep_size=ep_size
     ):
@@ -541,11 +549,30 @@ def _stage(
         spec = shard_spec(name, dims)
         rank, size = (etp_rank, etp_size) if spec.is_expert else (tp_rank, tp_size)
         local = to_local_name(name, layer_offset=l0, expert_offset=e0)
-        if sliced is not None and spec.partition_dim is not None and size > 1:
-            shard = sliced(source, spec, rank, size)
-        else:
-            shard = shard_for_rank(full(source), spec, rank, size)
-        if shard.untyped_storage().nbytes() > shard.nbytes:  # a view: do not keep the whole
-            shard = shard.clone()
-        out[local] = shard
+        out.append(StageEntry(local, source, spec, rank, size))
     return out
+
+
+def build_shard(
+    entry: StageEntry, dims: ModelDims, read: Callable[[str], Tensor], read_range=None
+) -> Tensor:
+    """`entry`'s slice from HF tensors: `read(hf name)` gives one whole, `read_range(hf name,
+    dim, start, stop)` (optional) a TP-split parameter's rows or columns only."""
+    if read_range is not None and entry.spec.partition_dim is not None and entry.size > 1:
+        return _rank_param(entry.source, entry.spec, entry.rank, entry.size, dims, read_range)
+    sources = [read(h) for h in hf_names_for(entry.source, dims)]
+    whole = hf_to_megatron_param(entry.source, sources, dims)
+    return shard_for_rank(whole, entry.spec, entry.rank, entry.size)
+
+
+def _stage(full: Callable[[str], Tensor], dims: ModelDims, **ranks) -> dict[str, Tensor]:
+    """The rank's local slices; `full(global Megatron name)` gives a whole parameter."""
+    return {
+        e.local: _owned(shard_for_rank(full(e.source), e.spec, e.rank, e.size))
+        for e in stage_entries(dims, **ranks)
+    }
+
+
+def _owned(shard: Tensor) -> Tensor:
+    """`shard`, cloned when it is a view of a larger tensor (do not keep the whole alive)."""
+    return shard.clone() if shard.untyped_storage().nbytes() > shard.nbytes else shard

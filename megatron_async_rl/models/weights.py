@@ -31,7 +31,8 @@ def model_dims(args: dict[str, Any], spec) -> name_map.ModelDims:
     return name_map.ModelDims.from_megatron_args(merged)
 
 
-def _ranks(pgc) -> dict[str, int]:
+def stage_ranks(pgc) -> dict[str, int]:
+    """This rank's place in its role grid, as `name_map.stage_entries` takes it."""
     return {
         "tp_rank": dist.get_rank(pgc.tp),
         "tp_size": dist.get_world_size(pgc.tp),
@@ -56,7 +57,8 @@ def load_hf_into_megatron(module, path: str, args: dict[str, Any], pgc, spec) ->
     dims = model_dims(args, spec)
     reader = hf_checkpoint.HFTensorReader(path)
     name_map.check_hf_names(reader.keys(), dims)
-    local = name_map.stage_state_dict_from_hf(reader.read, dims, reader.read_range, **_ranks(pgc))
+    ranks = stage_ranks(pgc)
+    local = name_map.stage_state_dict_from_hf(reader.read, dims, reader.read_range, **ranks)
     _copy_into(module, local, path)
     return reader.bytes_read
 
@@ -65,10 +67,17 @@ def load_hf_into_megatron(module, path: str, args: dict[str, Any], pgc, spec) ->
 def load_hf_state_dict_into_megatron(
     module, hf_sd: dict, args: dict[str, Any], pgc, spec, path: str = "<in memory>"
 ) -> None:
-    """Copy this rank's slice of every tensor of a full HF state dict into `module`."""
+    """Copy this rank's slice of every tensor of a full HF state dict into `module` (cut from
+    the HF tensors directly: no whole-model conversion)."""
     dims = model_dims(args, spec)
-    full = name_map.hf_to_megatron(hf_sd, dims)
-    _copy_into(module, name_map.stage_state_dict(full, dims, **_ranks(pgc)), path)
+
+    def read_range(name: str, dim: int, start: int, stop: int):
+        return hf_sd[name].narrow(dim, start, stop - start)
+
+    local = name_map.stage_state_dict_from_hf(
+        hf_sd.__getitem__, dims, read_range, **stage_ranks(pgc)
+    )
+    _copy_into(module, local, path)
 
 
 def _copy_into(module, local: dict, path: str) -> None:
@@ -98,7 +107,7 @@ def gather_megatron_state_dict(module, args: dict[str, Any], pgc, spec):
     Collective over the role (every rank of its window must call it).
     """
     dims = model_dims(args, spec)
-    ranks = _ranks(pgc)
+    ranks = stage_ranks(pgc)
     l0 = name_map.layer_offset(ranks["pp_rank"], ranks["pp_size"], dims.num_layers)
     e0 = (
         name_map.expert_offset(ranks["ep_rank"], ranks["ep_size"], dims.num_experts)

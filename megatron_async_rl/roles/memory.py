@@ -10,15 +10,21 @@ rank (the pipeline stage and expert shard with the most weights), and `describe`
   counted (they depend on batch and sequence shapes); an engine host holds its engine's share
   of the model plus SGLang's KV pool (`mem_fraction_static` of its GPUs).
 - host: reading the checkpoint (the rank's weights, in the checkpoint's dtype, built before
-  they move to the device) and, on logp ranks and engine hosts, the weight-sync staging arena:
-  the whole model in the train dtype, every step (review finding 9: not yet on the device).
+  they move to the device) and, on asynchronous generate ranks, the weight-sync staging arena:
+  the whole model in the train dtype, in shared memory (/dev/shm: the engine's processes map
+  it; pinned for the GPU's copies). `check_shared_memory` refuses to start an engine host
+  whose /dev/shm cannot hold it. A logp rank stages nothing whole: it copies the pieces its
+  slices come from into its parameters as they arrive (`weight_sync.shard_sink`), a few
+  tensors at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 
+from megatron_async_rl.config.errors import ConfigError
 from megatron_async_rl.models import name_map as nm
 
 GiB = 2**30
@@ -73,8 +79,6 @@ def plan_memory(cfg, layout) -> list[RankMemory]:
     train_args = cfg.role_megatron_args.get("train") or next(iter(cfg.role_megatron_args.values()))
     dims = nm.ModelDims.from_megatron_args(train_args)
     whole = model_numel(dims)
-    sync_bytes = whole * _dtype_bytes(train_args)
-    receivers = {"logp"} | ({"generate"} if cfg.scheduler.use_async_loop else set())
     for role, args in cfg.role_megatron_args.items():
         if role not in layout.parallelism:
             continue
@@ -89,17 +93,40 @@ def plan_memory(cfg, layout) -> list[RankMemory]:
                 state //= grid.dp
             device.update(grads=n * grad, optimizer=state)
         host = {"checkpoint read": n * b}
-        if role in receivers:
-            host["sync staging"] = sync_bytes
         out.append(RankMemory(role, grid.ranks, device, host))
     if "generate" in {r for w in layout.windows for r in w.roles}:
         window = layout.window_of("generate")
         tp = cfg.engine.tp_size
         engine_b = 4 if cfg.engine.dtype == "float32" else 2  # auto: a bf16 checkpoint
-        host = {"sync staging": sync_bytes} if "generate" in receivers else {}
+        host = {"sync staging": staging_bytes(cfg)}
         ranks = range(window.ranks[0], window.ranks[-1] + 1)
         out.append(RankMemory("generate", ranks, {"engine weights": whole * engine_b // tp}, host))
     return out
+
+
+def staging_bytes(cfg) -> int:
+    """Shared memory an engine host stages weights in: the whole model in the train dtype on
+    the asynchronous loop (received while generation runs), none on the synchronous one (it
+    streams each message into the engine)."""
+    if not cfg.scheduler.use_async_loop:
+        return 0
+    args = cfg.role_megatron_args.get("train") or next(iter(cfg.role_megatron_args.values()))
+    return model_numel(nm.ModelDims.from_megatron_args(args)) * _dtype_bytes(args)
+
+
+def check_shared_memory(need: int, path: str = "/dev/shm") -> None:
+    """Raise `ConfigError` when `path` has less than `need` bytes free (startup, before the
+    engine: a full /dev/shm is otherwise a SIGBUS in the middle of a weight sync)."""
+    free = shutil.disk_usage(path).free
+    if need > free:
+        raise ConfigError(
+            "scheduler.use_async_loop", True,
+            f"this engine host stages the whole model ({need / GiB:.2f} GiB in the train "
+            f"dtype) in shared memory for each weight sync, but {path} has "
+            f"{free / GiB:.2f} GiB free",
+            hint="enlarge it (docker run --shm-size, a bigger tmpfs on /dev/shm, SLURM's "
+            "job shared-memory limit) or run the synchronous loop",
+        )  # fmt: skip
 
 
 def describe(plans: list[RankMemory], engine_fraction: float | None = None) -> str:

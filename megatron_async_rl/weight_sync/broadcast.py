@@ -1,8 +1,9 @@
 """Weight sync, the public entry points: train role -> generate engines and the logp role.
 
 Owned here: `sync_weights` (one collective call per optimizer step), `broadcast_weights` (the
-receive-into-host-staging variant for an asynchronous generate rank's weight thread) and
-`load_into_engine` (re-exported from `sinks`). Called by the jobs on every rank; the work is
+receive-into-host-staging variant for an asynchronous generate rank's weight thread),
+`warm_up` (the start-up reshard that loads nothing: communicators and buffers before engines)
+and `load_into_engine` (re-exported from `sinks`). Called by the jobs on every rank; the work is
 done by `plan` (what moves where), `executor` (gather, send, receive, verify) and `sinks`.
 
 Per call, on every participant:
@@ -17,7 +18,9 @@ Per call, on every participant:
    chosen by the train ranks from `WeightSyncConfig.bridge` and told to the receivers);
 3. a generate rank streams each checked message into its engine (`EngineSink`, SGLang's own
    `update_weights_from_tensor` between begin/end, version stamped by the last call); a logp
-   rank stages the whole model, then copies its shard into its Megatron model;
+   rank copies the pieces its parameters come from straight into them (`ShardSink`: its
+   slices only, where the messages arrive); a rank with both, or an asynchronous generate
+   rank's weight thread, stages the whole model first (`StagingSink`);
 4. every participant learns every receiver's outcome: after a checksum mismatch or a rejected
    load anywhere, all run steps 1-3 again (`WeightSyncConfig.max_attempts`), then all raise the
    same error. An engine left with partly new weights refuses to generate until an update
@@ -45,10 +48,12 @@ from megatron_async_rl.distributed.layout import RoleGrid
 from megatron_async_rl.models import name_map, weights
 from megatron_async_rl.weight_sync import buffers, executor, plan
 from megatron_async_rl.weight_sync.config import WeightSyncConfig
+from megatron_async_rl.weight_sync.shard_sink import ShardSink
 from megatron_async_rl.weight_sync.sinks import (  # noqa: F401 - public API, re-exported
     EngineSink,
     StagedWeights,
     StagingSink,
+    WarmSink,
     engine_version_label,
     load_into_engine,
 )
@@ -71,13 +76,16 @@ class PlanKey:
     device bridge on CPU) or "cuda" (the device bridge over NCCL)."""
 
 
-def _bridge_device(bridge: str, backend: str, on_cuda: bool) -> str:
-    """The bridge's device type, from `WeightSyncConfig.bridge`, the world's backend and where
+def _bridge_device(bridge: str, backend: str, on_cuda: bool, engine_tp: int = 1) -> str:
+    """The bridge's device type, from `WeightSyncConfig.bridge`, the world's backend, where
     the train role's weights are ("device" on CUDA over a gloo world: GPU slots over gloo's
-    CUDA path)."""
+    CUDA path) and the engines' TP size: "auto" keeps engines of TP > 1 on the host bridge
+    (review finding 8: each TP rank would map the host GPU's buffer over CUDA IPC, a second
+    CUDA context on that GPU and peer copies; from host memory each copies to its own GPU).
+    The recipe refuses "device" with such engines."""
     if bridge == "host" or not on_cuda:
         return "cpu"
-    if bridge == "auto" and backend != "nccl":
+    if bridge == "auto" and (backend != "nccl" or engine_tp > 1):
         return "cpu"
     return "cuda"
 
@@ -87,7 +95,8 @@ def _train_key(groups, role, version: int, config: WeightSyncConfig) -> PlanKey:
     dims = weights.model_dims(role.args, role.spec)
     param = next(role.module.parameters())
     dtype = str(param.dtype).removeprefix("torch.")
-    device = _bridge_device(config.bridge, groups.backend, param.is_cuda)
+    engine_tp = groups.layout.engine_tp_size
+    device = _bridge_device(config.bridge, groups.backend, param.is_cuda, engine_tp)
     return PlanKey(layout, dims, dtype, config.produce_bytes, config.consume_bytes, version, device)
 
 
@@ -153,12 +162,20 @@ def _attempt(groups, train, receiving: bool, version, config, make_sink, pool, d
         except ValueError as exc:  # a parameter the plan cannot map, or lacks
             error = str(exc)
         tp_groups = {"tp": train.pgc.tp, "expt_tp": train.pgc.expt_tp}
+    counter = buffers.MemoryCounter()
+    sink = None
+    if receiving and error is None:
+        try:
+            sink = make_sink(reshard, key, counter)
+        except ValueError as exc:  # a receiving model the plan does not fit
+            error = str(exc)
     errors = _agree(groups, error)  # before anything moves: nothing to undo
     if errors:
         return None, {}, errors, False
-    counter = buffers.MemoryCounter()
-    sink = make_sink(reshard, key, counter) if receiving else None
+    if hasattr(sink, "begin"):
+        sink.begin()
     stats = None
+    finished = None
     try:
         stats = executor.run_plan(
             reshard, rank, key.version, groups.weight_sender_groups(device.type != "cpu"),
@@ -166,9 +183,10 @@ def _attempt(groups, train, receiving: bool, version, config, make_sink, pool, d
             sink=sink, counter=counter, pool=pool, transport=config.transport, device=device,
         )  # fmt: skip
     finally:
-        if hasattr(sink, "finish"):
-            sink.finish(complete=stats is not None and stats.error is None)
-    errors = _agree(groups, str(stats.error) if stats.error is not None else None)
+        if hasattr(sink, "finish"):  # may name what a complete run left undone
+            finished = sink.finish(complete=stats is not None and stats.error is None)
+    error = str(stats.error) if stats.error is not None else finished
+    errors = _agree(groups, error)
     metrics = _metrics(stats, reshard)
     metrics["weight_sync/device_bridge"] = float(device.type != "cpu")
     if pool is not None:
@@ -228,10 +246,36 @@ def broadcast_weights(
     """
 
     def staging(reshard, key, counter) -> StagingSink:
-        return StagingSink(reshard, counter, key.version, key.consume_bytes, pool)
+        pinned = key.device_type == "cuda"
+        return StagingSink(reshard, counter, key.version, key.consume_bytes, pool, pinned)
 
     sink, metrics = _reshard(groups, roles, version, config, staging, pool, device)
     return (sink.weights if sink is not None else None), metrics
+
+
+def warm_up(
+    groups,
+    roles: dict,
+    config: WeightSyncConfig | None = None,
+    pool: buffers.BufferPool | None = None,
+    device: torch.device | None = None,
+    streaming: bool = False,
+    staging: bool = False,
+) -> dict[str, float]:
+    """One reshard of the initial weights (version 0) that loads nothing (collective), run at
+    start-up before any engine starts. Review finding 8: the device bridge's NCCL
+    communicators and every buffer the rank's syncs keep in `pool` (slots, split staging and,
+    with `staging`, an asynchronous engine host's whole-model arena) then exist before SGLang
+    sizes its static memory pool from the GPU memory left free; and a plan that does not fit
+    the receivers fails before any engine starts. `streaming`: this receiver will load each
+    message into its engine (its buffers are shared, as `EngineSink`'s); `device`: as
+    `broadcast_weights`."""
+
+    def warm(reshard, key, counter) -> WarmSink:
+        pinned = key.device_type == "cuda"
+        return WarmSink(reshard, counter, pool, streaming, staging, pinned)
+
+    return _reshard(groups, roles, 0, config, warm, pool, device)[1]
 
 
 def sync_weights(
@@ -252,16 +296,22 @@ def sync_weights(
     the version on a checksum mismatch or a chunk the engine rejects that persists over
     `config.max_attempts`.
     """
-    streaming = engine is not None and "logp" not in roles
-    if streaming:
+    if engine is not None and "logp" not in roles:
 
-        def make(reshard, key, counter):
+        def streaming(reshard, key, counter):
             dtype = buffers.torch_dtype(reshard.dtype)
-            sink = EngineSink(engine, key.version, groups.rank, counter, dtype, pool=pool)
-            sink.begin()
-            return sink
+            return EngineSink(engine, key.version, groups.rank, counter, dtype, pool=pool)
 
-        return _reshard(groups, roles, version, config, make, pool, device)[1]
+        return _reshard(groups, roles, version, config, streaming, pool, device)[1]
+    if engine is None and "logp" in roles:
+        role = roles["logp"]
+
+        def into_shards(reshard, key, counter):
+            dims, ranks = weights.model_dims(role.args, role.spec), weights.stage_ranks(role.pgc)
+            dtype = buffers.torch_dtype(reshard.dtype)
+            return ShardSink(role.module, dims, ranks, counter, dtype, groups.rank)
+
+        return _reshard(groups, roles, version, config, into_shards, pool, device)[1]
     staged, metrics = broadcast_weights(groups, roles, config, version, pool, device)
     if staged is None:
         return metrics

@@ -116,17 +116,20 @@ ARENA_ALIGN = 64
 """Bytes each tensor's start in a `shared_arena` is aligned to."""
 
 
-def shared_arena(specs, pool: BufferPool | None = None) -> tuple[dict[str, torch.Tensor], int]:
+def shared_arena(
+    specs, pool: BufferPool | None = None, pinned: bool = False
+) -> tuple[dict[str, torch.Tensor], int]:
     """One view per (name, shape, dtype) of `specs`, all of one shared-memory buffer (the
-    pool's ("staging", 0) buffer when given, else a new one), each start aligned to
-    ARENA_ALIGN bytes; and the buffer's size. Handed to an engine, they cross as one handle."""
+    pool's ("staging", 0) buffer when given, pinned as `BufferPool.get` says, else a new one),
+    each start aligned to ARENA_ALIGN bytes; and the buffer's size. Handed to an engine, they
+    cross as one handle."""
     spans, total = [], 0
     for name, shape, dtype in specs:
         nbytes = math.prod(shape) * dtype.itemsize
         spans.append((name, total, nbytes, shape, dtype))
         total += -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
     if pool is not None:
-        arena = pool.get("staging", 0, total, shared=True)
+        arena = pool.get("staging", 0, total, shared=True, pinned=pinned)
     else:
         arena = empty_bytes(total, shared=True)
     views = {
@@ -295,13 +298,17 @@ class BufferPool:
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
         self._uids: dict[tuple[str, int], int] = {}
         self._attached: dict[tuple, tuple[int, torch.Tensor]] = {}
+        self._pinned: set[tuple[str, int]] = set()
         self._next_uid = 0
 
     def get(
-        self, kind: str, index: int, nbytes: int, shared: bool = False, device=None
-    ) -> torch.Tensor:
+        self, kind: str, index: int, nbytes: int, shared: bool = False, device=None,
+        pinned: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
         """A uint8 buffer of `nbytes` on `device` (CPU by default); its old contents, if any,
-        are garbage. `shared`: in shared memory, on the CPU."""
+        are garbage. `shared`: in shared memory, on the CPU. `pinned`: a CPU buffer page-locked
+        for the GPU's copies (CUDA's host registration, as torch's checkpoint stager pins
+        shared memory) where CUDA is in use; unregistered before it is replaced."""
         key = (kind, index)
         buf = self._buffers.get(key)
         device = torch.device(device if device is not None else "cpu")
@@ -317,10 +324,31 @@ class BufferPool:
             or buf.device != device
             or (on_cpu and buf.is_shared() != shared)
         ):
+            self._unpin(key)
             self._buffers.pop(key, None)  # freed before the new one is allocated
             buf = self._buffers[key] = empty_bytes(nbytes, shared, device)
             self._uids[key], self._next_uid = self._next_uid, self._next_uid + 1
+        if pinned and on_cpu and key not in self._pinned and torch.cuda.is_available():
+            from torch.cuda import _pin_memory_utils
+
+            _pin_memory_utils.pin_memory(buf.data_ptr(), buf.untyped_storage().nbytes())
+            self._pinned.add(key)
         return buf[:nbytes]
+
+    def _unpin(self, key) -> None:
+        if key in self._pinned:
+            from torch.cuda import _pin_memory_utils
+
+            _pin_memory_utils.unpin_memory(self._buffers[key].data_ptr())
+            self._pinned.discard(key)
+
+    @property
+    def allocations(self) -> int:
+        """Buffers allocated so far (a sync that reuses every buffer adds none)."""
+        return self._next_uid
+
+    def is_pinned(self, kind: str, index: int) -> bool:
+        return (kind, index) in self._pinned
 
     def share(self, kind: str, index: int) -> SharedHandle:
         """The handle of shared buffer (kind, index), for `attach` in another process."""

@@ -46,8 +46,10 @@ class WeightSyncConfig:
     role's device, over the platform's collective backend (NCCL between GPUs: buffers, the
     checksum and the hand-over to an engine stay on the GPU, which SGLang receives as CUDA IPC
     handles; gloo and CPU buffers on CPU). "host": in host memory over gloo (senders copy their
-    GPU tensors out; `transport` applies). "auto": "device" when the train role runs on CUDA
-    and the world's backend is NCCL, else "host". On CPU both are the host bridge."""
+    GPU tensors out; `transport` applies). "auto": "device" when the train role runs on CUDA,
+    the world's backend is NCCL and engines have `engine.tp_size` 1, else "host" ("device"
+    with engines of TP > 1 is refused: each TP rank would map its host's GPU over CUDA IPC).
+    On CPU both are the host bridge."""
     max_attempts: int = 2
     """Times one version is sent before the sync fails: a message that fails its checksum, or
     that an engine rejects, on any receiver makes every participant run the reshard again from

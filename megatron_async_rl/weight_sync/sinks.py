@@ -2,10 +2,12 @@
 
 Owned here: `EngineSink` (streams each verified message into an engine through its own
 weight-update API, one `update_weights` call per message of whole tensors plus one per tensor
-that was split over messages), `StagingSink` / `StagedWeights` (whole HF tensors in host memory,
-for the logp role and for loading later while generation keeps running) and `load_into_engine`
-(a staged dict into an engine in chunks of at most `consume_bytes`). Called by
-`weight_sync.executor` (sinks) and `weight_sync.broadcast` (the public entry points).
+that was split over messages), `StagingSink` / `StagedWeights` (whole HF tensors in shared
+memory, for an engine host that loads later while generation keeps running, or a rank with
+both an engine and the logp role), `WarmSink` (the start-up reshard that keeps nothing) and
+`load_into_engine` (a staged dict into an engine in chunks of at most `consume_bytes`). Called
+by `weight_sync.executor` (sinks) and `weight_sync.broadcast` (the public entry points); the
+logp role's sink is `weight_sync.shard_sink`.
 
 Version stamps: SGLang stamps the version of every `update_weights` call on the tokens it
 generates next, so every call but the last carries the engine's current label and the last one
@@ -54,10 +56,12 @@ class StagingSink:
 
     borrows_buffers = False
 
-    def __init__(self, reshard, counter, version: int, consume_bytes: int, pool=None):
+    def __init__(self, reshard, counter, version: int, consume_bytes: int, pool=None, pinned=False):
+        """`pinned`: the pieces come from a GPU (the device bridge): the pool's arena is
+        page-locked for those copies (review finding 9)."""
         dtype = buffers.torch_dtype(reshard.dtype)
         specs = [(name, shape, dtype) for name, shape in reshard.hf_shapes]
-        self.views, total = buffers.shared_arena(specs, pool)
+        self.views, total = buffers.shared_arena(specs, pool, pinned)
         counter.add("staging", total)
         self.missing = {name: math.prod(shape) for name, shape in reshard.hf_shapes}
         self.weights = StagedWeights(version, consume_bytes)
@@ -68,6 +72,30 @@ class StagingSink:
             self.missing[piece.hf_name] -= piece.numel
             if self.missing[piece.hf_name] == 0:
                 self.weights[piece.hf_name] = self.views[piece.hf_name]
+
+
+class WarmSink:
+    """Takes every message as the rank's real sink will and keeps nothing (`broadcast.warm_up`).
+
+    Its buffers come from the rank's pool under the keys the real sink uses: the consume slots
+    (shared when `borrows_buffers`, as an `EngineSink`'s), one split buffer per sender and, with
+    `staging`, the whole-model arena of an asynchronous engine host (`pinned` as a
+    `StagingSink`'s). Held by the pool afterwards, they exist before an engine sizes its memory.
+    """
+
+    def __init__(self, reshard, counter, pool, borrows: bool, staging: bool, pinned: bool):
+        dtype = buffers.torch_dtype(reshard.dtype)
+        self.borrows_buffers = borrows
+        self.assembler = buffers.Assembler(dtype, counter, shared=borrows, pool=pool)
+        if staging:
+            specs = [(name, shape, dtype) for name, shape in reshard.hf_shapes]
+            buffers.shared_arena(specs, pool, pinned)
+
+    def add(self, message, pieces, sender: int, seq: int, last: bool) -> None:
+        for piece, values in pieces:
+            tensor = self.assembler.add(piece, values, key=sender)
+            if tensor is not None:
+                self.assembler.release(piece, tensor)
 
 
 class EngineSink:

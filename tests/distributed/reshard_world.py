@@ -221,13 +221,19 @@ def _collect(out, roles, engine, path, key):
 
 def _dense(out, path, layout: Layout, base, groups, roles, engine):
     from megatron_async_rl.weight_sync import buffers
-    from megatron_async_rl.weight_sync.broadcast import sync_weights
+    from megatron_async_rl.weight_sync.broadcast import sync_weights, warm_up
 
     config = _sync_config(layout)
     if engine is not None:
         out["before"] = engine.get_weights_by_name(CHANGED)
+    # The start-up warm-up allocates every buffer the first sync then reuses (finding 8).
+    pool = buffers.BufferPool()
+    streaming = engine is not None and "logp" not in roles
+    warm_up(groups, roles, config, pool, streaming=streaming)
+    warmed = pool.allocations
     _train_step(roles, seed=base)
-    out["metrics"] = sync_weights(groups, roles, engine, version=base + 1, config=config)
+    out["metrics"] = sync_weights(groups, roles, engine, base + 1, config, pool)
+    out["allocated_after_warm_up"] = (warmed, pool.allocations - warmed)
     _collect(out, roles, engine, path, "v1")
     if not layout.faults:
         return

@@ -123,6 +123,13 @@ def test_dense_reshard_is_bit_identical_bounded_and_checked(layout, dense_world,
     for name, ours in trainer.items():
         assert torch.equal(logp[name], ours), name
     assert versions_v1 and set(versions_v1) == {label(results, 1)}
+    # The start-up warm-up allocated every pooled buffer (slots, split staging, the device
+    # bridge's on GPUs) on every participant: the first real sync allocates none.
+    for result in results:
+        if "allocated_after_warm_up" in result:
+            warmed, added = result["allocated_after_warm_up"]
+            assert added == 0, (result["rank"], warmed, added)
+    assert sum(r.get("allocated_after_warm_up", (0, 0))[0] > 0 for r in results) >= 3
 
     produce, consume = int(PRODUCE_MB * 2**20), int(CONSUME_MB * 2**20)
     largest = max(t.numel() * t.element_size() for t in trainer.values())

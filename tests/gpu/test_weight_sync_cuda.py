@@ -35,3 +35,18 @@ def test_one_rank_sync_on_cuda_is_exact(tmp_path):
         assert _one_rank_sync("cuda") == []
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_staging_arena_is_pinned_shared_memory_on_cuda():
+    """Finding 9: an asynchronous engine host's staging arena is page-locked shared memory;
+    a replaced buffer is unregistered first (registering a freed mapping would fail later)."""
+    pool = buffers.BufferPool()
+    views, total = buffers.shared_arena([("w", (1024, 1024), torch.bfloat16)], pool, True)
+    assert pool.is_pinned("staging", 0) and views["w"].is_pinned() and views["w"].is_shared()
+    source = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    views["w"].copy_(source, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(views["w"], source.cpu())
+    bigger, _ = buffers.shared_arena([("w", (2048, 1024), torch.bfloat16)], pool, True)
+    assert pool.is_pinned("staging", 0) and bigger["w"].is_pinned()

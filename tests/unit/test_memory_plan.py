@@ -73,3 +73,25 @@ def test_train_adds_grads_and_adam_state_by_the_stated_rules(models):
     n = memory.model_numel(dims)
     assert train.device == {"weights": 2 * n, "grads": 2 * n, "optimizer": 12 * n // 4}
     assert train.host == {"checkpoint read": 2 * n}
+
+
+def test_shared_memory_is_checked_before_an_engine_starts(models):
+    """The real /dev/shm: a need above what is free is refused naming both sizes and the key."""
+    import shutil
+
+    from megatron_async_rl.config.errors import ConfigError
+
+    free = shutil.disk_usage("/dev/shm").free
+    memory.check_shared_memory(1 << 20)
+    with pytest.raises(ConfigError) as info:
+        memory.check_shared_memory(free + memory.GiB)
+    text = str(info.value)
+    assert "scheduler.use_async_loop" in text and "/dev/shm has" in text and "--shm-size" in text
+    _, args, dims = models["llama"]
+    cfg = SimpleNamespace(
+        role_megatron_args={"train": {**args, "bf16": True}},
+        scheduler=SimpleNamespace(use_async_loop=True),
+    )
+    assert memory.staging_bytes(cfg) == 2 * memory.model_numel(dims)
+    cfg.scheduler.use_async_loop = False
+    assert memory.staging_bytes(cfg) == 0

@@ -66,11 +66,12 @@ def test_dry_run_on_32_ranks_prints_the_layout():
     memory = {line.split()[0]: line for line in lines[14:18]}
     assert lines[13].startswith("memory per rank (busiest rank of each role;")
     # 16.0B weights in bf16 = 29.9 GiB; train EP4 holds a quarter of the experts (9.6 GiB) with
-    # bf16 grads and Adam's fp32 state spread over DP16; logp and engine hosts stage the whole
-    # model in host memory every sync (review finding 9, still open).
+    # bf16 grads and Adam's fp32 state spread over DP16; engine hosts of the asynchronous loop
+    # stage the whole model in /dev/shm every sync; logp ranks copy pieces into their slices.
     assert "device 22.8 GiB (weights 9.6 + grads 9.6 + optimizer 3.6)" in memory["train"]
     assert "device 14.9 GiB (weights 14.9)" in memory["logp"]
-    assert "sync staging 29.9" in memory["logp"] and "sync staging 29.9" in memory["generate"]
+    assert "sync staging" not in memory["logp"] and "host 14.9 GiB" in memory["logp"]
+    assert "sync staging 29.9" in memory["generate"]
     assert "sync staging" not in memory["ref"] and "engine weights 14.9" in memory["generate"]
     if not Path(CHECKPOINT).exists():
         warnings = [line for line in proc.stderr.splitlines() if "WARNING" in line]

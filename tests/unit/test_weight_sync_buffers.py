@@ -239,3 +239,11 @@ def test_device_checksum_catches_flips_swaps_and_tails(monkeypatch):
         assert buffers.device_checksum(shifted[3:]) == base  # a misaligned start
     finally:
         buffers._checksum_weights.cache_clear()
+
+
+def test_pinning_needs_cuda_in_use():
+    """Without CUDA in use (this machine, or a GPU node whose platform is the CPU: the compat
+    layer hides CUDA) a pinned request gives a plain shared buffer; `tests/gpu` pins for real."""
+    pool = buffers.BufferPool()
+    views, _ = buffers.shared_arena([("w", (8, 8), torch.float32)], pool, pinned=True)
+    assert views["w"].is_shared() and not pool.is_pinned("staging", 0)

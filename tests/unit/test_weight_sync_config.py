@@ -47,19 +47,23 @@ def test_bad_values_are_refused(field, value, rule):
 
 
 @pytest.mark.parametrize(
-    "bridge,backend,on_cuda,expected",
+    "bridge,backend,on_cuda,expected,engine_tp",
     [
-        ("auto", "nccl", True, "cuda"),
-        ("auto", "gloo", True, "cpu"),  # a CUDA trainer in a gloo world: host memory
-        ("device", "gloo", True, "cuda"),  # asked for: GPU slots over gloo's CUDA path
-        ("host", "nccl", True, "cpu"),
-        ("device", "gloo", False, "cpu"),  # on CPU both bridges are the host one
-        ("auto", "gloo", False, "cpu"),
+        ("auto", "nccl", True, "cuda", 1),
+        ("auto", "gloo", True, "cpu", 1),  # a CUDA trainer in a gloo world: host memory
+        ("device", "gloo", True, "cuda", 1),  # asked for: GPU slots over gloo's CUDA path
+        ("host", "nccl", True, "cpu", 1),
+        ("device", "gloo", False, "cpu", 1),  # on CPU both bridges are the host one
+        ("auto", "gloo", False, "cpu", 1),
+        ("auto", "nccl", True, "cpu", 2),  # TP-2 engines take host memory (finding 8)
+        ("device", "nccl", True, "cuda", 1),
     ],
 )
-def test_bridge_resolves_from_config_backend_and_weights(bridge, backend, on_cuda, expected):
+def test_bridge_resolves_from_config_backend_and_weights(
+    bridge, backend, on_cuda, expected, engine_tp
+):
     """Which bridge the train ranks choose (and tell the receivers in the plan key)."""
     from megatron_async_rl.weight_sync.broadcast import _bridge_device
 
     WeightSyncConfig(bridge=bridge)  # a valid value
-    assert _bridge_device(bridge, backend, on_cuda) == expected
+    assert _bridge_device(bridge, backend, on_cuda, engine_tp) == expected
