@@ -135,8 +135,9 @@ _MEGATRON_LM_ARGS = (
 _MEGATRON_LM_FLAGS = (
     # store_false on TransformerConfig.add_bias_linear.
     FlagSpec("--disable-bias-linear", "add_bias_linear", False),
-    # Megatron-LM turns these fusions on by default and offers only the negative. The dataclass
-    # defaults them to False (they need CUDA kernels), so here the flags only restate that.
+    # Megatron-LM turns these fusions on by default and offers only the negative; so do we
+    # (`MEGATRON_LM_DEFAULTS`). The builder turns them off on CPU, and on a GPU without
+    # Transformer Engine those that need its (or Apex's) kernels, saying so once.
     FlagSpec("--no-masked-softmax-fusion", "masked_softmax_fusion", False),
     FlagSpec("--no-bias-dropout-fusion", "bias_dropout_fusion", False),
     FlagSpec("--no-bias-gelu-fusion", "bias_activation_fusion", False),
@@ -257,9 +258,23 @@ def flag_table() -> tuple[dict[str, ArgSpec], dict[str, FlagSpec]]:
     return specs, flags
 
 
+MEGATRON_LM_DEFAULTS = {
+    "masked_softmax_fusion": True,
+    "bias_dropout_fusion": True,
+    "bias_activation_fusion": True,
+    "apply_rope_fusion": True,
+    "gradient_accumulation_fusion": True,
+    "persist_layer_norm": True,
+}
+"""Where Megatron-LM's default differs from megatron-core's dataclass (review finding 12: with
+the dataclass's False, TE never fused wgrad into main_grad on GPUs)."""
+
+
 def defaults() -> dict[str, Any]:
-    """The default of every known Megatron argument, keyed by dest."""
-    return {dest: spec.default for dest, spec in flag_table()[0].items()}
+    """The default of every known Megatron argument, keyed by dest (Megatron-LM's)."""
+    out = {dest: spec.default for dest, spec in flag_table()[0].items()}
+    out.update((k, v) for k, v in MEGATRON_LM_DEFAULTS.items() if k in out)
+    return out
 
 
 def _coerce(spec: ArgSpec, value: Any, key: str) -> Any:

@@ -20,7 +20,8 @@ from megatron_async_rl.models import name_map
 
 logger = logging.getLogger(__name__)
 
-# Fused kernels that need CUDA (or Apex/TE); turned off on CPU, left as the user set on GPU.
+# Fused kernels that need CUDA (or Apex/TE); turned off on CPU, left as the user set on GPU
+# (on by default, as in Megatron-LM) except `_NEED_TE` without Transformer Engine.
 _CPU_OFF = (
     "gradient_accumulation_fusion",
     "masked_softmax_fusion",
@@ -31,6 +32,15 @@ _CPU_OFF = (
     "moe_grouped_gemm",
     "moe_permute_fusion",
     "cross_entropy_loss_fusion",
+)
+
+# Fusions whose kernels come from Transformer Engine or Apex (wgrad into main_grad, fused RoPE,
+# the persistent layer norm, the fused masked softmax): off on a GPU without TE.
+_NEED_TE = (
+    "gradient_accumulation_fusion",
+    "apply_rope_fusion",
+    "persist_layer_norm",
+    "masked_softmax_fusion",
 )
 
 
@@ -75,6 +85,15 @@ def build_transformer_config(args: dict[str, Any], par: Parallelism, platform: P
         kwargs["use_cpu_initialization"] = True
         for name in _CPU_OFF:
             kwargs[name] = False
+    elif not te_available(platform):
+        off = [name for name in _NEED_TE if kwargs.get(name)]
+        for name in off:
+            kwargs[name] = False
+        if off:
+            logger.warning(
+                "Transformer Engine is not importable: %s off (their kernels come from it)",
+                ", ".join(off),
+            )
     return TransformerConfig(**kwargs)
 
 

@@ -240,11 +240,19 @@ def test_transformer_config_from_kwargs():
     }
     kwargs = mf.transformer_config_kwargs(args)
     assert kwargs["num_query_groups"] is None  # no --group-query-attention: Megatron-LM ignores it
+    assert all(kwargs[k] for k in mf.MEGATRON_LM_DEFAULTS)  # Megatron-LM's fusions on
+    kwargs.update(dict.fromkeys(mf.MEGATRON_LM_DEFAULTS, False))  # as the builder does on CPU
     config = TransformerConfig(**kwargs)
     assert config.gated_linear_unit and config.activation_func is torch.nn.functional.silu
     assert config.layernorm_epsilon == 1e-6
     assert config.params_dtype is torch.bfloat16 and config.num_query_groups == 4
-    gqa = TransformerConfig(**mf.transformer_config_kwargs({**args, "group_query_attention": True}))
+    gqa = TransformerConfig(
+        **{
+            **kwargs,
+            **mf.transformer_config_kwargs({**args, "group_query_attention": True}),
+            **dict.fromkeys(mf.MEGATRON_LM_DEFAULTS, False),
+        }
+    )
     assert gqa.num_query_groups == 2
     moe = mf.transformer_config_kwargs({**args, "num_experts": 4})
     assert moe["num_moe_experts"] == 4 and "num_experts" not in moe
@@ -326,3 +334,28 @@ def test_disk_cache_round_trip(tmp_path, monkeypatch):
     assert mf._load_derived_specs() == mf._derive_specs()  # read back from the file
     path.write_text("not json")
     assert mf._load_derived_specs() == mf._derive_specs()  # a bad cache is rebuilt
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_builder_keeps_megatron_lm_fusions_where_their_kernels_exist(device, caplog):
+    """On CPU every fusion is off; on a GPU without Transformer Engine (this machine has none:
+    the config is built, not run) those needing TE's kernels are off, with one warning, and the
+    pure-PyTorch ones (bias + activation, bias + dropout) stay on, as in Megatron-LM."""
+    from megatron_async_rl.distributed.layout import Parallelism
+    from megatron_async_rl.distributed.platform import Platform
+    from megatron_async_rl.models import builder
+
+    args = {**mf.defaults(), "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+            "swiglu": True}  # fmt: skip
+    config = builder.build_transformer_config(args, Parallelism(1, 1), Platform(device, "gloo"))
+    te_fused = ("gradient_accumulation_fusion", "apply_rope_fusion", "persist_layer_norm",
+                "masked_softmax_fusion")  # fmt: skip
+    assert not any(getattr(config, k) for k in te_fused)
+    assert config.bias_activation_fusion == config.bias_dropout_fusion == (device == "cuda")
+    warned = [
+        r.message for r in caplog.records if "Transformer Engine is not importable" in r.message
+    ]
+    assert len(warned) == (device == "cuda")
+    args["bias_dropout_fusion"] = False  # --no-bias-dropout-fusion is kept
+    config = builder.build_transformer_config(args, Parallelism(1, 1), Platform(device, "gloo"))
+    assert not config.bias_dropout_fusion
