@@ -19,10 +19,11 @@ class CommandLine:
     world_size: int | None
     ranks_per_node: int | None
     megatron_argv: list[str]
+    resume: str | None = None
 
 
 def parse_command_line(argv: list[str]) -> CommandLine:
-    """`--config R [--set a.b=c ...] [--run-dir D] [--dry-run [--world-size N]]
+    """`--config R [--set a.b=c ...] [--run-dir D] [--resume M] [--dry-run [--world-size N]]
     [--ranks-per-node G] [-- flags]`."""
     if "--" in argv:
         cut = argv.index("--")
@@ -44,6 +45,12 @@ def parse_command_line(argv: list[str]) -> CommandLine:
         help="override a recipe key, e.g. --set roles.groups[0].num_ranks=2 (repeatable)",
     )
     parser.add_argument("--run-dir", help="where every output of the run goes (recipe: run_dir)")
+    parser.add_argument(
+        "--resume",
+        metavar="auto|never|PATH",
+        help="auto: the newest complete checkpoint in checkpoint.directory, if any (default); "
+        "never: start from the HF checkpoint; PATH: that checkpoint (recipe: checkpoint.resume)",
+    )
     parser.add_argument(
         "--dry-run",
         action="store_true",
@@ -73,4 +80,5 @@ def parse_command_line(argv: list[str]) -> CommandLine:
         world_size=args.world_size,
         ranks_per_node=args.ranks_per_node,
         megatron_argv=megatron_argv,
+        resume=args.resume,
     )

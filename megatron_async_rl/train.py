@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_async_rl.checkpoint.config import PREEMPTED_EXIT_CODE, Preempted
 from megatron_async_rl.cli import parse_command_line
 from megatron_async_rl.config.errors import ConfigError, exit_on_config_error
 from megatron_async_rl.config.recipe import RESOLVED_NAME, resolve, write_resolved
@@ -38,8 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     cli = parse_command_line(sys.argv[1:] if argv is None else argv)
     # A dry run may check a cluster recipe where its checkpoint is absent (one warning).
+    sets = [*cli.sets, *([f"checkpoint.resume={cli.resume}"] if cli.resume else [])]
     cfg = exit_on_config_error(
-        resolve, cli.config, cli.sets, cli.megatron_argv, cli.run_dir, not cli.dry_run
+        resolve, cli.config, sets, cli.megatron_argv, cli.run_dir, not cli.dry_run
     )
     world_size = cli.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     local_world = os.environ.get("LOCAL_WORLD_SIZE")
@@ -74,22 +76,36 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
             write_resolved(cfg, Path(cfg.run_dir) / RESOLVED_NAME)
-        if cfg.trainer.job == "grpo":
-            if cfg.scheduler.use_async_loop:
-                from megatron_async_rl.jobs.grpo_async import run_grpo_async as run_grpo
-            else:
-                from megatron_async_rl.jobs.grpo_sync import run_grpo_sync as run_grpo
-
-            run_grpo(cfg, groups, platform)
-        else:
-            from megatron_async_rl.jobs.role_check import run_role_check
-
-            run_role_check(cfg, groups, platform)
+        try:
+            _run_job(cfg, groups, platform)
+        except ConfigError as err:  # found at run time: a checkpoint, /dev/shm, ...
+            if rank == 0 or err.rank_local:
+                where = f"[global rank {rank}] " if err.rank_local else ""
+                sys.stderr.write(f"error: {where}{err}\n")
+                sys.stderr.flush()
+            return 2
+        except Preempted as stop:
+            leader_print(f"preempted ({stop}): checkpoint saved; exit {PREEMPTED_EXIT_CODE}", rank)
+            return PREEMPTED_EXIT_CODE
         dist.barrier(group=groups.control)
         leader_print(f"done: outputs in {cfg.run_dir}", rank)
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def _run_job(cfg, groups, platform) -> None:
+    if cfg.trainer.job == "grpo":
+        if cfg.scheduler.use_async_loop:
+            from megatron_async_rl.jobs.grpo_async import run_grpo_async as run_grpo
+        else:
+            from megatron_async_rl.jobs.grpo_sync import run_grpo_sync as run_grpo
+
+        run_grpo(cfg, groups, platform)
+    else:
+        from megatron_async_rl.jobs.role_check import run_role_check
+
+        run_role_check(cfg, groups, platform)
 
 
 if __name__ == "__main__":

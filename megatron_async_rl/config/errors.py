@@ -42,11 +42,15 @@ def _render_value(value: Any) -> str:
 class ConfigError(ValueError):
     """A user's configuration mistake: key, value received, rule broken, and how to fix it."""
 
-    def __init__(self, key: str, value: Any, rule: str, hint: str | None = None):
+    def __init__(
+        self, key: str, value: Any, rule: str, hint: str | None = None, rank_local: bool = False
+    ):
         self.key = key
         self.value = value
         self.rule = rule
         self.hint = hint
+        self.rank_local = rank_local
+        """Found on some ranks only (e.g. one host's /dev/shm): each reports it with its rank."""
         super().__init__(self._message())
 
     def _message(self) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron_async_rl.algorithms.config import GRPOConfig
+from megatron_async_rl.checkpoint.config import CheckpointConfig
 from megatron_async_rl.config.checks import require_choice, require_int, require_number
 from megatron_async_rl.config.errors import ConfigError
 from megatron_async_rl.config.roles import (  # noqa: F401 - re-exported
@@ -197,6 +198,8 @@ class RunConfig:
     """Bucket sizes of the weight reshard into the engines (memory bound per sync)."""
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     """The held-out set evaluated every `scheduler.validation_every` versions."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving and resuming (the train role's model and optimizer, the pipeline's state)."""
     megatron: dict[str, Any] = field(default_factory=dict)
     """Megatron args shared by every Megatron role, dest names (`tensor_model_parallel_size`)."""
 

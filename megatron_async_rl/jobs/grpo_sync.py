@@ -19,6 +19,8 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from megatron_async_rl.checkpoint.config import Preempted
+from megatron_async_rl.checkpoint.manager import CheckpointManager
 from megatron_async_rl.jobs.parts import build_parts
 from megatron_async_rl.observability.clock import RankClock
 from megatron_async_rl.roles.work import StepWork
@@ -36,12 +38,14 @@ def _running(machine, step: int | None, reason: str):
     machine.transition(S.IDLE, "done")
 
 
-def run_steps(gen, learn, exchange, clock: RankClock, cfg) -> None:
-    """Train for `trainer.num_steps` steps on this rank's sides (collective over the world)."""
+def run_steps(gen, learn, exchange, clock: RankClock, cfg, checkpoints=None, start=0) -> None:
+    """Train steps `start`..`trainer.num_steps - 1` on this rank's sides (collective over the
+    world); with `checkpoints` (a `CheckpointManager`), save when due, on a signal (then raise
+    `Preempted`) and at the end."""
     machines = {stage: clock.machine(stage) for stage in Stage}
     staleness = StalenessController(0)
     last = time.perf_counter()
-    for step in range(cfg.trainer.num_steps):
+    for step in range(start, cfg.trainer.num_steps):
         work = None
         if gen is not None:
             work = _rollout(gen, machines, clock, cfg, step)
@@ -70,6 +74,20 @@ def run_steps(gen, learn, exchange, clock: RankClock, cfg) -> None:
             now = time.perf_counter()
             learn.log(learned, now - last)
             last = now
+        if checkpoints is not None:
+            _checkpoint(checkpoints, step + 1, gen, learn, cfg)
+
+
+def _checkpoint(checkpoints, version: int, gen, learn, cfg) -> None:
+    """At the boundary after version `version`: save if due, at the end, or on a signal."""
+    preempted = checkpoints.preempted()
+    last = version == cfg.trainer.num_steps and cfg.checkpoint.save_at_end
+    if preempted or last or checkpoints.due(version):
+        metrics = checkpoints.save(version, gen, learn)
+        if learn is not None:
+            learn.pending_metrics.update(metrics)
+    if preempted:
+        raise Preempted(f"a save-and-exit signal at version {version}")
 
 
 def _rollout(gen, machines, clock, cfg, step: int) -> StepWork:
@@ -93,10 +111,12 @@ def _rollout(gen, machines, clock, cfg, step: int) -> StepWork:
 
 def run_grpo_sync(cfg, groups, platform) -> None:
     """The synchronous loop of the entry point (collective over the world)."""
+    checkpoints = CheckpointManager(cfg, groups)
     parts = build_parts(cfg, groups, platform)
-    dist.barrier(group=groups.control)  # engines are up: step timings start clean
     try:
-        run_steps(parts.gen, parts.learn, parts.exchange, parts.clock, cfg)
+        start = checkpoints.restore(parts.gen, parts.learn, parts.exchange)
+        dist.barrier(group=groups.control)  # engines are up: step timings start clean
+        run_steps(parts.gen, parts.learn, parts.exchange, parts.clock, cfg, checkpoints, start)
         parts.write_trace()
     finally:
         parts.close()

@@ -91,6 +91,33 @@ class MetricsWriter:
                     self._tb.add_scalar(key, value, global_step=step)
             self._tb.flush()
 
+    def truncate_from(self, step: int) -> int:
+        """Drop the records of steps >= `step` (a resumed run continues at `step`: what a
+        crashed run logged after its checkpoint is done again); TensorBoard's events from
+        `step` on are purged the same way. Returns the records dropped."""
+        if not self.enabled:
+            return 0
+        self._file.close()
+        kept, dropped = [], 0
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                later = json.loads(line).get("step", -1) >= step
+            except ValueError:  # a line cut by the crash
+                later = True
+            dropped += later
+            if not later:
+                kept.append(line)
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+        tmp.replace(self.path)
+        self._file = open(self.path, "a", encoding="utf-8")
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = _summary_writer_class()(
+                log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=step
+            )
+        return dropped
+
     def _clean(self, key: str, value, step: int) -> float | int | None:
         if hasattr(value, "item"):  # numpy or 0-d torch scalars
             value = value.item()

@@ -70,6 +70,8 @@ class LearnSide:
         self.logp_version = 0
         """The policy version the logp role holds (its weights come with every sync)."""
         self.steps_logged = 0
+        self.pending_metrics: dict[str, float] = {}
+        """Metrics to add to the next step logged (e.g. `resume/*`, `checkpoint/*`)."""
 
     # -- guards ----------------------------------------------------------------------------
     def logp_waits_for(self, work: StepWork) -> str | None:
@@ -157,6 +159,8 @@ class LearnSide:
             return
         metrics = StepReport.merge([*parts, *work.gen_reports])
         metrics.update(work.batch_metrics)
+        metrics.update(self.pending_metrics)
+        self.pending_metrics = {}
         metrics["timing/step_s"] = step_s
         busy = [v for k, v in metrics.items() if k.startswith("utilization/") and "busy_s" in k]
         if busy:  # the busiest group bounds a perfectly overlapped step

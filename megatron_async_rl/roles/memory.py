@@ -126,6 +126,7 @@ def check_shared_memory(need: int, path: str = "/dev/shm") -> None:
             f"{free / GiB:.2f} GiB free",
             hint="enlarge it (docker run --shm-size, a bigger tmpfs on /dev/shm, SLURM's "
             "job shared-memory limit) or run the synchronous loop",
+            rank_local=True,
         )  # fmt: skip
 
 

@@ -89,7 +89,8 @@ PURITY: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "section configs": (
         tuple(
             f"{PACKAGE}.{name}.config"
-            for name in ("algorithms", "engines", "rewards", "rollout", "scheduler", "weight_sync")
+            for name in ("algorithms", "checkpoint", "engines", "rewards", "rollout", "scheduler",
+                         "weight_sync")  # fmt: skip
         ),
         NO_HEAVY,
     ),
@@ -101,7 +102,7 @@ PURE = (
     "rewards.config", "rollout.config", "scheduler.config", "weight_sync.config",
     "distributed.layout", "weight_sync.plan", "models.name_map", "algorithms.grpo",
     "algorithms.losses", "scheduler.states", "scheduler.machine", "scheduler.queues",
-    "scheduler.staleness", "scheduler.scheduler",
+    "scheduler.staleness", "scheduler.scheduler", "checkpoint.config", "checkpoint.store",
 )  # fmt: skip
 IMPURE = ("torch.distributed", "megatron", "sglang")
 
@@ -120,6 +121,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("roles", ("roles",)),
     ("scheduler", ("scheduler",)),
     ("clock", ("observability.clock",)),
+    ("checkpoint", ("checkpoint",)),
     ("recipe", ("config.schema", "config.recipe")),
     ("jobs", ("jobs",)),
     ("entry", ("train", "cli")),

@@ -1,0 +1,191 @@
+"""Saving and resuming a run: when, what, in which order, on which ranks.
+
+Owned here: `CheckpointManager` (built by a loop on every rank with the world's groups):
+`restore(parts)` at start-up (the newest complete checkpoint, a given one, or none), `due(v)`,
+`save(v, parts)` at a step boundary, and the signal flag (`SignalFlag`) that turns SIGTERM /
+SIGUSR1 into a save at the next boundary and a distinct exit code. Called by
+`jobs/grpo_sync.py`. Every call is collective over the world (`groups.control`, and
+dist_checkpointing's default group).
+
+Save of version v (after its weight sync, every rank at the boundary):
+1. the leader (global rank 0, which holds the train role) clears `.partial_step_v`; barrier;
+2. every rank writes `rank_<r>.pt` there, and all write the train role's model and optimizer
+   into its `megatron/` (dist_checkpointing); barrier;
+3. the leader checksums the files, writes the manifest last, renames the directory to
+   `step_v` (`store.publish`) and deletes checkpoints beyond `keep_last`; barrier.
+A crash anywhere before the rename leaves only a partial directory, which resume ignores.
+
+Resume of version v: the train role's model and optimizer from `megatron/` (any layout), then
+one weight sync of v to the logp role and the engines (they start from the HF checkpoint), the
+ref role from its source; each rank's pipeline state (`pipeline_state`); the loop continues at
+step v. The leader rewrites `metrics.jsonl` without the steps >= v a crashed run may have
+logged (`observability.metrics.truncate_metrics`).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_async_rl.checkpoint import megatron_state, pipeline_state, store
+from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.distributed import devices
+
+logger = logging.getLogger(__name__)
+
+
+class SignalFlag:
+    """Set by the configured signals (main thread); every rank asks every other at a step
+    boundary whether any got one (`any_rank`)."""
+
+    def __init__(self, names: list[str]):
+        self.raised: str | None = None
+        for name in names:
+            signal.signal(getattr(signal, name), self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.raised = signal.Signals(signum).name
+        logger.warning("%s received: saving at the next step boundary, then exiting", self.raised)
+
+    def any_rank(self, group) -> bool:
+        flag = torch.tensor([1 if self.raised else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+
+class CheckpointManager:
+    def __init__(self, cfg, groups, resume: str = "auto"):
+        self.cfg, self.groups, self.resume = cfg, groups, resume
+        self.config = cfg.checkpoint
+        self.root = Path(self.config.path(cfg.run_dir))
+        self.is_leader = groups.rank == 0
+        self.keys = store.compatibility_keys(cfg)
+        self.signals = SignalFlag(self.config.save_on_signal)
+        self.last_saved: int | None = None
+        if "train" not in groups.layout.roles_of_rank(0):
+            raise ConfigError(
+                "roles.groups", [list(w.roles) for w in groups.layout.windows],
+                "checkpoints need the train role on global rank 0 (megatron-core's "
+                "dist_checkpointing writes the common part of the state from rank 0)",
+                hint="put the group with train first",
+            )  # fmt: skip
+
+    # -- when ------------------------------------------------------------------------------
+    def due(self, version: int) -> bool:
+        every = self.config.every_steps
+        return every > 0 and version % every == 0
+
+    def preempted(self) -> bool:
+        """Whether any rank got a save-and-exit signal (collective)."""
+        return self.signals.any_rank(self.groups.control)
+
+    # -- save ------------------------------------------------------------------------------
+    def save(self, version: int, gen, learn) -> dict[str, float]:
+        """Write checkpoint `version` (collective); returns `checkpoint/*` metrics."""
+        start = time.perf_counter()
+        staged = store.partial_dir(self.root, version)
+        if self.is_leader:
+            store.remove_partials(self.root)
+            staged.mkdir(parents=True)
+        dist.barrier(group=self.groups.control)
+        torch.save(
+            pipeline_state.rank_state(version, gen, learn),
+            staged / f"rank_{self.groups.rank:05d}.pt",
+        )
+        train = learn.roles.get("train") if learn is not None else None
+        megatron_state.save_train_state(train, staged / "megatron")
+        dist.barrier(group=self.groups.control)
+        size = 0
+        if self.is_leader:
+            manifest = store.Manifest(
+                step=version, world_size=dist.get_world_size(),
+                recipe_hash=store.recipe_hash(self.keys), recipe_keys=self.keys, files={},
+                extra={"layout": self.groups.layout.describe(), "saved_at": time.time()},
+            )  # fmt: skip
+            path = store.publish(self.root, version, manifest)
+            size = sum(s for s, _ in manifest.files.values())
+            for old in store.prune(self.root, self.config.keep_last):
+                logger.info("checkpoint %s deleted (keep_last %d)", old, self.config.keep_last)
+            logger.info("checkpoint v%d saved: %s (%.1f MB)", version, path, size / 2**20)
+        dist.barrier(group=self.groups.control)
+        self.last_saved = version
+        seconds = time.perf_counter() - start
+        return {"checkpoint/save_s": seconds, "checkpoint/stall_s": seconds,
+                "checkpoint/bytes": float(size)}  # fmt: skip
+
+    # -- resume ----------------------------------------------------------------------------
+    def _choose(self) -> tuple[str | None, dict | None]:
+        """(path, manifest) of the checkpoint to resume from, decided on the leader."""
+        if self.resume == "never":
+            return None, None
+        if self.resume == "auto":
+            found = store.find_resumable(self.root)
+            return (str(found[0]), found[1].__dict__) if found else (None, None)
+        manifest, problem = store.verify(Path(self.resume))
+        if manifest is None:
+            raise ConfigError("--resume", self.resume, f"not a complete checkpoint: {problem}")
+        return self.resume, manifest.__dict__
+
+    def restore(self, gen, learn, exchange) -> int:
+        """Resume if there is a checkpoint to resume from; returns the first step to run
+        (collective)."""
+        box: list = [None]
+        if self.is_leader:
+            try:
+                box[0] = ("ok", *self._choose())
+            except ConfigError as err:
+                box[0] = ("error", err.key, err.value, err.rule)
+        devices.broadcast_object_list(box, src=0, group=self.groups.control)
+        if box[0][0] == "error":
+            raise ConfigError(*box[0][1:])
+        _, path, manifest = box[0]
+        if path is None:
+            return 0
+        differing = store.differing_keys(manifest["recipe_keys"], self.keys)
+        if differing:
+            raise ConfigError(
+                "--resume", path,
+                f"the checkpoint was saved by a recipe that differs in {', '.join(differing)}",
+                hint="resume with the recipe that saved it, or --resume never",
+            )  # fmt: skip
+        version, path = int(manifest["step"]), Path(path)
+        train = learn.roles.get("train") if learn is not None else None
+        megatron_state.load_train_state(train, path / "megatron")
+        exchange.weights_ready()
+        exchange.sync_weights(version, gen.engine if gen is not None else None)
+        if learn is not None:
+            learn.weights_synced(version)
+        same_world = manifest["world_size"] == dist.get_world_size()
+        own = path / f"rank_{self.groups.rank:05d}.pt"
+        state = torch.load(own, weights_only=False) if same_world else None
+        cursor = None
+        if gen is not None:
+            cursor = (state or _any_cursor(path))["gen"]["cursor"]
+        pipeline_state.restore_rank_state(state, cursor, gen, learn,
+                                          seed=self.cfg.seed, rank=self.groups.rank)  # fmt: skip
+        if state is None:
+            pipeline_state.reseed(self.cfg.seed, version, self.groups.rank)
+        if learn is not None:
+            dropped = learn.writer.truncate_from(version) if learn.writer is not None else 0
+            learn.pending_metrics.update({
+                "resume/from_step": float(version), "resume/same_world": float(same_world),
+                "resume/records_dropped": float(dropped),
+            })  # fmt: skip
+        logger.info(
+            "resumed from %s at version %d (same world size: %s)", path, version, same_world
+        )
+        self.last_saved = version
+        return version
+
+
+def _any_cursor(path: Path) -> dict:
+    for file in sorted(path.glob("rank_*.pt")):
+        state = torch.load(file, weights_only=False)
+        if "gen" in state:
+            return state
+    raise RuntimeError(f"checkpoint {path} has no engine host's prompt cursor")

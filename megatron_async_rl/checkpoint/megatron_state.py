@@ -1,0 +1,122 @@
+"""The train role's model and optimizer in a checkpoint, with megatron-core's `dist_checkpointing`.
+
+Owned here: `save_train_state` and `load_train_state`. Called by `checkpoint.manager` on every
+rank of the world (dist_checkpointing's save and load are collectives over the default group;
+ranks without the train role take part with an empty state; its common part is written by
+global rank 0, which must hold the train role: `manager.check_can_save`).
+
+Format: the model's sharded state dict and the distributed optimizer's in its
+"fully_reshardable" form (every optimizer state tensor in model space, like the parameters),
+so a checkpoint saved with one TP/PP/EP/DP layout loads into another.
+
+Two workarounds for megatron-core 0.16.1 with torch's own Adam (no Apex, no Transformer Engine:
+the CPU path), checked by `tests/distributed/test_checkpoint_megatron.py`:
+- a fresh `DistributedOptimizer` has no state, and its `state_dict()` (called while building the
+  loading state dict) asserts that every parameter has a "step"; its state is first created
+  as `init_state_fn` does, with a step of 0 (overwritten by the load);
+- its `load_state_dict` gives every parameter the same "step" tensor, which torch's Adam then
+  increments once per parameter per step (wrong bias correction): each gets its own copy; and
+  its `_set_main_param_and_optimizer_states` copies every state key from the loaded tensors,
+  which have no "step" in that format: while loading, that method of the instance supplies the
+  step `load_state_dict` has just set (`_keep_step`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SHARDING = "fully_reshardable"
+
+
+def _optimizers(role) -> list:
+    return list(getattr(role.optimizer, "chained_optimizers", None) or [role.optimizer])
+
+
+def _metadata(role) -> dict:
+    return {"dp_cp_group": role.pgc.dp_cp, "distrib_optim_sharding_type": SHARDING}
+
+
+def _sharded(role, loading: bool) -> dict:
+    metadata = _metadata(role)
+    model = role.module.sharded_state_dict(metadata=metadata)
+    out = {"model": model}
+    if role.optimizer is not None:
+        if loading:
+            _create_optimizer_state(role)
+        out["optimizer"] = role.optimizer.sharded_state_dict(
+            model, is_loading=loading, metadata=metadata
+        )
+    return out
+
+
+def _create_optimizer_state(role) -> None:
+    for opt in _optimizers(role):
+        inner = opt.optimizer
+        if opt.init_state_fn is not None:
+            opt.init_state_fn(inner, opt.config)
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param].setdefault("step", torch.tensor(0.0))
+
+
+def save_train_state(train, path: Path) -> None:
+    """Write the train role's model and optimizer under `path` (collective over the world;
+    `train` is None on ranks without the role)."""
+    from megatron.core import dist_checkpointing
+
+    path.mkdir(parents=True, exist_ok=True)
+    state = _sharded(train, loading=False) if train is not None else {}
+    # The optimizer's common part exists only on train ranks: not a mismatch to warn about.
+    dist_checkpointing.save(
+        state, str(path),
+        preprocess_common_before_consistancy_check=lambda common: {
+            k: v for k, v in common.items() if k != "optimizer"
+        },
+    )  # fmt: skip
+
+
+def load_train_state(train, path: Path) -> None:
+    """Load the train role's model and optimizer from `path` into `train` (collective over
+    the world, whatever layout saved it)."""
+    from megatron.core import dist_checkpointing
+
+    state = _sharded(train, loading=True) if train is not None else {}
+    loaded = dist_checkpointing.load(state, str(path))
+    if train is None:
+        return
+    train.module.load_state_dict(loaded["model"])
+    if train.optimizer is not None:
+        distributed = [o for o in _optimizers(train) if hasattr(o, "model_param_group_index_map")]
+        for opt in distributed:
+            opt._set_main_param_and_optimizer_states = _keep_step(opt)
+        try:
+            train.optimizer.load_state_dict(loaded["optimizer"])
+        finally:
+            for opt in distributed:
+                del opt._set_main_param_and_optimizer_states  # the class's method again
+        for opt in _optimizers(train):
+            for param_state in opt.optimizer.state.values():
+                if "step" in param_state:  # one tensor per parameter (see the module doc)
+                    param_state["step"] = param_state["step"].clone()
+
+
+def _keep_step(opt):
+    """`opt._set_main_param_and_optimizer_states` that keeps the "step" already in the state
+    when the loaded tensors have none (see the module doc)."""
+    original = type(opt)._set_main_param_and_optimizer_states
+
+    def setter(model_param, tensors):
+        if "step" not in tensors:
+            group, order = opt.model_param_group_index_map[model_param]
+            main = opt.optimizer.param_groups[group]["params"][order]
+            step = opt.optimizer.state[main].get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step}
+        return original(opt, model_param, tensors)
+
+    return setter
