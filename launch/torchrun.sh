@@ -18,6 +18,14 @@
 #   RUN_DIR             passed as `--run-dir RUN_DIR` before your args [unset: not passed]
 #   OMP_NUM_THREADS     [1 when no GPU is found, else left as is]; threads per rank, so CPU
 #                       ranks do not oversubscribe the cores
+#   MAX_RESTARTS        torchrun --max-restarts [0]: times a failed world is restarted; each
+#                       restart resumes from the newest complete checkpoint by itself
+#                       (checkpoint.resume: auto). On a cluster, 2-5
+#   SHUTDOWN_TIMEOUT    torchrun --shutdown-timeout, seconds [120]: on SIGTERM or SIGUSR1 to
+#                       this script, the ranks save a checkpoint at the next step boundary and
+#                       this script exits 83 (preempted: resume with the same command); ranks
+#                       still running after this many seconds are killed. Leave room for a
+#                       step plus a save
 #   TORCHRUN_EXTRA_ARGS extra torchrun flags, split on whitespace, placed after the ones above
 #                       (e.g. "--max-restarts 2 --redirects 3") [empty]
 #   DRY_RUN=1           print the exact command on one line and exit 0 without running it
@@ -70,6 +78,12 @@ else
 fi
 command -v "$python" >/dev/null 2>&1 || die "PYTHON='$python' is not an executable command"
 
+max_restarts=${MAX_RESTARTS:-0}
+[[ $max_restarts =~ ^[0-9]+$ ]] || die "MAX_RESTARTS='$max_restarts' must be an integer >= 0"
+shutdown_timeout=${SHUTDOWN_TIMEOUT:-120}
+[[ $shutdown_timeout =~ ^[1-9][0-9]*$ ]] ||
+    die "SHUTDOWN_TIMEOUT='$shutdown_timeout' must be a positive integer (seconds)"
+
 read -r -a torchrun_extra <<<"${TORCHRUN_EXTRA_ARGS:-}"
 run_dir_args=()
 [[ -z ${RUN_DIR:-} ]] || run_dir_args=(--run-dir "$RUN_DIR")
@@ -78,6 +92,7 @@ cmd=(
     "$python" -m torch.distributed.run
     --nnodes 1 --nproc-per-node "$nproc_per_node"
     --master-addr "$master_addr" --master-port "$master_port"
+    --max-restarts "$max_restarts" --shutdown-timeout "$shutdown_timeout"
     "${torchrun_extra[@]}"
     -m megatron_async_rl.train --config "$recipe" "${run_dir_args[@]}" "$@"
 )
@@ -94,4 +109,21 @@ if [[ ${SKIP_VALIDATE:-0} != 1 ]]; then
         --dry-run --world-size "$nproc_per_node" --ranks-per-node "$nproc_per_node" \
         "$@" >/dev/null || exit $?
 fi
-exec "${cmd[@]}"
+# Not exec: a SIGTERM (or SIGUSR1) to this script is passed to torchrun as SIGTERM, which passes
+# it to the ranks; they save at the next step boundary and the leader leaves a marker file.
+# torchrun itself then exits 1, so the marker is what makes this script exit 83 (requeue).
+marker=$(mktemp -u "${TMPDIR:-/tmp}/megatron_async_rl_preempted.XXXXXX")
+export MEGATRON_ASYNC_RL_PREEMPTED_FILE=$marker
+"${cmd[@]}" &
+child=$!
+trap 'kill -TERM "$child" 2>/dev/null || true' TERM USR1
+status=0
+while true; do
+    wait "$child" && status=0 || status=$?
+    kill -0 "$child" 2>/dev/null || break # a trapped signal interrupted the wait: wait again
+done
+if [[ -f $marker ]]; then
+    rm -f "$marker"
+    exit 83
+fi
+exit "$status"

@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         except Preempted as stop:
             leader_print(f"preempted ({stop}): checkpoint saved; exit {PREEMPTED_EXIT_CODE}", rank)
+            marker = os.environ.get("MEGATRON_ASYNC_RL_PREEMPTED_FILE")
+            if marker and rank == 0:  # torchrun exits 1 when signalled: the launcher reads this
+                Path(marker).write_text(f"{stop}\n")
             return PREEMPTED_EXIT_CODE
         dist.barrier(group=groups.control)
         leader_print(f"done: outputs in {cfg.run_dir}", rank)

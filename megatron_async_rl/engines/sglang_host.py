@@ -56,6 +56,10 @@ def _scrub_launcher_env() -> None:
 
 def host_main(conn, config: SGLangEngineConfig) -> None:
     """Entry point of the engine host: start `sglang.Engine`, then serve calls until shutdown."""
+    # A session of its own: torchrun signals its workers' process groups (SIGTERM on a
+    # preemption), and the rank must outlive that signal with its engine to save a checkpoint.
+    # The host still ends with the rank: its pipe closes (`_read_calls`).
+    os.setsid()
     _scrub_launcher_env()
     if config.device == "cpu":
         shims = str(CPU_SHIMS_DIR)

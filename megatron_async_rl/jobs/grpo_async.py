@@ -210,6 +210,11 @@ def run_learn_pipeline(learn, exchange, clock: RankClock, cfg, rank: int, role: 
 
 def run_grpo_async(cfg, groups, platform) -> None:
     """Train for `trainer.num_steps` steps with generation up to N versions ahead."""
+    if groups.rank == 0:
+        logger.warning(
+            "the asynchronous loop does not save or resume checkpoints yet (the synchronous "
+            "loop does): this run starts from %s and keeps nothing", cfg.model.hf_path,
+        )  # fmt: skip
     parts = build_parts(cfg, groups, platform)
     dist.barrier(group=groups.control)  # engines are up
     try:

@@ -23,6 +23,7 @@ from megatron_async_rl.checkpoint.config import Preempted
 from megatron_async_rl.checkpoint.manager import CheckpointManager
 from megatron_async_rl.jobs.parts import build_parts
 from megatron_async_rl.observability.clock import RankClock
+from megatron_async_rl.observability.logs import leader_print
 from megatron_async_rl.roles.work import StepWork
 from megatron_async_rl.scheduler.staleness import StalenessController
 from megatron_async_rl.scheduler.states import Stage, StageState
@@ -115,6 +116,12 @@ def run_grpo_sync(cfg, groups, platform) -> None:
     parts = build_parts(cfg, groups, platform)
     try:
         start = checkpoints.restore(parts.gen, parts.learn, parts.exchange)
+        if start >= cfg.trainer.num_steps:
+            leader_print(
+                f"resumed at version {start}, trainer.num_steps is {cfg.trainer.num_steps}: "
+                "nothing left to train (raise trainer.num_steps, or --resume never to start "
+                "over)", groups.rank,
+            )  # fmt: skip
         dist.barrier(group=groups.control)  # engines are up: step timings start clean
         run_steps(parts.gen, parts.learn, parts.exchange, parts.clock, cfg, checkpoints, start)
         parts.write_trace()

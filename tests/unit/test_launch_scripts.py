@@ -100,10 +100,13 @@ def _dry_argv(sandbox: Path, script: Path, *args: str, **env: str) -> list[str]:
     return shlex.split(result.stdout)
 
 
-def _torchrun(nproc: str, addr: str = "127.0.0.1", port: str = "29500") -> list[str]:
+def _torchrun(
+    nproc: str, addr: str = "127.0.0.1", port: str = "29500", restarts="0", shutdown="120"
+) -> list[str]:
     return [
         PY, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", nproc,
-        "--master-addr", addr, "--master-port", port,
+        "--master-addr", addr, "--master-port", port, "--max-restarts", restarts,
+        "--shutdown-timeout", shutdown,
     ]  # fmt: skip
 
 
@@ -143,10 +146,12 @@ def test_torchrun_knobs(sandbox):
         MASTER_ADDR="10.1.2.3",
         MASTER_PORT="29601",
         RUN_DIR="runs/my run",
-        TORCHRUN_EXTRA_ARGS=" --max-restarts 2  --redirects 3 ",
+        MAX_RESTARTS="2",
+        SHUTDOWN_TIMEOUT="90",
+        TORCHRUN_EXTRA_ARGS=" --log-dir logs  --redirects 3 ",
     )
     assert argv == [
-        *_torchrun("3", "10.1.2.3", "29601"), "--max-restarts", "2", "--redirects", "3",
+        *_torchrun("3", "10.1.2.3", "29601", "2", "90"), "--log-dir", "logs", "--redirects", "3",
         *TRAIN, "--run-dir", "runs/my run", *PASS_THROUGH,
     ]  # fmt: skip
 
@@ -237,6 +242,8 @@ ERRORS = [
     (TORCHRUN_SH, ["recipe.yaml"], {"NPROC_PER_NODE": "two"}, r"NPROC_PER_NODE='two'.*positive"),
     (TORCHRUN_SH, ["recipe.yaml"], {"NPROC_PER_NODE": "1.5"}, r"NPROC_PER_NODE='1\.5'"),
     (TORCHRUN_SH, ["recipe.yaml"], {"MASTER_PORT": "70000"}, r"MASTER_PORT='70000'.*1\.\.65535"),
+    (TORCHRUN_SH, ["recipe.yaml"], {"MAX_RESTARTS": "-1"}, r"MAX_RESTARTS='-1'.*integer >= 0"),
+    (TORCHRUN_SH, ["recipe.yaml"], {"SHUTDOWN_TIMEOUT": "0"}, r"SHUTDOWN_TIMEOUT='0'.*positive"),
     (TORCHRUN_SH, ["recipe.yaml"], {"PYTHON": "no-such-python"}, r"PYTHON='no-such-python'"),
     (SLURM_SBATCH, [], FAKE_SLURM, r"missing argument RECIPE"),
     (SLURM_SBATCH, ["absent.yaml"], FAKE_SLURM, r"RECIPE='absent\.yaml' is not a file"),

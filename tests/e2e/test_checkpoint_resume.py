@@ -1,0 +1,115 @@
+"""A synchronous run through a crash and a preemption, resumed each time, to its last step.
+
+Contract, on the real stack through `launch/torchrun.sh` (2 ranks: train+logp+ref | a real
+SGLang engine), with `checkpoint.every_steps=2` and 6 steps:
+1. once `step_00000002` is published, one rank chosen at random is killed with SIGKILL: the
+   world ends (non-zero) and nothing newer than a complete checkpoint is kept;
+2. the same command resumes from version 2 by itself (`--resume auto`); once it logs a step,
+   SIGTERM to the launcher makes every rank save at the next step boundary: the launcher
+   exits 83 and a newer complete checkpoint exists;
+3. the same command resumes from it and runs to the end.
+Afterwards `metrics.jsonl` holds steps 0-5 exactly once each (what the killed run logged after
+its checkpoint is dropped), the resumed steps carry `resume/from_step`, and the final checkpoint
+is version 6. Exactness of the resumed training state is `tests/distributed/
+test_checkpoint_megatron.py`'s; the sampled tokens differ after a resume on CPU (SGLang's
+sampler draws from the engine process's generator: README, Checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import time
+
+import psutil
+
+from tests.e2e.recipe_runs import RECIPE, launch_command, launch_env
+
+SETS = ("trainer.num_steps=6", "checkpoint.every_steps=2")
+
+
+def _start(task, run_dir, port, log):
+    """The launcher, its output in `log` (a file: a pipe nobody reads would fill and block)."""
+    sets = (f"model.hf_path={task.model}", f"data.path={task.data}", *SETS)
+    proc = subprocess.Popen(
+        launch_command(RECIPE, run_dir, *sets), env=launch_env(port),
+        stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    proc.log = log
+    return proc
+
+
+def _end(proc, timeout: float = 600) -> str:
+    proc.wait(timeout=timeout)
+    return proc.log.read_text()[-3000:]
+
+
+def _wait_for(condition, proc, what: str, timeout: float = 600):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended ({proc.returncode}) before {what}:\n"
+                                 + proc.log.read_text()[-4000:])  # fmt: skip
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _steps(run_dir):
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _ranks(proc):
+    """The torchrun workers (the ranks) under the launcher."""
+    children = psutil.Process(proc.pid).children(recursive=True)
+    return [
+        p for p in children
+        if "megatron_async_rl.train" in " ".join(p.cmdline())
+        and "torch.distributed.run" not in p.cmdline()
+    ]  # fmt: skip
+
+
+def test_a_crash_and_a_preemption_resume_to_the_end(task, tmp_path):
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    # 1. SIGKILL one rank once version 2 is published.
+    proc = _start(task, run_dir, 29641, tmp_path / "crash.log")
+    _wait_for(lambda: (ckpts / "step_00000002" / "manifest.json").exists(), proc, "checkpoint v2")
+    victim = random.choice(_ranks(proc))
+    victim.send_signal(signal.SIGKILL)
+    out = _end(proc)
+    assert proc.returncode != 0, out
+    published = sorted(p.name for p in ckpts.glob("step_*"))
+    assert published and published[0] == "step_00000002", published
+
+    # 2. Resume by itself; SIGTERM to the launcher once it has logged a step.
+    before = {r["step"] for r in _steps(run_dir)}
+    proc = _start(task, run_dir, 29642, tmp_path / "preempted.log")
+    _wait_for(lambda: any("resume/from_step" in r for r in _steps(run_dir)), proc, "a resumed step")
+    resumed_from = int(
+        next(r for r in _steps(run_dir) if "resume/from_step" in r)["resume/from_step"]
+    )
+    assert resumed_from >= 2 and resumed_from <= max(before) + 1
+    proc.send_signal(signal.SIGTERM)
+    out = _end(proc)
+    assert proc.returncode == 83, out
+    newest = max(int(p.name.split("_")[1]) for p in ckpts.glob("step_*"))
+    assert newest > resumed_from
+
+    # 3. Resume again and finish.
+    proc = _start(task, run_dir, 29643, tmp_path / "end.log")
+    out = _end(proc)
+    assert proc.returncode == 0, out
+    rows = _steps(run_dir)
+    assert [r["step"] for r in rows] == list(range(6))
+    resumes = [r["step"] for r in rows if "resume/from_step" in r]
+    assert resumes == [resumed_from, newest], resumes
+    assert (ckpts / "step_00000006" / "manifest.json").exists()
+    assert not list(ckpts.glob(".partial_*"))
