@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     ranks_per_node = cli.ranks_per_node or (int(local_world) if local_world else None)
     layout = exit_on_config_error(cfg.plan_layout, world_size, ranks_per_node)
     if cli.dry_run:
+        from megatron_async_rl.checkpoint.store import check_resume_matches
+
+        exit_on_config_error(check_resume_matches, cfg)
         device, backend = cfg.platform.device, cfg.platform.backend
         auto = " (auto: cuda/nccl where a GPU is visible)" if "auto" in (device, backend) else ""
         from megatron_async_rl.roles import memory

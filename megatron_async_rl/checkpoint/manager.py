@@ -1,9 +1,10 @@
 """Saving and resuming a run: when, what, in which order, on which ranks.
 
 Owned here: `CheckpointManager` (built by a loop on every rank with the world's groups):
-`restore(parts)` at start-up (the newest complete checkpoint, a given one, or none), `due(v)`,
-`save(v, parts)` at a step boundary, and the signal flag (`SignalFlag`) that turns SIGTERM /
-SIGUSR1 into a save at the next boundary and a distinct exit code. Called by
+`choose()` before anything is built (the newest complete checkpoint, a given one, or none; a
+checkpoint of another recipe is an error there), `restore(...)` once the roles and engines are
+up, `due(v)`, `save(v, gen, learn)` at a step boundary, and the signal flag (`SignalFlag`) that
+turns SIGTERM / SIGUSR1 into a save at the next boundary and the `Preempted` exit. Called by
 `jobs/grpo_sync.py`. Every call is collective over the world (`groups.control`, and
 dist_checkpointing's default group).
 
@@ -19,7 +20,7 @@ Resume of version v: the train role's model and optimizer from `megatron/` (any 
 one weight sync of v to the logp role and the engines (they start from the HF checkpoint), the
 ref role from its source; each rank's pipeline state (`pipeline_state`); the loop continues at
 step v. The leader rewrites `metrics.jsonl` without the steps >= v a crashed run may have
-logged (`observability.metrics.truncate_metrics`).
+logged (`MetricsWriter.truncate_from`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class CheckpointManager:
         self.keys = store.compatibility_keys(cfg)
         self.signals = SignalFlag(self.config.save_on_signal)
         self.last_saved: int | None = None
+        self.chosen: tuple = (None, None)
         if "train" not in groups.layout.roles_of_rank(0):
             raise ConfigError(
                 "roles.groups", [list(w.roles) for w in groups.layout.windows],
@@ -131,9 +133,9 @@ class CheckpointManager:
             raise ConfigError("--resume", self.resume, f"not a complete checkpoint: {problem}")
         return self.resume, manifest.__dict__
 
-    def restore(self, gen, learn, exchange) -> int:
-        """Resume if there is a checkpoint to resume from; returns the first step to run
-        (collective)."""
+    def choose(self) -> None:
+        """Decide what to resume from (collective; before the roles and engines are built, so
+        that a checkpoint of another recipe stops the run at once)."""
         box: list = [None]
         if self.is_leader:
             try:
@@ -144,15 +146,22 @@ class CheckpointManager:
         if box[0][0] == "error":
             raise ConfigError(*box[0][1:])
         _, path, manifest = box[0]
+        if path is not None:
+            differing = store.differing_keys(manifest["recipe_keys"], self.keys)
+            if differing:
+                raise ConfigError(
+                    "--resume", path,
+                    f"the checkpoint was saved by a recipe that differs in {', '.join(differing)}",
+                    hint="resume with the recipe that saved it, or --resume never",
+                )  # fmt: skip
+        self.chosen = (path, manifest)
+
+    def restore(self, gen, learn, exchange) -> int:
+        """Resume from the checkpoint `choose` found, if any; returns the first step to run
+        (collective)."""
+        path, manifest = self.chosen
         if path is None:
             return 0
-        differing = store.differing_keys(manifest["recipe_keys"], self.keys)
-        if differing:
-            raise ConfigError(
-                "--resume", path,
-                f"the checkpoint was saved by a recipe that differs in {', '.join(differing)}",
-                hint="resume with the recipe that saved it, or --resume never",
-            )  # fmt: skip
         version, path = int(manifest["step"]), Path(path)
         train = learn.roles.get("train") if learn is not None else None
         megatron_state.load_train_state(train, path / "megatron")

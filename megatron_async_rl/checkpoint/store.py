@@ -184,3 +184,30 @@ def recipe_hash(keys: dict[str, Any]) -> str:
 
 def differing_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
+
+
+def check_resume_matches(cfg) -> None:
+    """The launcher's dry run: raise `ConfigError` when the checkpoint the run would resume
+    from (`checkpoint.resume`) was saved by a recipe whose model or algorithm differs. Reads
+    manifests only (the run itself verifies checksums)."""
+    from megatron_async_rl.config.errors import ConfigError
+
+    resume = cfg.checkpoint.resume
+    if resume == "never":
+        return
+    candidates = [Path(resume)] if resume != "auto" else [
+        p for _, p in reversed(checkpoints(cfg.checkpoint.path(cfg.run_dir)))
+    ]  # fmt: skip
+    for path in candidates:
+        try:
+            manifest = Manifest.from_json((path / MANIFEST).read_text())
+        except (OSError, ValueError, TypeError):
+            continue  # incomplete or unreadable: the run skips it with a warning
+        differing = differing_keys(manifest.recipe_keys, compatibility_keys(cfg))
+        if differing:
+            raise ConfigError(
+                "--resume", str(path),
+                f"the checkpoint was saved by a recipe that differs in {', '.join(differing)}",
+                hint="resume with the recipe that saved it, or --resume never",
+            )  # fmt: skip
+        return

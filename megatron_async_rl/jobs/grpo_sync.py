@@ -113,6 +113,7 @@ def _rollout(gen, machines, clock, cfg, step: int) -> StepWork:
 def run_grpo_sync(cfg, groups, platform) -> None:
     """The synchronous loop of the entry point (collective over the world)."""
     checkpoints = CheckpointManager(cfg, groups)
+    checkpoints.choose()  # a checkpoint of another recipe stops the run before engines start
     parts = build_parts(cfg, groups, platform)
     try:
         start = checkpoints.restore(parts.gen, parts.learn, parts.exchange)

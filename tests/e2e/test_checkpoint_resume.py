@@ -113,3 +113,13 @@ def test_a_crash_and_a_preemption_resume_to_the_end(task, tmp_path):
     assert resumes == [resumed_from, newest], resumes
     assert (ckpts / "step_00000006" / "manifest.json").exists()
     assert not list(ckpts.glob(".partial_*"))
+
+    # 4. Another recipe (the algorithm differs) would resume from it: the launcher stops with
+    #    exit 2 and one line, before any rank starts.
+    sets = (f"model.hf_path={task.model}", f"data.path={task.data}", *SETS,
+            "algorithm.clip_ratio_low=0.3")  # fmt: skip
+    proc = subprocess.run(launch_command(RECIPE, run_dir, *sets), env=launch_env(29644),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stdout)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "differs in algorithm.clip_ratio_low" in lines[0], lines
