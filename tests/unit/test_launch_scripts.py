@@ -116,6 +116,7 @@ def _srun(nnodes: str, nproc: str, rdzv_id: str, endpoint: str, cpus: str = "") 
         *([f"--cpus-per-task={cpus}"] if cpus else []),
         PY, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", nproc,
         "--rdzv-id", rdzv_id, "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+        "--max-restarts", "0", "--shutdown-timeout", "120",
     ]  # fmt: skip
 
 
@@ -244,6 +245,7 @@ ERRORS = [
     (TORCHRUN_SH, ["recipe.yaml"], {"MASTER_PORT": "70000"}, r"MASTER_PORT='70000'.*1\.\.65535"),
     (TORCHRUN_SH, ["recipe.yaml"], {"MAX_RESTARTS": "-1"}, r"MAX_RESTARTS='-1'.*integer >= 0"),
     (TORCHRUN_SH, ["recipe.yaml"], {"SHUTDOWN_TIMEOUT": "0"}, r"SHUTDOWN_TIMEOUT='0'.*positive"),
+    (SLURM_SBATCH, ["recipe.yaml"], {**FAKE_SLURM, "REQUEUE": "yes"}, r"REQUEUE='yes'.*0 or 1"),
     (TORCHRUN_SH, ["recipe.yaml"], {"PYTHON": "no-such-python"}, r"PYTHON='no-such-python'"),
     (SLURM_SBATCH, [], FAKE_SLURM, r"missing argument RECIPE"),
     (SLURM_SBATCH, ["absent.yaml"], FAKE_SLURM, r"RECIPE='absent\.yaml' is not a file"),
