@@ -11,6 +11,7 @@ for why the engine lives in a child process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -56,10 +57,13 @@ def _scrub_launcher_env() -> None:
 
 def host_main(conn, config: SGLangEngineConfig) -> None:
     """Entry point of the engine host: start `sglang.Engine`, then serve calls until shutdown."""
-    # A session of its own: torchrun signals its workers' process groups (SIGTERM on a
-    # preemption), and the rank must outlive that signal with its engine to save a checkpoint.
-    # The host still ends with the rank: its pipe closes (`_read_calls`).
+    # A preemption's SIGTERM is for the ranks, which finish a step and save before they stop
+    # their engines: torchrun signals its workers' process groups (hence a session of its
+    # own), SLURM every process of the step (hence ignored here and, inherited, in SGLang's
+    # processes; SGLang's own shutdown kills with SIGKILL). The host still ends with the
+    # rank: its pipe closes (`_read_calls`).
     os.setsid()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _scrub_launcher_env()
     if config.device == "cpu":
         shims = str(CPU_SHIMS_DIR)
@@ -122,6 +126,8 @@ class _EngineHost:
         # process tree without a word) with ours, which reports the cause first.
         self.tm.auto_create_handle_loop()
         loop.add_signal_handler(signal.SIGQUIT, self._on_child_failure)
+        loop.remove_signal_handler(signal.SIGTERM)  # SGLang's drains and exits: see host_main
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         threading.Thread(target=self._read_calls, args=(loop,), daemon=True).start()
         self.conn.send(("ready", {"child_pids": self.child_pids, "files": self._own_files()}))
         await self.stopped.wait()
@@ -279,6 +285,11 @@ class _EngineHost:
     async def rpc_shutdown(self) -> None:
         self._drop_shards()
         self.engine.shutdown()
+        # The rank removes these too (however the engine ended); here for a rank that was
+        # killed: its pipe closed and brought us here.
+        for path in self._own_files():
+            with contextlib.suppress(OSError):
+                os.remove(path)
         self.stopped.set()
 
 

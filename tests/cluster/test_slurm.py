@@ -69,3 +69,50 @@ def test_a_bad_value_stops_in_the_dry_run_before_any_rank_starts(cluster, task, 
     assert errors and "-3" in errors[0] and "must be" in errors[0], output[-4000:]
     assert "layout on" not in output and not (tmp_path / "run").exists(), output[-4000:]
     assert os.path.exists(cluster.conf) and "idle" in cluster.sinfo()
+
+
+def _squeue(cluster, job: str) -> str:
+    out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], env=cluster.env,
+                         capture_output=True, text=True).stdout  # fmt: skip
+    return out.strip()
+
+
+def test_a_preempted_job_saves_requeues_itself_and_resumes(cluster, task, tmp_path):
+    """SLURM's preemption signal to the batch shell (`scancel --signal=TERM --batch`, what
+    `--signal=B:TERM@180` sends before the time limit): the ranks save at the next step
+    boundary, the script requeues the job, and the requeued job resumes and finishes; every
+    step is logged exactly once."""
+    import time
+
+    out, run_dir = tmp_path / "job.out", tmp_path / "run"
+    env = dict(cluster.env, GPUS_PER_NODE="2", RUN_DIR=str(run_dir), PYTHON=sys.executable,
+               MASTER_PORT="29652", OMP_NUM_THREADS="1")  # fmt: skip
+    cmd = [
+        "sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=2",
+        "--time=20", f"--output={out}", str(REPO / "launch" / "slurm.sbatch"),
+        str(REPO / "yaml_configs" / "tiny-grpo-cpu.yaml"),
+    ]  # fmt: skip
+    for item in (f"model.hf_path={task.model}", f"data.path={task.data}", "trainer.num_steps=10"):
+        cmd += ["--set", item]
+    job = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout.strip().split(";")[0]  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert time.monotonic() < deadline and _squeue(cluster, job), out.read_text()[-3000:]
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=TERM", "--batch", job], env=cluster.env, check=True)
+    while _squeue(cluster, job):  # requeued (pending, BeginTime), then run again to the end
+        assert time.monotonic() < deadline, (_squeue(cluster, job), out.read_text()[-3000:])
+        if "BeginTime" in _squeue(cluster, job):  # SLURM delays a requeued job: release it
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"],
+                           env=cluster.env, capture_output=True)  # fmt: skip
+        time.sleep(1)
+    output = out.read_text()
+    assert "preempted" in output and "checkpoint saved; exit 83" in output, output[-4000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(10)), output[-4000:]
+    resumed = [r for r in rows if "resume/from_step" in r]
+    assert len(resumed) == 1 and resumed[0]["step"] >= 2
+    assert (run_dir / "checkpoints" / "step_00000010" / "manifest.json").exists()
+    assert "idle" in cluster.sinfo()
