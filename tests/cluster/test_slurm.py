@@ -6,7 +6,10 @@ Contracts checked:
   then one torchrun agent under srun with c10d rendezvous, and the tiny GRPO run completes:
   exit 0, every step in metrics.jsonl, the job's output file written;
 - a bad recipe value stops the job in the pre-launch dry run: the job fails with the entry
-  point's one-line error naming the key, the value and the rule, and no rank ever starts.
+  point's one-line error naming the key, the value and the rule, and no rank ever starts;
+- SLURM's preemption signal to the batch shell makes the ranks save at a step boundary; the
+  script requeues the job, which resumes from that checkpoint and finishes, every step logged
+  once.
 The cluster is real (Debian's slurm 22.05 packages, installed in the fixture where missing;
 the tests skip, saying why, only where they cannot be installed or started).
 """
