@@ -82,6 +82,27 @@ class CheckpointManager:
         every = self.config.every_steps
         return every > 0 and version % every == 0
 
+    def export_due(self, version: int) -> bool:
+        every = self.config.hf_export_every
+        return every > 0 and version % every == 0
+
+    def export_hf(self, version: int, learn) -> None:
+        """The train role's weights as a HF checkpoint `hf_step_<version>` (collective over
+        the train ranks; the others return at once)."""
+        train = learn.roles.get("train") if learn is not None else None
+        if train is None:
+            return
+        exported = train.gather_hf_state_dict()
+        if exported is None:
+            return
+        from megatron_async_rl.models import hf_checkpoint
+
+        hf_path = self.cfg.model.hf_path
+        path = self.root / f"hf_step_{version:08d}"
+        base = hf_checkpoint.read_hf_config(hf_path) if hf_path else {}
+        hf_checkpoint.save_hf_checkpoint(path, exported, base, tokenizer_src=hf_path)
+        logger.info("exported the train role's weights at v%d to %s", version, path)
+
     def preempted(self) -> bool:
         """Whether any rank got a save-and-exit signal (collective)."""
         return self.signals.any_rank(self.groups.control)

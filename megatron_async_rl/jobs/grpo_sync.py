@@ -87,6 +87,8 @@ def _checkpoint(checkpoints, version: int, gen, learn, cfg) -> None:
         metrics = checkpoints.save(version, gen, learn)
         if learn is not None:
             learn.pending_metrics.update(metrics)
+    if checkpoints.export_due(version):
+        checkpoints.export_hf(version, learn)
     if preempted:
         raise Preempted(f"a save-and-exit signal at version {version}")
 

@@ -3,8 +3,8 @@
 Contracts checked:
 - `sbatch launch/slurm.sbatch yaml_configs/tiny-grpo-cpu.yaml` (the production script, its
   requests shrunk on the command line: 1 node, no GPU, 2 CPUs) runs its pre-launch dry run,
-  then one torchrun agent under srun with c10d rendezvous, and the tiny GRPO run completes:
-  exit 0, every step in metrics.jsonl, the job's output file written;
+  then one torchrun agent under srun with c10d rendezvous, and the tiny GRPO run completes,
+  through a preemption (below): every step in metrics.jsonl, the job's output file written;
 - a bad recipe value stops the job in the pre-launch dry run: the job fails with the entry
   point's one-line error naming the key, the value and the rule, and no rank ever starts;
 - SLURM's preemption signal to the batch shell makes the ranks save at a step boundary; the
@@ -53,16 +53,6 @@ def _sbatch(cluster, tmp_path, task, *sets: str) -> tuple[subprocess.CompletedPr
         cmd += ["--set", item]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     return proc, out.read_text() if out.exists() else ""
-
-
-def test_the_tiny_recipe_runs_to_completion_under_sbatch(cluster, task, tmp_path):
-    proc, output = _sbatch(cluster, tmp_path, task, "trainer.num_steps=2")
-    assert proc.returncode == 0, (proc.stderr, output[-4000:], cluster.sinfo())
-    assert output, f"the job wrote no output (a drained node? sinfo: {cluster.sinfo()})"
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    rows = [json.loads(line) for line in lines]
-    assert [r["step"] for r in rows] == [0, 1]
-    assert "idle" in cluster.sinfo(), "the node drained"
 
 
 def test_a_bad_value_stops_in_the_dry_run_before_any_rank_starts(cluster, task, tmp_path):

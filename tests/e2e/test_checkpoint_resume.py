@@ -9,10 +9,11 @@ SGLang engine), with `checkpoint.every_steps=2` and 6 steps:
    exits 83 and a newer complete checkpoint exists;
 3. the same command resumes from it and runs to the end.
 Afterwards `metrics.jsonl` holds steps 0-5 exactly once each (what the killed run logged after
-its checkpoint is dropped), the resumed steps carry `resume/from_step`, and the final checkpoint
-is version 6. Exactness of the resumed training state is `tests/distributed/
-test_checkpoint_megatron.py`'s; the sampled tokens differ after a resume on CPU (SGLang's
-sampler draws from the engine process's generator: README, Checkpoints).
+its checkpoint is dropped), the resumed steps carry `resume/from_step`, the final checkpoint
+is version 6, and HF exports of versions 3 and 6 exist. Exactness of the resumed training
+state is `tests/distributed/test_checkpoint_megatron.py`'s; the sampled tokens differ after a
+resume on CPU (SGLang's sampler draws from the engine process's generator: README,
+Checkpoints).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import psutil
 
 from tests.e2e.recipe_runs import RECIPE, launch_command, launch_env
 
-SETS = ("trainer.num_steps=6", "checkpoint.every_steps=2")
+SETS = ("trainer.num_steps=6", "checkpoint.every_steps=2", "checkpoint.hf_export_every=3")
 
 
 def _start(task, run_dir, port, log):
@@ -80,7 +81,7 @@ def test_a_crash_and_a_preemption_resume_to_the_end(task, tmp_path):
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
     # 1. SIGKILL one rank once version 2 is published.
-    proc = _start(task, run_dir, 29641, tmp_path / "crash.log")
+    proc = _start(task, run_dir, 29661, tmp_path / "crash.log")
     _wait_for(lambda: (ckpts / "step_00000002" / "manifest.json").exists(), proc, "checkpoint v2")
     victim = random.choice(_ranks(proc))
     victim.send_signal(signal.SIGKILL)
@@ -91,7 +92,7 @@ def test_a_crash_and_a_preemption_resume_to_the_end(task, tmp_path):
 
     # 2. Resume by itself; SIGTERM to the launcher once it has logged a step.
     before = {r["step"] for r in _steps(run_dir)}
-    proc = _start(task, run_dir, 29642, tmp_path / "preempted.log")
+    proc = _start(task, run_dir, 29662, tmp_path / "preempted.log")
     _wait_for(lambda: any("resume/from_step" in r for r in _steps(run_dir)), proc, "a resumed step")
     resumed_from = int(
         next(r for r in _steps(run_dir) if "resume/from_step" in r)["resume/from_step"]
@@ -104,7 +105,7 @@ def test_a_crash_and_a_preemption_resume_to_the_end(task, tmp_path):
     assert newest > resumed_from
 
     # 3. Resume again and finish.
-    proc = _start(task, run_dir, 29643, tmp_path / "end.log")
+    proc = _start(task, run_dir, 29663, tmp_path / "end.log")
     out = _end(proc)
     assert proc.returncode == 0, out
     rows = _steps(run_dir)
@@ -113,12 +114,18 @@ def test_a_crash_and_a_preemption_resume_to_the_end(task, tmp_path):
     assert resumes == [resumed_from, newest], resumes
     assert (ckpts / "step_00000006" / "manifest.json").exists()
     assert not list(ckpts.glob(".partial_*"))
+    # The HF exports (`checkpoint.hf_export_every`): loadable, every tensor of the model.
+    from megatron_async_rl.models.hf_checkpoint import HFTensorReader
+
+    start = set(HFTensorReader(task.model).keys())
+    for version in (3, 6):
+        assert set(HFTensorReader(ckpts / f"hf_step_{version:08d}").keys()) == start
 
     # 4. Another recipe (the algorithm differs) would resume from it: the launcher stops with
     #    exit 2 and one line, before any rank starts.
     sets = (f"model.hf_path={task.model}", f"data.path={task.data}", *SETS,
             "algorithm.clip_ratio_low=0.3")  # fmt: skip
-    proc = subprocess.run(launch_command(RECIPE, run_dir, *sets), env=launch_env(29644),
+    proc = subprocess.run(launch_command(RECIPE, run_dir, *sets), env=launch_env(29664),
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stdout)
     lines = proc.stderr.strip().splitlines()
