@@ -72,12 +72,27 @@ def save_train_state(train, path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     state = _sharded(train, loading=False) if train is not None else {}
     # The optimizer's common part exists only on train ranks: not a mismatch to warn about.
-    dist_checkpointing.save(
-        state, str(path),
-        preprocess_common_before_consistancy_check=lambda common: {
-            k: v for k, v in common.items() if k != "optimizer"
-        },
-    )  # fmt: skip
+    try:
+        dist_checkpointing.save(
+            state, str(path),
+            preprocess_common_before_consistancy_check=lambda common: {
+                k: v for k, v in common.items() if k != "optimizer"
+            },
+        )  # fmt: skip
+    finally:
+        _stop_write_queue()
+
+
+def _stop_write_queue() -> None:
+    """megatron-core's writer keeps a `multiprocessing.Manager` server (its results queue) for
+    the rest of the process; a rank killed with SIGKILL leaves it behind, an orphan. Stopped
+    after each save (the next save starts another)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    manager = getattr(filesystem_async._results_queue, "_manager", None)
+    if manager is not None:
+        filesystem_async._results_queue = None
+        manager.shutdown()
 
 
 def load_train_state(train, path: Path) -> None:
