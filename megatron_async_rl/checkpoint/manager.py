@@ -67,7 +67,6 @@ class CheckpointManager:
         self.is_leader = groups.rank == 0
         self.keys = store.compatibility_keys(cfg)
         self.signals = SignalFlag(self.config.save_on_signal)
-        self.last_saved: int | None = None
         self.chosen: tuple = (None, None)
         if "train" not in groups.layout.roles_of_rank(0):
             raise ConfigError(
@@ -136,7 +135,6 @@ class CheckpointManager:
                 logger.info("checkpoint %s deleted (keep_last %d)", old, self.config.keep_last)
             logger.info("checkpoint v%d saved: %s (%.1f MB)", version, path, size / 2**20)
         dist.barrier(group=self.groups.control)
-        self.last_saved = version
         seconds = time.perf_counter() - start
         return {"checkpoint/save_s": seconds, "checkpoint/stall_s": seconds,
                 "checkpoint/bytes": float(size)}  # fmt: skip
@@ -168,13 +166,7 @@ class CheckpointManager:
             raise ConfigError(*box[0][1:])
         _, path, manifest = box[0]
         if path is not None:
-            differing = store.differing_keys(manifest["recipe_keys"], self.keys)
-            if differing:
-                raise ConfigError(
-                    "--resume", path,
-                    f"the checkpoint was saved by a recipe that differs in {', '.join(differing)}",
-                    hint="resume with the recipe that saved it, or --resume never",
-                )  # fmt: skip
+            store.check_same_recipe(path, manifest["recipe_keys"], self.keys)
         self.chosen = (path, manifest)
 
     def restore(self, gen, learn, exchange) -> int:
@@ -196,8 +188,7 @@ class CheckpointManager:
         cursor = None
         if gen is not None:
             cursor = (state or _any_cursor(path))["gen"]["cursor"]
-        pipeline_state.restore_rank_state(state, cursor, gen, learn,
-                                          seed=self.cfg.seed, rank=self.groups.rank)  # fmt: skip
+        pipeline_state.restore_rank_state(state, cursor, gen, learn)
         if state is None:
             pipeline_state.reseed(self.cfg.seed, version, self.groups.rank)
         if learn is not None:
@@ -209,7 +200,6 @@ class CheckpointManager:
         logger.info(
             "resumed from %s at version %d (same world size: %s)", path, version, same_world
         )
-        self.last_saved = version
         return version
 
 

@@ -75,7 +75,7 @@ def rank_state(version: int, gen, learn) -> dict[str, Any]:
     return state
 
 
-def restore_rank_state(state: dict[str, Any] | None, cursor, gen, learn, *, seed, rank) -> None:
+def restore_rank_state(state: dict[str, Any] | None, cursor, gen, learn) -> None:
     """Restore from this rank's own saved `state` (None: another world size saved it: only
     the shared `cursor`, fresh RNGs)."""
     if gen is not None and cursor is not None:

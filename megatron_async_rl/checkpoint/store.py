@@ -190,8 +190,6 @@ def check_resume_matches(cfg) -> None:
     """The launcher's dry run: raise `ConfigError` when the checkpoint the run would resume
     from (`checkpoint.resume`) was saved by a recipe whose model or algorithm differs. Reads
     manifests only (the run itself verifies checksums)."""
-    from megatron_async_rl.config.errors import ConfigError
-
     resume = cfg.checkpoint.resume
     if resume == "never":
         return
@@ -203,11 +201,18 @@ def check_resume_matches(cfg) -> None:
             manifest = Manifest.from_json((path / MANIFEST).read_text())
         except (OSError, ValueError, TypeError):
             continue  # incomplete or unreadable: the run skips it with a warning
-        differing = differing_keys(manifest.recipe_keys, compatibility_keys(cfg))
-        if differing:
-            raise ConfigError(
-                "--resume", str(path),
-                f"the checkpoint was saved by a recipe that differs in {', '.join(differing)}",
-                hint="resume with the recipe that saved it, or --resume never",
-            )  # fmt: skip
+        check_same_recipe(path, manifest.recipe_keys, compatibility_keys(cfg))
         return
+
+
+def check_same_recipe(path, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Raise `ConfigError` naming the keys where the recipe that saved `path` differs."""
+    from megatron_async_rl.config.errors import ConfigError
+
+    differing = differing_keys(saved, current)
+    if differing:
+        raise ConfigError(
+            "--resume", str(path),
+            f"the checkpoint was saved by a recipe that differs in {', '.join(differing)}",
+            hint="resume with the recipe that saved it, or --resume never",
+        )  # fmt: skip
