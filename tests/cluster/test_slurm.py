@@ -64,10 +64,27 @@ def test_a_bad_value_stops_in_the_dry_run_before_any_rank_starts(cluster, task, 
     assert os.path.exists(cluster.conf) and "idle" in cluster.sinfo()
 
 
-def _squeue(cluster, job: str) -> str:
-    out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], env=cluster.env,
-                         capture_output=True, text=True).stdout  # fmt: skip
-    return out.strip()
+_TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+             "BOOT_FAIL", "DEADLINE", "PREEMPTED"}  # fmt: skip
+
+
+def _job_state(cluster, job: str) -> str:
+    """The job's JobState, "GONE" once slurmctld forgot it. A failed query on a loaded machine
+    (a socket timeout) is asked again, never read as "the job ended": that made CI stop waiting
+    while the job sat requeued."""
+    import time
+
+    for _ in range(30):
+        proc = subprocess.run(["scontrol", "show", "job", "-o", job], env=cluster.env,
+                              capture_output=True, text=True)  # fmt: skip
+        if proc.returncode == 0:
+            for field in proc.stdout.split():
+                if field.startswith("JobState="):
+                    return field.split("=", 1)[1]
+        elif "Invalid job id" in proc.stderr:
+            return "GONE"
+        time.sleep(1)
+    raise AssertionError(f"scontrol show job {job} kept failing: {proc.stderr[-500:]}")
 
 
 def test_a_preempted_job_saves_requeues_itself_and_resumes(cluster, task, tmp_path):
@@ -92,15 +109,23 @@ def test_a_preempted_job_saves_requeues_itself_and_resumes(cluster, task, tmp_pa
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert time.monotonic() < deadline and _squeue(cluster, job), out.read_text()[-3000:]
+        state = _job_state(cluster, job)
+        assert time.monotonic() < deadline and state not in _TERMINAL | {"GONE"}, (
+            state, out.read_text()[-3000:])  # fmt: skip
         time.sleep(0.5)
     subprocess.run(["scancel", "--signal=TERM", "--batch", job], env=cluster.env, check=True)
-    while _squeue(cluster, job):  # requeued (pending, BeginTime), then run again to the end
-        assert time.monotonic() < deadline, (_squeue(cluster, job), out.read_text()[-3000:])
-        if "BeginTime" in _squeue(cluster, job):  # SLURM delays a requeued job: release it
+    states = [_job_state(cluster, job)]
+    while states[-1] not in _TERMINAL | {"GONE"}:  # requeued (pending, BeginTime), then run again
+        assert time.monotonic() < deadline, (states, out.read_text()[-3000:])
+        reason = subprocess.run(["squeue", "-h", "-j", job, "-o", "%r"], env=cluster.env,
+                                capture_output=True, text=True).stdout  # fmt: skip
+        if "BeginTime" in reason:  # SLURM delays a requeued job: release it
             subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"],
                            env=cluster.env, capture_output=True)  # fmt: skip
         time.sleep(1)
+        if (state := _job_state(cluster, job)) != states[-1]:
+            states.append(state)
+    assert states[-1] == "COMPLETED", (states, out.read_text()[-3000:])
     output = out.read_text()
     assert "preempted" in output and "checkpoint saved; exit 83" in output, output[-4000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
