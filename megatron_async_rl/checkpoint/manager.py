@@ -3,9 +3,10 @@
 Owned here: `CheckpointManager` (built by a loop on every rank with the world's groups):
 `choose()` before anything is built (the newest complete checkpoint, a given one, or none; a
 checkpoint of another recipe is an error there), `restore(...)` once the roles and engines are
-up, `due(v)`, `save(v, gen, learn)` at a step boundary, and the signal flag (`SignalFlag`) that
-turns SIGTERM / SIGUSR1 into a save at the next boundary and the `Preempted` exit. Called by
-`jobs/grpo_sync.py`. Every call is collective over the world (`groups.control`, and
+up, `due(v)`, `boundary(v)` (save now? stop after?), `save(v, gen, learn)` at a step
+boundary, and the signal flag (`SignalFlag`) that turns SIGTERM / SIGUSR1 into a save at the
+next boundary and the `Preempted` exit. Called by `jobs/grpo_sync.py` and `jobs/grpo_async.py` (with
+`jobs/async_checkpoint.py`). Every call is collective over the world (`groups.control`, and
 dist_checkpointing's default group).
 
 Save of version v (after its weight sync, every rank at the boundary):
@@ -20,7 +21,7 @@ Resume of version v: the train role's model and optimizer from `megatron/` (any 
 one weight sync of v to the logp role and the engines (they start from the HF checkpoint), the
 ref role from its source; each rank's pipeline state (`pipeline_state`); the loop continues at
 step v. The leader rewrites `metrics.jsonl` without the steps >= v a crashed run may have
-logged (`MetricsWriter.truncate_from`).
+logged (`MetricsWriter.truncate_from`), and the prompt ledger likewise.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ class CheckpointManager:
         self.keys = store.compatibility_keys(cfg)
         self.signals = SignalFlag(self.config.save_on_signal)
         self.chosen: tuple = (None, None)
+        self.restored: dict | None = None
+        """This rank's saved state after `restore` (None: nothing resumed, or another world
+        size saved it)."""
         if "train" not in groups.layout.roles_of_rank(0):
             raise ConfigError(
                 "roles.groups", [list(w.roles) for w in groups.layout.windows],
@@ -106,9 +110,16 @@ class CheckpointManager:
         """Whether any rank got a save-and-exit signal (collective)."""
         return self.signals.any_rank(self.groups.control)
 
+    def boundary(self, version: int) -> tuple[bool, bool]:
+        """At the boundary after version `version` (collective): (save now, then stop)."""
+        preempted = self.preempted()
+        last = version == self.cfg.trainer.num_steps and self.config.save_at_end
+        return preempted or last or self.due(version), preempted
+
     # -- save ------------------------------------------------------------------------------
-    def save(self, version: int, gen, learn) -> dict[str, float]:
-        """Write checkpoint `version` (collective); returns `checkpoint/*` metrics."""
+    def save(self, version: int, gen, learn, pending=None, extra=None) -> dict[str, float]:
+        """Write checkpoint `version` (collective; `pending` and `extra`: an asynchronous
+        engine host's `PendingSteps` and validation state); returns `checkpoint/*` metrics."""
         start = time.perf_counter()
         staged = store.partial_dir(self.root, version)
         if self.is_leader:
@@ -116,7 +127,7 @@ class CheckpointManager:
             staged.mkdir(parents=True)
         dist.barrier(group=self.groups.control)
         torch.save(
-            pipeline_state.rank_state(version, gen, learn),
+            pipeline_state.rank_state(version, gen, learn, pending, extra),
             staged / f"rank_{self.groups.rank:05d}.pt",
         )
         train = learn.roles.get("train") if learn is not None else None
@@ -187,12 +198,21 @@ class CheckpointManager:
         state = torch.load(own, weights_only=False) if same_world else None
         cursor = None
         if gen is not None:
-            cursor = (state or _any_cursor(path))["gen"]["cursor"]
+            saved = state["gen"] if state is not None else _any_cursor(path)["gen"]
+            # another world size: where the version's prompts start (older checkpoints: cursor)
+            cursor = (
+                saved["cursor"]
+                if state is not None
+                else saved.get("version_cursor", saved["cursor"])
+            )
         pipeline_state.restore_rank_state(state, cursor, gen, learn)
+        self.restored = state
         if state is None:
             pipeline_state.reseed(self.cfg.seed, version, self.groups.rank)
         if learn is not None:
             dropped = learn.writer.truncate_from(version) if learn.writer is not None else 0
+            if learn.ledger is not None:
+                learn.ledger.truncate_from(version)
             learn.pending_metrics.update({
                 "resume/from_step": float(version), "resume/same_world": float(same_world),
                 "resume/records_dropped": float(dropped),

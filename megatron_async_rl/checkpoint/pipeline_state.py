@@ -3,12 +3,14 @@
 Owned here: `rng_state` / `set_rng_state` (Python, NumPy, torch's CPU generator, CUDA's when
 in use, and Megatron's model-parallel RNG tracker) and `rank_state` / `restore_rank_state`
 (the dict a rank writes as `rank_<r>.pt`: the version, its RNGs, the generate side's prompt
-cursor and reward counters, the learn side's counters). Called by `checkpoint.manager`.
+cursor, reward counters and, in the asynchronous loop, its untrained steps (`pending`), the
+learn side's counters). Called by `checkpoint.manager`.
 
 Restoring: a rank's own file when the saved world had the same size (its RNGs included); the
 prompt cursor is the same on every engine host (they all draw the same prompts), so with
-another world size it is taken from any engine host's file, and RNGs are seeded afresh from
-the run seed, the version and the rank (stated in the resume record).
+another world size the position of the version's first prompt is taken from any engine host's
+file (the asynchronous loop's untrained steps are then generated again), and RNGs are seeded
+afresh from the run seed, the version and the rank (stated in the resume record).
 """
 
 from __future__ import annotations
@@ -62,14 +64,22 @@ def _megatron_tracker():
     return tracker if tracker.get_states() else None
 
 
-def rank_state(version: int, gen, learn) -> dict[str, Any]:
-    """What this rank writes (its sides: `gen` and/or `learn`, None where absent)."""
+def rank_state(version: int, gen, learn, pending=None, extra=None) -> dict[str, Any]:
+    """What this rank writes (its sides: `gen` and/or `learn`, None where absent; `pending`,
+    the asynchronous engine host's `PendingSteps`, and `extra`, more of its generate state)."""
     state: dict[str, Any] = {"version": version, "rng": rng_state()}
     if gen is not None:
+        cursor = gen.dataset.state_dict()
+        first = pending.first_cursor() if pending is not None else None
         state["gen"] = {
-            "cursor": gen.dataset.state_dict(),
+            "cursor": cursor,  # where this rank's data continues
+            # where step `version`'s prompts start (another world size regenerates from it)
+            "version_cursor": cursor if first is None else {**cursor, "cursor": first},
             "reward": {"errors": gen.reward.errors, "calls": gen.reward.calls},
         }
+        if pending is not None:
+            state["gen"]["pending"] = pending.state_dict()
+        state["gen"].update(extra or {})
     if learn is not None:
         state["learn"] = {"logp_version": learn.logp_version}
     return state

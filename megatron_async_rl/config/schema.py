@@ -253,17 +253,6 @@ class RunConfig:
                     hint="set engine.mem_fraction_static to the share of GPU memory the "
                     "engine may take (weights plus KV cache), or give generate its own ranks",
                 )  # fmt: skip
-        ckpt = self.checkpoint
-        if self.scheduler.use_async_loop and (
-            ckpt.every_steps > 0 or ckpt.resume not in ("auto", "never")
-        ):
-            raise ConfigError(
-                "checkpoint.every_steps" if ckpt.every_steps > 0 else "checkpoint.resume",
-                ckpt.every_steps if ckpt.every_steps > 0 else ckpt.resume,
-                "the asynchronous loop (scheduler.generate_ahead_steps > 0) does not save or "
-                "resume checkpoints yet",
-                hint="use the synchronous loop (generate_ahead_steps: 0) to checkpoint",
-            )  # fmt: skip
         if self.scheduler.use_async_loop:
             for index, group in enumerate(self.roles.groups):
                 if "generate" in group.roles and len(group.roles) > 1:

@@ -23,9 +23,15 @@ import time
 
 import torch.distributed as dist
 
+from megatron_async_rl.checkpoint.config import Preempted
+from megatron_async_rl.checkpoint.manager import CheckpointManager
+from megatron_async_rl.checkpoint.pending import GENERATED, LOADED, SCORED, PendingSteps
+from megatron_async_rl.jobs.async_checkpoint import Boundaries, Resumed
+from megatron_async_rl.jobs.grpo_sync import boundary
 from megatron_async_rl.jobs.parts import build_parts
 from megatron_async_rl.jobs.weight_thread import EngineGate, WeightReceiver
 from megatron_async_rl.observability.clock import RankClock
+from megatron_async_rl.observability.logs import leader_print
 from megatron_async_rl.roles.work import StepWork
 from megatron_async_rl.scheduler.queues import BoundedQueue
 from megatron_async_rl.scheduler.scheduler import Scheduler, StageTask
@@ -33,7 +39,7 @@ from megatron_async_rl.scheduler.staleness import StalenessController
 from megatron_async_rl.scheduler.states import Stage, StageTimeout
 
 logger = logging.getLogger(__name__)
-GENERATE_STAGES = (Stage.DATALOADER, Stage.GENERATE, Stage.REWARD)
+GENERATE_STAGES = (Stage.DATALOADER, Stage.GENERATE, Stage.REWARD, Stage.CHECKPOINT)
 
 
 class _Thread(threading.Thread):
@@ -62,25 +68,36 @@ class _Thread(threading.Thread):
             raise StageTimeout(waiting_for, timeout, timeout, context)
 
 
-def run_generate_pipeline(gen, exchange, clock: RankClock, cfg, rank: int) -> None:
+def run_generate_pipeline(
+    gen, exchange, clock: RankClock, cfg, rank: int, checkpoints=None, start: int = 0,
+    resumed: Resumed | None = None,
+) -> None:  # fmt: skip
     """An engine host's side of the asynchronous loop, until every step's samples are sent and
-    every version is loaded."""
+    every version is loaded; from step `start` with what a checkpoint kept (`resumed`)."""
     sched, steps = cfg.scheduler, cfg.trainer.num_steps
     timeout, capacity = sched.stage_timeout_s, sched.queue_capacity
     staleness = StalenessController(sched.generate_ahead_steps)
     who, context = f"role generate, rank {rank}", {"role": "generate", "rank": rank}
+    resumed = resumed or Resumed()
+    pending = PendingSteps()
+    kept = resumed.steps(start)
     prompts, rollouts, scored = (
-        BoundedQueue(n, capacity) for n in ("prompts", "rollouts", "scored")
-    )
+        BoundedQueue(stage_name, max(capacity, len(kept[stage])))
+        for stage_name, stage in (("prompts", LOADED), ("rollouts", GENERATED), ("scored", SCORED))
+    )  # fmt: skip
+    for stage, queue in ((LOADED, prompts), (GENERATED, rollouts), (SCORED, scored)):
+        for work in kept[stage]:  # where each step was when the checkpoint was taken
+            queue.put(pending.record(work, stage), timeout, context)
     generate_machine = clock.machine(Stage.GENERATE)
     validation_machine = clock.machine(Stage.VALIDATION)
     in_flight = sched.weight_update_mode == "in_flight"
     gate = EngineGate(gen.engine, generate_machine, in_flight, sched.in_flight_pause)
     receiver = WeightReceiver(
         exchange, gate, clock.machine(Stage.PARAM_UPDATE), sched, steps,
-        gen.validator is not None, rank, wake=lambda: scheduler.wake(),
+        gen.validator is not None, rank, wake=lambda: scheduler.wake(), loaded=start,
+        validated=resumed.validated,
     )  # fmt: skip
-    validations: dict[int, dict] = {}
+    validations: dict[int, dict] = dict(resumed.validations)
     """Validation reports by due version; version s is reported with step s, as in the
     synchronous loop (in mode latest a due version may be skipped by a newer one)."""
     last_due = max((v for v in range(steps) if sched.validation_due(v)), default=-1)
@@ -96,9 +113,15 @@ def run_generate_pipeline(gen, exchange, clock: RankClock, cfg, rank: int) -> No
             return f"engine weights v{required} (engine serves v{receiver.loaded})"
         return None
 
+    def load(step: int) -> StepWork:
+        return pending.record(gen.load(step), LOADED)
+
     def generate(work: StepWork) -> StepWork:
         with gate.generating():
-            return gen.generate(work)
+            return pending.record(gen.generate(work), GENERATED)
+
+    def score(work: StepWork) -> StepWork:
+        return pending.record(gen.score(work), SCORED)
 
     def validation_due(_) -> str | None:
         return None if receiver.pending_validation() is not None else "a due version loaded"
@@ -111,7 +134,7 @@ def run_generate_pipeline(gen, exchange, clock: RankClock, cfg, rank: int) -> No
         receiver.mark_validated(due)
 
     def send() -> None:
-        for _ in range(steps):
+        for _ in range(start, steps):
             # No timeout of its own: the scheduler times out whatever stalls upstream, and closes
             # this queue when it stops.
             work = scored.get(None, context)
@@ -119,27 +142,51 @@ def run_generate_pipeline(gen, exchange, clock: RankClock, cfg, rank: int) -> No
             if gen.validator is not None and sched.validation_due(work.step):
                 receiver.wait_validated(work.step)  # the learner needs v_s first anyway
                 report.add_means(validations.pop(work.step, {}))
-            report.add_measured(receiver.take_stats())
-            report.add_maxima(clock.timings(work.step, GENERATE_STAGES))
-            report.add_maxima(clock.timings(None, (Stage.VALIDATION,)))
-            report.add_means(scheduler.metrics())
-            report.add_means(clock.utilization())
+            with pending.lock:  # a checkpoint may be writing this step's report
+                if work.step == start:
+                    report.add_sums(resumed.metrics)
+                report.add_measured(receiver.take_stats())
+                report.add_maxima(clock.timings(work.step, GENERATE_STAGES))
+                report.add_maxima(clock.timings(None, (Stage.VALIDATION,)))
+                report.add_means(scheduler.metrics())
+                report.add_means(clock.utilization())
             exchange.send_step(work)
 
+    saves = BoundedQueue("saves", 1)
+    boundaries = Boundaries(checkpoints, start, steps, pending, saves, lambda: scheduler.wake())
+
+    def save_due(version: int) -> str | None:
+        return None if receiver.loaded >= version else f"engine weights v{version} to save"
+
+    def save(version: int) -> None:
+        """The engine host's part of checkpoint `version` (its data, between two works)."""
+        extra = {"validated": receiver.validated, "validations": validations}
+        checkpoints.save(version, gen, None, pending, extra)
+        boundaries.saved(version)
+
+    loader = StageTask(clock.machine(Stage.DATALOADER), load, output=prompts, num_items=steps)
+    loader.produced = start + sum(len(works) for works in kept.values())  # the next step to load
     tasks = [
-        StageTask(clock.machine(Stage.DATALOADER), gen.load, output=prompts, num_items=steps),
+        loader,
         StageTask(generate_machine, generate, inputs=prompts, output=rollouts, guard=admission),
-        StageTask(clock.machine(Stage.REWARD), gen.score, inputs=rollouts, output=scored),
+        StageTask(clock.machine(Stage.REWARD), score, inputs=rollouts, output=scored),
     ]
     if gen.validator is not None:
         tasks.append(StageTask(validation_machine, validate, guard=validation_due,
                                done_when=lambda: receiver.validated >= last_due))  # fmt: skip
+    if checkpoints is not None:  # last: a due save goes before any other work
+        tasks.append(StageTask(clock.machine(Stage.CHECKPOINT), save, inputs=saves,
+                               guard=save_due))  # fmt: skip
     scheduler = Scheduler(tasks, role="generate", rank=rank, timeout_s=timeout)
     sender = _Thread("samples-sender", send, scheduler.wake)
     receiver.start()
     sender.start()
+    if checkpoints is not None:
+        boundaries.start()
     try:
         scheduler.run()
+    except Preempted:
+        raise  # every rank stops at the same boundary: the threads' peers are gone
     finally:
         receiver.close_validation()
     sender.finish(timeout, "the sender thread to hand over the last samples", context)
@@ -149,10 +196,14 @@ def run_generate_pipeline(gen, exchange, clock: RankClock, cfg, rank: int) -> No
         raise StageTimeout("the weight thread to receive the last version", timeout, timeout,
                            context)  # fmt: skip
     receiver.check()
+    if checkpoints is not None:
+        boundaries.finish(timeout, context)
 
 
-def run_learn_pipeline(learn, exchange, clock: RankClock, cfg, rank: int, role: str) -> None:
-    """A Megatron rank's side of the asynchronous loop: every step trained and synced."""
+def run_learn_pipeline(learn, exchange, clock: RankClock, cfg, rank: int, role: str,
+                       checkpoints=None, start: int = 0) -> None:  # fmt: skip
+    """A Megatron rank's side of the asynchronous loop: every step from `start` trained and
+    synced; with `checkpoints`, the boundary after each version (`jobs/async_checkpoint.py`)."""
     sched, steps = cfg.scheduler, cfg.trainer.num_steps
     timeout, capacity = sched.stage_timeout_s, sched.queue_capacity
     staleness = StalenessController(sched.generate_ahead_steps)
@@ -163,7 +214,7 @@ def run_learn_pipeline(learn, exchange, clock: RankClock, cfg, rank: int, role: 
     last = [time.perf_counter()]
 
     def receive() -> None:
-        for step in range(steps):
+        for step in range(start, steps):
             samples_q.put(exchange.receive_step(step), timeout, context)
             scheduler.wake()
         samples_q.close()  # the stages downstream finish once they drained it
@@ -189,6 +240,8 @@ def run_learn_pipeline(learn, exchange, clock: RankClock, cfg, rank: int, role: 
         now = time.perf_counter()
         learn.log(work, now - last[0])
         last[0] = now
+        if checkpoints is not None:
+            boundary(checkpoints, work.step + 1, None, learn)
 
     tasks = [
         StageTask(clock.machine(Stage.LOGP), learn.logp, inputs=samples_q, output=logp_q,
@@ -202,6 +255,8 @@ def run_learn_pipeline(learn, exchange, clock: RankClock, cfg, rank: int, role: 
     receiver.start()
     try:
         scheduler.run()
+    except Preempted:
+        raise  # every rank stops at the same boundary: the receiver's peers are gone
     finally:
         samples_q.close()
     receiver.join(timeout=timeout)
@@ -209,14 +264,11 @@ def run_learn_pipeline(learn, exchange, clock: RankClock, cfg, rank: int, role: 
 
 
 def run_grpo_async(cfg, groups, platform) -> None:
-    """Train for `trainer.num_steps` steps with generation up to N versions ahead."""
-    if groups.rank == 0:
-        logger.warning(
-            "the asynchronous loop does not save or resume checkpoints yet (the synchronous "
-            "loop does): this run starts from %s and keeps nothing", cfg.model.hf_path,
-        )  # fmt: skip
+    """Train for `trainer.num_steps` steps with generation up to N versions ahead; resumes
+    from and saves checkpoints like the synchronous loop (collective over the world)."""
+    checkpoints = CheckpointManager(cfg, groups)
+    checkpoints.choose()  # a checkpoint of another recipe stops the run before engines start
     parts = build_parts(cfg, groups, platform)
-    dist.barrier(group=groups.control)  # engines are up
     try:
         rank = groups.rank
         if parts.gen is not None and parts.learn is not None:
@@ -224,12 +276,26 @@ def run_grpo_async(cfg, groups, platform) -> None:
                 f"rank {rank}: the asynchronous loop needs generate ranks of their own "
                 "(a rank holds generate and Megatron roles)"
             )
+        start = checkpoints.restore(parts.gen, parts.learn, parts.exchange)
+        steps = cfg.trainer.num_steps
+        if start >= steps:
+            leader_print(
+                f"resumed at version {start}, trainer.num_steps is {steps}: nothing left to "
+                "train (raise trainer.num_steps, or --resume never to start over)", rank,
+            )  # fmt: skip
+        dist.barrier(group=groups.control)  # engines are up
         if parts.gen is not None:
-            run_generate_pipeline(parts.gen, parts.exchange, parts.clock, cfg, rank)
+            first_host = groups.layout.engine_host_ranks()[0] == rank
+            resumed = Resumed.from_checkpoint(checkpoints, first_host)
+            run_generate_pipeline(parts.gen, parts.exchange, parts.clock, cfg, rank,
+                                  checkpoints, start, resumed)  # fmt: skip
         elif parts.learn is not None:
             role = "+".join(groups.local_roles())
-            run_learn_pipeline(parts.learn, parts.exchange, parts.clock, cfg, rank, role)
-        # else: an engine follower; its host's engine uses its devices, it joins the end only
+            run_learn_pipeline(parts.learn, parts.exchange, parts.clock, cfg, rank, role,
+                               checkpoints, start)  # fmt: skip
+        else:  # an engine follower: its host's engine uses its devices; it meets the boundaries
+            for version in range(start + 1, steps + 1):
+                boundary(checkpoints, version, None, None)
         parts.write_trace()
     finally:
         parts.close()

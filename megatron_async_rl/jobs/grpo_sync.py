@@ -76,14 +76,15 @@ def run_steps(gen, learn, exchange, clock: RankClock, cfg, checkpoints=None, sta
             learn.log(learned, now - last)
             last = now
         if checkpoints is not None:
-            _checkpoint(checkpoints, step + 1, gen, learn, cfg)
+            boundary(checkpoints, step + 1, gen, learn)
 
 
-def _checkpoint(checkpoints, version: int, gen, learn, cfg) -> None:
-    """At the boundary after version `version`: save if due, at the end, or on a signal."""
-    preempted = checkpoints.preempted()
-    last = version == cfg.trainer.num_steps and cfg.checkpoint.save_at_end
-    if preempted or last or checkpoints.due(version):
+def boundary(checkpoints, version: int, gen, learn) -> None:
+    """At the boundary after version `version` (collective): save if due, at the end, or on
+    a signal (then raise `Preempted`); the HF export when due. The asynchronous loop's Megatron
+    ranks and engine followers call it too (its engine hosts: `jobs/async_checkpoint.py`)."""
+    save, preempted = checkpoints.boundary(version)
+    if save:
         metrics = checkpoints.save(version, gen, learn)
         if learn is not None:
             learn.pending_metrics.update(metrics)

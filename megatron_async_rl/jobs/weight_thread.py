@@ -86,18 +86,19 @@ class EngineGate:
 
 
 class WeightReceiver(threading.Thread):
-    """Receives versions 1..num_versions and loads each into the engine (the `param_update`
+    """Receives versions loaded+1..num_versions and loads each into the engine (the `param_update`
     machine of an engine host; its spans are `load_weights` in traces)."""
 
     def __init__(self, exchange, gate: EngineGate, machine, sched, num_versions: int,
-                 has_validator: bool, rank: int, wake):  # fmt: skip
+                 has_validator: bool, rank: int, wake, loaded: int = 0,
+                 validated: int = -1):  # fmt: skip
         super().__init__(name="weight-receiver", daemon=True)
         self.exchange, self.gate, self.machine, self.sched = exchange, gate, machine, sched
         self.num_versions, self.rank, self.wake = num_versions, rank, wake
         self.cond = threading.Condition()
-        self.loaded = 0
-        """The newest version the engine serves."""
-        self.validated = -1
+        self.loaded = loaded
+        """The newest version the engine serves (a resumed run starts at the checkpoint's)."""
+        self.validated = validated
         """The newest due version evaluated."""
         self.validation_open = has_validator
         self.stats = dict.fromkeys(("weight_sync/stall_s", "timing/weight_sync/receive_s"), 0.0)
@@ -163,7 +164,7 @@ class WeightReceiver(threading.Thread):
     def run(self) -> None:
         machine = self.machine
         try:
-            for version in range(1, self.num_versions + 1):
+            for version in range(self.loaded + 1, self.num_versions + 1):
                 step = version - 1
                 machine.transition(S.WAITING_INPUT, f"receiving v{version}", step=step)
                 received = time.perf_counter()

@@ -98,18 +98,7 @@ class MetricsWriter:
         if not self.enabled:
             return 0
         self._file.close()
-        kept, dropped = [], 0
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                later = json.loads(line).get("step", -1) >= step
-            except ValueError:  # a line cut by the crash
-                later = True
-            dropped += later
-            if not later:
-                kept.append(line)
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
-        tmp.replace(self.path)
+        dropped = truncate_jsonl(self.path, step)
         self._file = open(self.path, "a", encoding="utf-8")
         if self._tb is not None:
             self._tb.close()
@@ -156,6 +145,24 @@ class MetricsWriter:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def truncate_jsonl(path: Path, step: int) -> int:
+    """Rewrite a JSONL file of `{"step": ...}` records without those of steps >= `step` (and a
+    line cut by a crash); returns how many were dropped."""
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            later = json.loads(line).get("step", -1) >= step
+        except ValueError:  # a line cut by the crash
+            later = True
+        dropped += later
+        if not later:
+            kept.append(line)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+    tmp.replace(path)
+    return dropped
 
 
 def read_metrics(path: str | Path) -> list[dict]:

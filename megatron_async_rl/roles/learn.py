@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatron_async_rl.algorithms import grpo, losses
 from megatron_async_rl.distributed import devices
+from megatron_async_rl.observability.ledger import PromptLedger
 from megatron_async_rl.observability.metrics import MetricsWriter, summarize
 from megatron_async_rl.observability.plots import plot_reward_curve
 from megatron_async_rl.observability.progress import Progress
@@ -66,6 +67,7 @@ class LearnSide:
         self.cfg, self.groups, self.roles, self.pad_id = cfg, groups, roles, pad_id
         self.is_leader = groups.rank == groups.leader
         self.writer = MetricsWriter(cfg.run_dir) if self.is_leader else None
+        self.ledger = PromptLedger(cfg.run_dir) if self.is_leader else None
         self.progress = Progress(cfg.trainer.num_steps, enabled=self.is_leader)
         self.logp_version = 0
         """The policy version the logp role holds (its weights come with every sync)."""
@@ -170,6 +172,9 @@ class LearnSide:
         tokens = (batch["prompt_len"].sum() + batch["response_len"].sum()).item()
         metrics["throughput/tokens_per_s"] = tokens / step_s
         self.writer.log(work.step, metrics)
+        prompts = sorted({s.prompt_index: s.uid for s in work.samples}.items())
+        versions = [v for per_sample in work.token_versions() for v in per_sample] or [work.step]
+        self.ledger.log(work.step, [uid for _, uid in prompts], (min(versions), max(versions)))
         self.progress.update(work.step, metrics)
         self.steps_logged += 1
 
@@ -177,6 +182,7 @@ class LearnSide:
         self.progress.close()
         if self.writer is not None:
             self.writer.close()
+            self.ledger.close()
         if self.steps_logged:  # never let a plot hide the error that ended the run
             run_dir = Path(self.cfg.run_dir)
             plot_reward_curve(

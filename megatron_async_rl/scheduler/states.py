@@ -10,8 +10,9 @@ scheduler moves a machine; a move not in its stage's table is a bug in the sched
 with stage, from, to and why.
 
 Stages (design.md, section 3): `dataloader -> generate -> reward -> logp -> ref_logp -> train ->
-param_update`, plus `validation`. GRPO advantages are computed where `train` takes its batch, as
-in the synchronous loop (`jobs/grpo_sync.py`), so they are not a stage of their own.
+param_update`, plus `validation` and `checkpoint`. GRPO advantages are computed where `train`
+takes its batch, as in the synchronous loop (`jobs/grpo_sync.py`), so they are not a stage of
+their own.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Stage(str, Enum):
     TRAIN = "train"
     PARAM_UPDATE = "param_update"
     VALIDATION = "validation"
+    CHECKPOINT = "checkpoint"
 
 
 S = StageState
@@ -108,7 +110,8 @@ VALIDATION_TABLE: Table = {
     S.ERROR: frozenset(),
     S.DONE: frozenset(),
 }
-"""validation: IDLE -> (WAITING_INPUT ->) RUNNING -> IDLE."""
+"""validation: IDLE -> (WAITING_INPUT ->) RUNNING -> IDLE; checkpoint (an engine host's save in
+the asynchronous loop: waiting for the version to save, then writing) moves the same way."""
 
 TRANSITIONS: dict[Stage, Table] = {
     Stage.DATALOADER: BASE_TABLE,
@@ -119,6 +122,7 @@ TRANSITIONS: dict[Stage, Table] = {
     Stage.TRAIN: BASE_TABLE,
     Stage.PARAM_UPDATE: PARAM_UPDATE_TABLE,
     Stage.VALIDATION: VALIDATION_TABLE,
+    Stage.CHECKPOINT: VALIDATION_TABLE,
 }
 
 

@@ -1,4 +1,6 @@
-"""A synchronous run through a crash and a preemption, resumed each time, to its last step.
+"""Runs through a crash and a preemption, resumed each time, to their last step: the
+synchronous loop (below) and the asynchronous one (`test_the_asynchronous_loop_...`: its
+docstring).
 
 Contract, on the real stack through `launch/torchrun.sh` (2 ranks: train+logp+ref | a real
 SGLang engine), with `checkpoint.every_steps=2` and 6 steps:
@@ -130,3 +132,51 @@ def test_a_crash_and_a_preemption_resume_to_the_end(task, tmp_path):
     assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stdout)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "differs in algorithm.clip_ratio_low" in lines[0], lines
+
+
+ASYNC_RECIPE = RECIPE.parent / "tiny-grpo-async-cpu.yaml"
+
+
+def test_the_asynchronous_loop_loses_nothing_through_a_kill_during_a_save(task, tmp_path):
+    """`yaml_configs/tiny-grpo-async-cpu.yaml` (one step ahead, weights loaded in flight,
+    responses long enough that loads land mid-generation), a checkpoint every 2 versions of 8.
+    A random rank is killed with SIGKILL while version 4 is being written (its partial
+    directory exists): the same command resumes from version 2 with the engine host's untrained
+    steps (`resume/samples_restored` > 0, never a partial trajectory) and finishes. The ledger
+    then holds steps 0-7 once each, 128 prompts, none twice (the data has 200 rows: one
+    epoch), and every token within one version of its step."""
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    sets = (f"model.hf_path={task.model}", f"data.path={task.data}", "trainer.num_steps=8",
+            "checkpoint.every_steps=2", "scheduler.validation_every=0",
+            "scheduler.weight_update_mode=in_flight", "rollout.max_new_tokens=16")  # fmt: skip
+
+    def start(port, log):
+        proc = subprocess.Popen(launch_command(ASYNC_RECIPE, run_dir, *sets),
+                                env=launch_env(port), stdout=open(log, "w"),
+                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        proc.log = log
+        return proc
+
+    proc = start(29665, tmp_path / "crash.log")
+    _wait_for(lambda: (ckpts / ".partial_step_00000004").exists(), proc, "the save of v4")
+    random.choice(_ranks(proc)).send_signal(signal.SIGKILL)
+    out = _end(proc)
+    assert proc.returncode != 0, out
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000002"], out
+
+    proc = start(29666, tmp_path / "resume.log")
+    out = _end(proc)
+    assert proc.returncode == 0, out
+    rows = _steps(run_dir)
+    assert [r["step"] for r in rows] == list(range(8)), out
+    resumed = [r for r in rows if "resume/from_step" in r]
+    assert len(resumed) == 1 and resumed[0]["step"] == 2, resumed
+    assert resumed[0]["resume/samples_restored"] > 0 and resumed[0]["resume/tokens_restored"] > 0
+    assert resumed[0]["resume/partial_tokens_restored"] == 0
+    ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in ledger] == list(range(8))
+    prompts = [uid for r in ledger for uid in r["prompts"]]
+    assert len(prompts) == 8 * 16 and len(set(prompts)) == len(prompts)
+    assert all(r["step"] - 1 <= r["versions"][0] <= r["versions"][1] <= r["step"] for r in ledger)
+    assert (ckpts / "step_00000008" / "manifest.json").exists()

@@ -86,7 +86,7 @@ def test_every_stage_has_a_table():
     assert set(TRANSITIONS) == set(Stage)
     assert [s.value for s in Stage] == [
         "dataloader", "generate", "reward", "logp", "ref_logp", "train", "param_update",
-        "validation",
+        "validation", "checkpoint",
     ]  # fmt: skip
 
 
@@ -105,6 +105,7 @@ EXPECTED = {
     "param_update": "IDLE: WAITING_INPUT DONE | WAITING_INPUT: WAITING_OUTPUT_SPACE RUNNING DONE"
     " | WAITING_OUTPUT_SPACE: RUNNING | RUNNING: IDLE",
     "validation": "IDLE: WAITING_INPUT RUNNING DONE | WAITING_INPUT: RUNNING DONE | RUNNING: IDLE",
+    "checkpoint": "IDLE: WAITING_INPUT RUNNING DONE | WAITING_INPUT: RUNNING DONE | RUNNING: IDLE",
 }
 """The design's moves, written independently of `states.py` (ERROR is added to every source)."""
 

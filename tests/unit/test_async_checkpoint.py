@@ -1,0 +1,195 @@
+"""Checkpoints of the asynchronous loop in one process: what an engine host keeps, and a resume
+that trains every prompt once.
+
+Contracts checked:
+- `PendingSteps` keeps each untrained step with the stage it reached, forgets the trained ones,
+  restores them in step order (refusing a gap) and counts the samples and tokens kept;
+- a preemption at version k in either weight-update mode (both sides of the real pipeline over a
+  `LocalExchange`, a real `GenerateSide` with its dataset and reward over a `TimedEngine`) stops
+  both sides at boundary k after a save that holds the steps generated ahead; the run resumed
+  from that save trains steps k..N-1 on exactly the prompts an uninterrupted run trains, each
+  token within one version of its step, none regenerated;
+- `Resumed` turns a saved state into those steps and the `resume/*` counts.
+The manager here is `SyncCheckpoints`, a stand-in that meets both sides at the boundaries with a
+barrier and keeps the saved dicts in memory; its real twin, `CheckpointManager` over gloo,
+runs in tests/e2e/test_checkpoint_resume.py.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from megatron_async_rl.checkpoint.config import Preempted
+from megatron_async_rl.checkpoint.pending import GENERATED, LOADED, SCORED, PendingSteps
+from megatron_async_rl.jobs.async_checkpoint import Resumed
+from megatron_async_rl.jobs.exchange import LocalExchange
+from megatron_async_rl.jobs.grpo_async import run_generate_pipeline, run_learn_pipeline
+from megatron_async_rl.observability.clock import RankClock
+from megatron_async_rl.roles.work import StepWork
+from megatron_async_rl.rollout.generation import Sample
+from tests.unit.pipeline_fakes import FakeLearner, TimedEngine, make_cfg, make_generate_side
+
+
+def _work(step: int, tokens: int = 0) -> StepWork:
+    samples = None
+    if tokens:
+        samples = [Sample("a:1", 0, 0, [1], [2] * tokens, [0.0] * tokens, ["v0"] * tokens,
+                          "stop", "3")]  # fmt: skip
+    return StepWork(step=step, cursor={"epoch": 0, "index": step}, samples=samples)
+
+
+def test_pending_steps_keep_what_is_untrained_with_its_stage():
+    pending = PendingSteps()
+    for step, stage, tokens in ((3, SCORED, 2), (4, GENERATED, 5), (5, LOADED, 0)):
+        pending.record(_work(step, tokens), stage)
+    pending.record(_work(2, 1), SCORED)
+    pending.drop_before(3)  # version 3 exists: step 2 is trained
+    assert pending.first_cursor() == {"epoch": 0, "index": 3}
+    state = pending.state_dict()
+    assert PendingSteps.counts(state) == {"samples": 2.0, "tokens": 7.0}
+    kept = PendingSteps.restore(state, 3)
+    assert {stage: [w.step for w in works] for stage, works in kept.items()} == {
+        LOADED: [5], GENERATED: [4], SCORED: [3],
+    }  # fmt: skip
+    assert kept[GENERATED][0].samples[0].response_ids == [2] * 5
+    assert [w.step for w in PendingSteps.restore(state, 4)[GENERATED]] == [4]
+    with pytest.raises(RuntimeError, match="not consecutive"):
+        PendingSteps.restore({"steps": state["steps"][::2]}, 3)
+    with pytest.raises(ValueError, match="stage 'sent'"):
+        pending.record(_work(6), "sent")
+
+
+class SyncCheckpoints:
+    """Meets the learner and the engine host at every boundary (a barrier each), saves when
+    `due`, and at `stop_at` saves and stops both; keeps what each side saved."""
+
+    def __init__(self, steps: int, due=(), stop_at: int | None = None):
+        self.steps, self.due_at, self.stop_at = steps, set(due), stop_at
+        self.barrier = threading.Barrier(2, timeout=60)
+        self.saved: dict[int, dict] = {}
+
+    def boundary(self, version):
+        self.barrier.wait()
+        stop = version == self.stop_at
+        return stop or version in self.due_at or version == self.steps, stop
+
+    def save(self, version, gen, learn, pending=None, extra=None):
+        self.barrier.wait()
+        entry = self.saved.setdefault(version, {})
+        if gen is not None:
+            entry["gen"] = {"pending": pending.state_dict(), **extra,
+                            "cursor": gen.dataset.state_dict()}  # fmt: skip
+        if learn is not None:
+            entry["learn"] = {"trained": learn.trained}
+        self.barrier.wait()
+        return {}
+
+    def export_due(self, version):
+        return False
+
+
+class LedgerLearner(FakeLearner):
+    """Keeps each trained step's prompt uids and token versions."""
+
+    def __init__(self, trained: int = 0):
+        super().__init__()
+        self.trained = self.logp_version = trained
+        self.pending_metrics: dict = {}
+        self.ledger: dict[int, tuple[list[str], list[int]]] = {}
+
+    def train(self, work):
+        uids = sorted({s.prompt_index: s.uid for s in work.samples}.items())
+        versions = [v for per in work.token_versions() for v in per]
+        self.ledger[work.step] = ([u for _, u in uids], versions)
+        return super().train(work)
+
+
+def _run(cfg, learner, engine, checkpoints, start=0, resumed=None, cursor=None):
+    """Both sides from `start`; returns {side: error} (Preempted where a signal stopped it)."""
+    gen = make_generate_side(cfg, engine)
+    if cursor is not None:
+        gen.dataset.load_state_dict(cursor)
+    exchange = LocalExchange(learner.state, timeout_s=60)
+    errors: dict[str, BaseException] = {}
+
+    def side(name, fn, *args):
+        try:
+            fn(*args)
+        except BaseException as err:  # noqa: BLE001 - read by the test
+            errors[name] = err
+
+    threads = [
+        threading.Thread(target=side, args=(
+            "generate", run_generate_pipeline, gen, exchange, RankClock(1, ("generate",)), cfg,
+            1, checkpoints, start, resumed,
+        )),
+        threading.Thread(target=side, args=(
+            "learn", run_learn_pipeline, learner, exchange, RankClock(0, ("train",)), cfg, 0,
+            "train", checkpoints, start,
+        )),
+    ]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a side never finished"
+    return errors
+
+
+@pytest.mark.parametrize("mode", ["wait", "in_flight"])
+def test_a_preempted_run_resumes_and_trains_every_prompt_once(tmp_path, mode):
+    steps, stop = 8, 3
+    cfg = make_cfg(tmp_path, steps=steps, ahead=1, mode=mode, prompts=3, max_new_tokens=6)
+    engine = lambda: TimedEngine(token_s=0.002 if mode == "in_flight" else 0.0)  # noqa: E731
+    reference = LedgerLearner()
+    assert _run(cfg, reference, engine(), SyncCheckpoints(steps)) == {}
+
+    first = LedgerLearner()
+    checkpoints = SyncCheckpoints(steps, due=(2,), stop_at=stop)
+    errors = _run(cfg, first, engine(), checkpoints)
+    assert set(errors) == {"generate", "learn"}, errors
+    assert all(isinstance(e, Preempted) for e in errors.values()), errors
+    assert sorted(first.ledger) == list(range(stop)) and sorted(checkpoints.saved) == [2, stop]
+    saved = checkpoints.saved[stop]
+    kept = saved["gen"]["pending"]["steps"]
+    assert kept and kept[0]["work"]["step"] == stop  # steps < 3 are trained: forgotten
+    assert saved["learn"] == {"trained": stop}
+
+    # Resume as `CheckpointManager.restore` does: learner state, the engine synced to v3.
+    second = LedgerLearner(trained=stop)
+    resumed_engine = engine()
+    LocalExchange(second.state).sync_weights(stop, resumed_engine)
+    gen_state = {**saved["gen"]}
+    resumed = Resumed(gen_state["pending"], gen_state["validated"], gen_state["validations"],
+                      {"resume/samples_restored": 1.0})  # fmt: skip
+    errors = _run(cfg, second, resumed_engine, SyncCheckpoints(steps), stop, resumed,
+                  gen_state["cursor"])  # fmt: skip
+    assert errors == {}, errors
+    assert sorted(second.ledger) == list(range(stop, steps))
+    trained = {**first.ledger, **second.ledger}
+    for step in range(steps):
+        assert trained[step][0] == reference.ledger[step][0], step  # the same prompts
+        assert all(step - 1 <= v <= step for v in trained[step][1]), (step, trained[step][1])
+    assert second.logged[0]["resume/samples_restored"] == 1.0  # on the first resumed step
+
+
+def test_resumed_reads_the_saved_state_and_counts_it():
+    class Chosen:
+        chosen = ("/ckpt/step_4", {"step": 4})
+        restored = {"gen": {"pending": {"steps": [
+            {"stage": SCORED, "work": _work(4, 3).state_dict()},
+            {"stage": LOADED, "work": _work(5).state_dict()},
+        ]}, "validated": 2, "validations": {4: {"val/x": 1.0}}}}  # fmt: skip
+
+    resumed = Resumed.from_checkpoint(Chosen(), first_host=True)
+    assert resumed.validated == 2 and resumed.validations == {4: {"val/x": 1.0}}
+    assert resumed.metrics == {
+        "resume/partial_tokens_restored": 0.0, "resume/samples_restored": 1.0,
+        "resume/tokens_restored": 3.0,
+    }  # fmt: skip
+    assert [w.step for w in resumed.steps(4)[SCORED]] == [4]
+    assert Resumed.from_checkpoint(None, first_host=True).steps(0) == {
+        LOADED: [], GENERATED: [], SCORED: [],
+    }  # fmt: skip
