@@ -75,10 +75,32 @@ def init_distributed(
     kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)}
     if init_method is not None:
         kwargs.update(init_method=init_method, rank=rank, world_size=world_size)
+    elif (store := elastic_store(kwargs["timeout"])) is not None:
+        kwargs.update(store=store, rank=int(os.environ["RANK"]),
+                      world_size=int(os.environ["WORLD_SIZE"]))  # fmt: skip
     dist.init_process_group(backend=platform.backend, **kwargs)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     setup_process(platform)
     return rank, world_size
+
+
+def elastic_store(timeout: datetime.timedelta):
+    """torchrun's own store, under a prefix of this restart attempt (None outside torchrun).
+
+    Under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`) the ranks use the store its agent
+    hosts, and with its static rendezvous (`--master-addr/--master-port`) the agent keeps that
+    store across `--max-restarts` restarts while torch adds no prefix per attempt: a restarted
+    rank then read the dead world's keys (gloo's addresses of the old ranks) and failed with
+    "connection refused". Each attempt's keys go under `attempt_<TORCHELASTIC_RESTART_COUNT>`.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout,
+    )  # fmt: skip
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"megatron_async_rl/attempt_{attempt}", client)
 
 
 def setup_process(platform: Platform) -> None:
