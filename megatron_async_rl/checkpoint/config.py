@@ -26,9 +26,10 @@ class CheckpointConfig:
     at the end of the run."""
     keep_last: int = 2
     """Complete checkpoints kept; older ones are deleted once a newer one is complete."""
-    async_save: bool = False
-    """Write the files in the background after a snapshot (not built yet: true is refused;
-    today the step waits for the whole save)."""
+    async_save: bool = True
+    """The step waits only for a snapshot of the model and optimizer; a forked process writes
+    them and the checkpoint is published (manifest, rename) at a later step boundary. false:
+    the step waits for the whole save."""
     save_on_signal: list[str] = field(default_factory=lambda: list(SIGNALS))
     """Signals that make every rank save at the next step boundary and exit with
     `PREEMPTED_EXIT_CODE` (what SLURM sends before it kills a job)."""
@@ -50,9 +51,7 @@ class CheckpointConfig:
         require_int("every_steps", self.every_steps, 0)
         require_int("keep_last", self.keep_last, 1)
         require_int("hf_export_every", self.hf_export_every, 0)
-        if require_bool("async_save", self.async_save):
-            raise ConfigError("async_save", True, "asynchronous saves are not built yet",
-                              hint="leave it false: the step waits for the save")  # fmt: skip
+        require_bool("async_save", self.async_save)
         require_bool("save_at_end", self.save_at_end)
         if not isinstance(self.resume, str) or not self.resume:
             raise ConfigError("resume", self.resume, "must be auto, never or a checkpoint path")

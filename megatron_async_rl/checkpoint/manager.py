@@ -69,6 +69,11 @@ class CheckpointManager:
         self.keys = store.compatibility_keys(cfg)
         self.signals = SignalFlag(self.config.save_on_signal)
         self.chosen: tuple = (None, None)
+        self.writer = megatron_state.AsyncWriter() if self.config.async_save else None
+        self.in_flight: tuple[int, float] | None = None
+        """(version, start) of the save being written in the background."""
+        self.ready: dict[str, float] = {}
+        self.final = False
         self.restored: dict | None = None
         """This rank's saved state after `restore` (None: nothing resumed, or another world
         size saved it)."""
@@ -111,16 +116,33 @@ class CheckpointManager:
         return self.signals.any_rank(self.groups.control)
 
     def boundary(self, version: int) -> tuple[bool, bool]:
-        """At the boundary after version `version` (collective): (save now, then stop)."""
+        """At the boundary after version `version` (collective): (save now, then stop). A
+        background write that has ended everywhere is published here (at the last version or
+        on a signal: waited for); its metrics wait in `take_metrics`."""
         preempted = self.preempted()
-        last = version == self.cfg.trainer.num_steps and self.config.save_at_end
-        return preempted or last or self.due(version), preempted
+        last = version == self.cfg.trainer.num_steps
+        self.final = preempted or last  # the run stops here: nothing is left in the background
+        if self.in_flight is not None:
+            self.ready.update(self._finish(blocking=self.final))
+        return preempted or (last and self.config.save_at_end) or self.due(version), preempted
+
+    def take_metrics(self) -> dict[str, float]:
+        """`checkpoint/*` of saves published since the last call."""
+        out, self.ready = self.ready, {}
+        return out
 
     # -- save ------------------------------------------------------------------------------
-    def save(self, version: int, gen, learn, pending=None, extra=None) -> dict[str, float]:
+    def save(self, version: int, gen, learn, pending=None, extra=None,
+             wait: bool = False) -> dict[str, float]:  # fmt: skip
         """Write checkpoint `version` (collective; `pending` and `extra`: an asynchronous
-        engine host's `PendingSteps` and validation state); returns `checkpoint/*` metrics."""
+        engine host's `PendingSteps` and validation state); returns `checkpoint/*` metrics.
+
+        With `async_save` the model and optimizer are written by a forked process after the
+        snapshot and the checkpoint is published at a later boundary (`wait`, or at the
+        boundary where the run stops: before return); a save while the previous one is still
+        being written waits for it first."""
         start = time.perf_counter()
+        metrics = self._finish(blocking=True) if self.in_flight is not None else {}
         staged = store.partial_dir(self.root, version)
         if self.is_leader:
             store.remove_partials(self.root)
@@ -131,7 +153,22 @@ class CheckpointManager:
             staged / f"rank_{self.groups.rank:05d}.pt",
         )
         train = learn.roles.get("train") if learn is not None else None
-        megatron_state.save_train_state(train, staged / "megatron")
+        megatron_state.save_train_state(train, staged / "megatron", self.writer)
+        self.in_flight = (version, start)
+        if self.writer is None or wait or self.final:
+            metrics.update(self._finish(blocking=True))
+        metrics["checkpoint/stall_s"] = time.perf_counter() - start
+        return metrics
+
+    def _finish(self, blocking: bool) -> dict[str, float]:
+        """Publish the save in flight once every rank's files are written (collective): the
+        leader checksums them, writes the manifest and renames the directory."""
+        timeout = self.cfg.scheduler.stage_timeout_s
+        if self.writer is not None and not self.writer.finish(blocking, self.groups.control,
+                                                              timeout):  # fmt: skip
+            return {}
+        version, start = self.in_flight
+        self.in_flight = None
         dist.barrier(group=self.groups.control)
         size = 0
         if self.is_leader:
@@ -146,9 +183,15 @@ class CheckpointManager:
                 logger.info("checkpoint %s deleted (keep_last %d)", old, self.config.keep_last)
             logger.info("checkpoint v%d saved: %s (%.1f MB)", version, path, size / 2**20)
         dist.barrier(group=self.groups.control)
-        seconds = time.perf_counter() - start
-        return {"checkpoint/save_s": seconds, "checkpoint/stall_s": seconds,
-                "checkpoint/bytes": float(size)}  # fmt: skip
+        return {"checkpoint/save_s": time.perf_counter() - start, "checkpoint/bytes": float(size),
+                "checkpoint/version": float(version)}  # fmt: skip
+
+    def close(self) -> None:
+        """Stop a background write left unfinished (an error ended the run: its partial
+        directory is ignored by resume), and the writer's results queue."""
+        if self.writer is not None and self.in_flight is not None:
+            self.writer.close()
+        megatron_state.stop_write_queue()
 
     # -- resume ----------------------------------------------------------------------------
     def _choose(self) -> tuple[str | None, dict | None]:

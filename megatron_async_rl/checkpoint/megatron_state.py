@@ -23,10 +23,15 @@ the CPU path), checked by `tests/distributed/test_checkpoint_megatron.py`:
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import signal
+import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -64,29 +69,105 @@ def _create_optimizer_state(role) -> None:
                 inner.state[param].setdefault("step", torch.tensor(0.0))
 
 
-def save_train_state(train, path: Path) -> None:
+def save_train_state(train, path: Path, writer: AsyncWriter | None = None) -> None:
     """Write the train role's model and optimizer under `path` (collective over the world;
-    `train` is None on ranks without the role)."""
+    `train` is None on ranks without the role). With `writer`, only the snapshot happens here:
+    a forked process writes the files (`AsyncWriter.finish` says when every rank is done)."""
     from megatron.core import dist_checkpointing
 
     path.mkdir(parents=True, exist_ok=True)
     state = _sharded(train, loading=False) if train is not None else {}
     # The optimizer's common part exists only on train ranks: not a mismatch to warn about.
+    if train is not None:  # ranks without the role have nothing to write
+        start_write_queue()
     try:
-        dist_checkpointing.save(
-            state, str(path),
+        request = dist_checkpointing.save(
+            state, str(path), async_sharded_save=writer is not None,
             preprocess_common_before_consistancy_check=lambda common: {
                 k: v for k, v in common.items() if k != "optimizer"
             },
         )  # fmt: skip
-    finally:
-        _stop_write_queue()
+        if writer is not None:
+            writer.queue.schedule_async_request(request)
+    except BaseException:
+        stop_write_queue()
+        raise
 
 
-def _stop_write_queue() -> None:
-    """megatron-core's writer keeps a `multiprocessing.Manager` server (its results queue) for
-    the rest of the process; a rank killed with SIGKILL leaves it behind, an orphan. Stopped
-    after each save (the next save starts another)."""
+class AsyncWriter:
+    """megatron-core's queue of background checkpoint writes (`AsyncCallsQueue`), one at a time.
+
+    The write runs in a process forked at `schedule` time: host tensors are its snapshot (the
+    fork's copy-on-write pages; device tensors are first copied to host memory by
+    dist_checkpointing's preload), so training may change the weights at once. `finish` is
+    collective over the world (an all-reduce says whether every rank's write ended) and runs
+    dist_checkpointing's finalization (its metadata file) once all are done."""
+
+    def __init__(self):
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.queue = AsyncCallsQueue(persistent=False)
+
+    @property
+    def busy(self) -> bool:
+        return self.queue.get_num_unfinalized_calls() > 0
+
+    def finish(self, blocking: bool, group=None, timeout_s: float = 600.0) -> bool:
+        """True once no write is left (collective over the world; `group`, the world's gloo
+        group for the timeout's vote). `blocking` waits for it, at most `timeout_s`: a writer
+        that died or hangs (megatron-core would wait for it forever) ends the run with an
+        error on every rank, and resume uses the previous checkpoint."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.queue.maybe_finalize_async_calls(blocking=False)  # the same answer everywhere
+            if not self.busy or not blocking:
+                return not self.busy
+            late = torch.tensor([int(time.monotonic() > deadline)])
+            dist.all_reduce(late, op=dist.ReduceOp.MAX, group=group)
+            if late.item():
+                raise RuntimeError(
+                    f"checkpoint: the background write did not finish within {timeout_s:.0f} s "
+                    "(scheduler.stage_timeout_s) on every rank: a writer process died or hangs"
+                )
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.queue.close(abort=True)
+
+
+def start_write_queue() -> None:
+    """megatron-core's writer collects its results through a queue of a
+    `multiprocessing.Manager` server, started (spawned: it imports this program again, seconds)
+    at the first save and kept for the rest of the process; a rank killed with SIGKILL left it
+    behind, an orphan. Started here instead, once, with a server that dies with this process
+    (Linux's parent-death signal), so every later save reuses it."""
+    from multiprocessing import get_context
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return
+    manager = SyncManager(ctx=get_context("spawn"))
+    manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()
+    filesystem_async._results_queue._manager = manager  # for `stop_write_queue`
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the Manager server: SIGKILL when the process that started it ends."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: `stop_write_queue` at the end is all there is
+        return
+    if os.getppid() != parent:  # it ended before the line above
+        os._exit(0)
+
+
+def stop_write_queue() -> None:
+    """Stop megatron-core's writer results queue and its Manager server (at the end of the
+    run, `CheckpointManager.close`; `start_write_queue`)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     manager = getattr(filesystem_async._results_queue, "_manager", None)

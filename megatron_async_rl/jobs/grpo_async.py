@@ -298,4 +298,5 @@ def run_grpo_async(cfg, groups, platform) -> None:
                 boundary(checkpoints, version, None, None)
         parts.write_trace()
     finally:
+        checkpoints.close()
         parts.close()

@@ -84,10 +84,11 @@ def boundary(checkpoints, version: int, gen, learn) -> None:
     a signal (then raise `Preempted`); the HF export when due. The asynchronous loop's Megatron
     ranks and engine followers call it too (its engine hosts: `jobs/async_checkpoint.py`)."""
     save, preempted = checkpoints.boundary(version)
+    metrics = {}
     if save:
         metrics = checkpoints.save(version, gen, learn)
-        if learn is not None:
-            learn.pending_metrics.update(metrics)
+    if learn is not None:
+        learn.pending_metrics.update({**checkpoints.take_metrics(), **metrics})
     if checkpoints.export_due(version):
         checkpoints.export_hf(version, learn)
     if preempted:
@@ -130,4 +131,5 @@ def run_grpo_sync(cfg, groups, platform) -> None:
         run_steps(parts.gen, parts.learn, parts.exchange, parts.clock, cfg, checkpoints, start)
         parts.write_trace()
     finally:
+        checkpoints.close()
         parts.close()

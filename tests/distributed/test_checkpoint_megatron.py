@@ -109,3 +109,74 @@ def test_resume_continues_the_optimizer_in_any_layout(saved, llama_path, name, p
     worst = max((after[k] - uninterrupted[k]).abs().max().item() for k in uninterrupted)
     moved = max((after[k] - at_save[k]).abs().max().item() for k in at_save)
     assert worst <= tolerance and moved > 1e-4, (worst, moved)
+
+
+def _async_save_worker(rank, world_size, tmp_dir, path, ckpt):
+    from pathlib import Path
+
+    from megatron_async_rl.checkpoint.megatron_state import AsyncWriter, save_train_state
+
+    role = _role(world_size, path, {"tensor_model_parallel_size": 2})
+    _step(role, 0)
+    writer = AsyncWriter()
+    save_train_state(role, Path(ckpt), writer)
+    saved = _weights(role)
+    _step(role, 1)  # while the forked process writes: it must still write the saved state
+    assert writer.finish(blocking=True)
+    return saved, _weights(role)
+
+
+def test_an_asynchronous_save_writes_the_state_of_its_snapshot(saved, llama_path, tmp_path):
+    """`AsyncWriter`: the second step runs while the forked process writes; the checkpoint
+    still holds the state at the save, and resuming from it takes the same second step."""
+    _, (at_save, uninterrupted) = saved  # the synchronous save's run: the same two steps
+    (tmp_path / "save").mkdir()
+    (tmp_path / "load").mkdir()
+    ckpt = str(tmp_path / "ckpt")
+    results = spawn(_async_save_worker, 2, tmp_path / "save", llama_path, ckpt)
+    at_async_save, _ = next(r for r in results if r[0] is not None)
+    results = spawn(_load_worker, 2, tmp_path / "load", llama_path, ckpt,
+                    {"tensor_model_parallel_size": 2})  # fmt: skip
+    loaded, after = next(r for r in results if r[0] is not None)
+    for key, tensor in at_async_save.items():
+        assert torch.equal(tensor, at_save[key]) and torch.equal(loaded[key], tensor), key
+    assert all(torch.equal(after[k], uninterrupted[k]) for k in uninterrupted)
+
+
+def _hung_writer_worker(rank, world_size, tmp_dir, path, ckpt):
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    import psutil
+
+    from megatron_async_rl.checkpoint.megatron_state import AsyncWriter, save_train_state
+
+    role = _role(world_size, path, {"tensor_model_parallel_size": 2})
+    _step(role, 0)
+    writer = AsyncWriter()
+    before = {p.pid for p in psutil.Process().children()}
+    save_train_state(role, Path(ckpt), writer)
+    forked = [p for p in psutil.Process().children() if p.pid not in before]
+    for child in forked:  # the rank's forked writer, stopped mid-write
+        os.kill(child.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        writer.finish(blocking=True, timeout_s=3.0)
+    except RuntimeError as err:
+        message = str(err)
+    else:
+        message = "finished"
+    for child in forked:
+        os.kill(child.pid, signal.SIGKILL)
+    return len(forked), message, time.monotonic() - start
+
+
+def test_a_hung_background_writer_ends_the_save_with_an_error(llama_path, tmp_path):
+    """SIGSTOP of each rank's forked writer: `finish` gives up on every rank after its timeout
+    with an error naming the cause (megatron-core alone would wait forever)."""
+    results = spawn(_hung_writer_worker, 2, tmp_path, llama_path, str(tmp_path / "ckpt"))
+    for forked, message, waited in results:
+        assert forked >= 1 and "did not finish within 3 s" in message, (forked, message)
+        assert 3.0 <= waited < 60, waited

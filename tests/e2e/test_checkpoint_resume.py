@@ -70,12 +70,15 @@ def _steps(run_dir):
 
 
 def _ranks(proc):
-    """The torchrun workers (the ranks) under the launcher."""
-    children = psutil.Process(proc.pid).children(recursive=True)
+    """The torchrun workers (the ranks) under the launcher: the agent's own children, not the
+    processes a rank forks (checkpoint writers share its command line)."""
+    agents = [
+        p for p in psutil.Process(proc.pid).children(recursive=True)
+        if "torch.distributed.run" in p.cmdline()
+    ]  # fmt: skip
     return [
-        p for p in children
+        p for agent in agents for p in agent.children()
         if "megatron_async_rl.train" in " ".join(p.cmdline())
-        and "torch.distributed.run" not in p.cmdline()
     ]  # fmt: skip
 
 

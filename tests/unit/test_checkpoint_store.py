@@ -100,8 +100,7 @@ def test_differing_recipe_keys_are_named():
     [("every_steps", -1, "must be an integer >= 0"), ("keep_last", 0, "must be an integer >= 1"),
      ("save_on_signal", ["SIGINT"], "must be a list of SIGTERM, SIGUSR1"),
      ("resume", "", "must be auto, never or a checkpoint path"),
-     ("async_save", "yes", "must be true or false"),
-     ("async_save", True, "asynchronous saves are not built yet")],
+     ("async_save", "yes", "must be true or false")],
 )  # fmt: skip
 def test_bad_checkpoint_config_is_refused(field, value, rule):
     with pytest.raises(ConfigError, match=rule) as info:
