@@ -81,6 +81,7 @@ from megatron_async_rl.engines.sglang_host import (  # noqa: F401 - CPU_SHIMS_DI
     kill_tree,
     processes,
 )
+from megatron_async_rl.engines.shm_sweep import remove_stale_segments
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,10 @@ class SGLangEngine:
         self._closed = False
         self._pause_mode: str | None = None
         self.sessions = WeightSessions(self.where)
+        stale = remove_stale_segments()
+        if stale:
+            logger.info("[%s] removed %d shared-memory segment(s) of dead engines from "
+                        "/dev/shm: %s", self.where, len(stale), ", ".join(stale))  # fmt: skip
         ctx = mp.get_context("spawn")
         self._conn, host_conn = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
