@@ -13,6 +13,10 @@ exchange (`jobs/exchange.py`), and the admission and validation guards. The stal
 `scheduler/staleness.py`; the engine's users and the weight thread are `jobs/weight_thread.py`.
 `run_generate_pipeline` and `run_learn_pipeline` take any `Exchange`: on gloo ranks from the
 entry point (`run_grpo_async`), or both in one process on a `LocalExchange` in unit tests.
+Checkpoints: every rank meets the others at the boundary after each version (`boundary`, and
+an engine host's `Boundaries` thread); an engine host records its untrained steps in
+`PendingSteps` and saves them in its `checkpoint` stage; a resumed host starts with them
+(`Resumed`): `jobs/async_checkpoint.py`.
 """
 
 from __future__ import annotations
@@ -105,9 +109,9 @@ def run_generate_pipeline(
     def admission(work: StepWork) -> str | None:
         receiver.check()
         sender.check(who)
-        pending = receiver.pending_validation()
-        if pending is not None:
-            return f"validation of v{pending}"
+        due = receiver.pending_validation()
+        if due is not None:
+            return f"validation of v{due}"
         required = staleness.required_version(work.step)
         if receiver.loaded < required:
             return f"engine weights v{required} (engine serves v{receiver.loaded})"
