@@ -21,7 +21,8 @@ Resume of version v: the train role's model and optimizer from `megatron/` (any 
 one weight sync of v to the logp role and the engines (they start from the HF checkpoint), the
 ref role from its source; each rank's pipeline state (`pipeline_state`); the loop continues at
 step v. The leader rewrites `metrics.jsonl` without the steps >= v a crashed run may have
-logged (`MetricsWriter.truncate_from`), and the prompt ledger likewise.
+logged (`MetricsWriter.truncate_from`), and the prompt ledger likewise; a run that finds no
+complete checkpoint drops every step an earlier attempt logged.
 """
 
 from __future__ import annotations
@@ -227,7 +228,14 @@ class CheckpointManager:
         """Resume from the checkpoint `choose` found, if any; returns the first step to run
         (collective)."""
         path, manifest = self.chosen
-        if path is None:
+        if path is None:  # a first start, or a restart before any checkpoint was complete
+            dropped = _truncate_logs(learn, 0)
+            if dropped:
+                logger.warning(
+                    "no complete checkpoint in %s: starting at step 0; dropped the %d step "
+                    "record(s) an earlier attempt logged in %s", self.root, dropped,
+                    self.cfg.run_dir,
+                )  # fmt: skip
             return 0
         version, path = int(manifest["step"]), Path(path)
         train = learn.roles.get("train") if learn is not None else None
@@ -253,9 +261,7 @@ class CheckpointManager:
         if state is None:
             pipeline_state.reseed(self.cfg.seed, version, self.groups.rank)
         if learn is not None:
-            dropped = learn.writer.truncate_from(version) if learn.writer is not None else 0
-            if learn.ledger is not None:
-                learn.ledger.truncate_from(version)
+            dropped = _truncate_logs(learn, version)
             learn.pending_metrics.update({
                 "resume/from_step": float(version), "resume/same_world": float(same_world),
                 "resume/records_dropped": float(dropped),
@@ -264,6 +270,16 @@ class CheckpointManager:
             "resumed from %s at version %d (same world size: %s)", path, version, same_world
         )
         return version
+
+
+def _truncate_logs(learn, version: int) -> int:
+    """The leader drops what earlier attempts logged for steps >= `version` (metrics.jsonl,
+    TensorBoard, the ledger): the run logs them again. Returns the metrics records dropped."""
+    if learn is None or learn.writer is None:
+        return 0
+    if learn.ledger is not None:
+        learn.ledger.truncate_from(version)
+    return learn.writer.truncate_from(version)
 
 
 def _any_cursor(path: Path) -> dict:

@@ -196,3 +196,29 @@ def test_resumed_reads_the_saved_state_and_counts_it():
     assert Resumed.from_checkpoint(None, first_host=True).steps(0) == {
         LOADED: [], GENERATED: [], SCORED: [],
     }  # fmt: skip
+
+
+def test_a_restart_without_a_complete_checkpoint_drops_what_it_logged(tmp_path):
+    """Found by `scripts/checkpoint_soak.py`: a world killed before its first checkpoint was
+    complete restarted at step 0 and logged steps 0 and 1 again after the old ones."""
+    from types import SimpleNamespace
+
+    from megatron_async_rl.checkpoint.manager import CheckpointManager
+    from megatron_async_rl.observability.ledger import PromptLedger, read_ledger
+    from megatron_async_rl.observability.metrics import MetricsWriter, read_metrics
+
+    learn = SimpleNamespace(writer=MetricsWriter(tmp_path, tensorboard=False),
+                            ledger=PromptLedger(tmp_path))  # fmt: skip
+    for step in (0, 1):  # the killed attempt
+        learn.writer.log(step, {"reward/mean": 0.5})
+        learn.ledger.log(step, ["a:1"], (step, step))
+    manager = CheckpointManager.__new__(CheckpointManager)  # restore's state only
+    manager.chosen, manager.root = (None, None), tmp_path / "checkpoints"
+    manager.cfg = SimpleNamespace(run_dir=str(tmp_path))
+    assert manager.restore(None, learn, None) == 0
+    learn.writer.log(0, {"reward/mean": 0.25})
+    learn.ledger.log(0, ["a:1"], (0, 0))
+    learn.writer.close()
+    learn.ledger.close()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0]
+    assert [r["step"] for r in read_ledger(tmp_path / "ledger.jsonl")] == [0]
