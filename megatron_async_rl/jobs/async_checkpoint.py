@@ -29,6 +29,7 @@ import torch
 
 from megatron_async_rl.checkpoint.config import Preempted
 from megatron_async_rl.checkpoint.pending import STAGES, PendingSteps
+from megatron_async_rl.distributed import devices
 from megatron_async_rl.roles.work import StepWork
 from megatron_async_rl.scheduler.states import StageTimeout
 
@@ -36,8 +37,12 @@ from megatron_async_rl.scheduler.states import StageTimeout
 class Boundaries(threading.Thread):
     """An engine host's boundaries after versions start+1..steps (see the module doc)."""
 
-    def __init__(self, checkpoints, start: int, steps: int, pending: PendingSteps, saves, wake):
+    def __init__(self, checkpoints, start: int, steps: int, pending: PendingSteps, saves, wake,
+                 device: torch.device | None = None):  # fmt: skip
         super().__init__(name="checkpoint-boundaries", daemon=True)
+        self.device = device
+        """This rank's device: the collectives here may be NCCL's (a thread's CUDA device is
+        cuda:0 until it is set)."""
         self.checkpoints, self.start_version, self.steps = checkpoints, start, steps
         self.pending, self.saves, self.wake = pending, saves, wake
         self.cond = threading.Condition()
@@ -48,6 +53,8 @@ class Boundaries(threading.Thread):
 
     def run(self) -> None:
         try:
+            if self.device is not None:
+                devices.bind_thread(self.device)
             for version in range(self.start_version + 1, self.steps + 1):
                 save, preempted = self.checkpoints.boundary(version)
                 self.pending.drop_before(version)  # version v exists: steps < v are trained

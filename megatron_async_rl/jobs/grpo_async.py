@@ -157,7 +157,8 @@ def run_generate_pipeline(
             exchange.send_step(work)
 
     saves = BoundedQueue("saves", 1)
-    boundaries = Boundaries(checkpoints, start, steps, pending, saves, lambda: scheduler.wake())
+    boundaries = Boundaries(checkpoints, start, steps, pending, saves, lambda: scheduler.wake(),
+                            getattr(exchange, "device", None))  # fmt: skip
 
     def save_due(version: int) -> str | None:
         return None if receiver.loaded >= version else f"engine weights v{version} to save"
