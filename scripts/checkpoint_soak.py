@@ -82,13 +82,23 @@ def _exists(listing) -> list[Path]:
         return []
 
 
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:  # gone, or a zombie (a rank's finished writer)
+        return ""
+
+
 def _ranks(proc) -> list[psutil.Process]:
     """The ranks: the torchrun agent's own children (a rank's forked checkpoint writers share
     its command line)."""
-    agents = [p for p in psutil.Process(proc.pid).children(recursive=True)
-              if "torch.distributed.run" in p.cmdline()]  # fmt: skip
-    return [p for a in agents for p in a.children()
-            if "megatron_async_rl.train" in " ".join(p.cmdline())]  # fmt: skip
+    try:
+        agents = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                  if "torch.distributed.run" in _cmdline(p)]  # fmt: skip
+        return [p for a in agents for p in a.children()
+                if "megatron_async_rl.train" in _cmdline(p)]  # fmt: skip
+    except psutil.Error:  # the launcher or an agent ended meanwhile
+        return []
 
 
 def _wait(condition, proc, timeout=900) -> bool:

@@ -69,16 +69,23 @@ def _steps(run_dir):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _cmdline(p) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:  # gone, or a zombie (a rank's finished checkpoint writer)
+        return ""
+
+
 def _ranks(proc):
     """The torchrun workers (the ranks) under the launcher: the agent's own children, not the
     processes a rank forks (checkpoint writers share its command line)."""
     agents = [
         p for p in psutil.Process(proc.pid).children(recursive=True)
-        if "torch.distributed.run" in p.cmdline()
+        if "torch.distributed.run" in _cmdline(p)
     ]  # fmt: skip
     return [
         p for agent in agents for p in agent.children()
-        if "megatron_async_rl.train" in " ".join(p.cmdline())
+        if "megatron_async_rl.train" in _cmdline(p)
     ]  # fmt: skip
 
 
