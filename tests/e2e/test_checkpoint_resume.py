@@ -102,14 +102,28 @@ def test_a_crash_and_a_preemption_resume_to_the_end(task, tmp_path):
     published = sorted(p.name for p in ckpts.glob("step_*"))
     assert published and published[0] == "step_00000002", published
 
-    # 2. Resume by itself; SIGTERM to the launcher once it has logged a step.
+    # 2. Resume by itself; SIGTERM to the launcher while its own next save is being written
+    #    (its writer's processes exist: they must outlive the signal, which torchrun sends to
+    #    each rank's whole process group).
     before = {r["step"] for r in _steps(run_dir)}
+    started = time.time()
     proc = _start(task, run_dir, 29662, tmp_path / "preempted.log")
     _wait_for(lambda: any("resume/from_step" in r for r in _steps(run_dir)), proc, "a resumed step")
     resumed_from = int(
         next(r for r in _steps(run_dir) if "resume/from_step" in r)["resume/from_step"]
     )
     assert resumed_from >= 2 and resumed_from <= max(before) + 1
+    own = resumed_from + 2 - resumed_from % 2
+    if own < 6:  # its next save being written (not the last: the run must still be going)
+        partial = ckpts / f".partial_step_{own:08d}"
+
+        def writing() -> bool:
+            try:
+                return partial.stat().st_mtime > started
+            except FileNotFoundError:
+                return False
+
+        _wait_for(writing, proc, f"the resumed run's save of v{own}")
     proc.send_signal(signal.SIGTERM)
     out = _end(proc)
     assert proc.returncode == 83, out
