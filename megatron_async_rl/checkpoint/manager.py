@@ -133,15 +133,14 @@ class CheckpointManager:
         return out
 
     # -- save ------------------------------------------------------------------------------
-    def save(self, version: int, gen, learn, pending=None, extra=None,
-             wait: bool = False) -> dict[str, float]:  # fmt: skip
+    def save(self, version: int, gen, learn, pending=None, extra=None) -> dict[str, float]:
         """Write checkpoint `version` (collective; `pending` and `extra`: an asynchronous
         engine host's `PendingSteps` and validation state); returns `checkpoint/*` metrics.
 
         With `async_save` the model and optimizer are written by a forked process after the
-        snapshot and the checkpoint is published at a later boundary (`wait`, or at the
-        boundary where the run stops: before return); a save while the previous one is still
-        being written waits for it first."""
+        snapshot and the checkpoint is published at a later boundary (at the boundary where
+        the run stops: before return); a save while the previous one is still being written
+        waits for it first."""
         start = time.perf_counter()
         metrics = self._finish(blocking=True) if self.in_flight is not None else {}
         staged = store.partial_dir(self.root, version)
@@ -156,7 +155,7 @@ class CheckpointManager:
         train = learn.roles.get("train") if learn is not None else None
         megatron_state.save_train_state(train, staged / "megatron", self.writer)
         self.in_flight = (version, start)
-        if self.writer is None or wait or self.final:
+        if self.writer is None or self.final:
             metrics.update(self._finish(blocking=True))
         metrics["checkpoint/stall_s"] = time.perf_counter() - start
         return metrics
