@@ -100,9 +100,17 @@ class SlurmCluster:
         run_dir = Path("/run/munge")
         run_dir.mkdir(parents=True, exist_ok=True)
         shutil.chown(run_dir, "munge", "munge")
-        if not (run_dir / "munge.socket.2").exists():  # started here: stopped with the rest
-            _run("runuser", "-u", "munge", "--", "munged")
-            self._wait_for([run_dir / "munge.socket.2"], nonempty=False)
+        sock = run_dir / "munge.socket.2"
+        if not _accepts(sock):  # started here: stopped with the rest
+            # A munged that died (SIGKILL, a machine image saved while it ran) leaves its socket
+            # behind; munged refuses to start over it without --force.
+            _run("runuser", "-u", "munge", "--", "munged", "--force")
+            self._wait_for([sock], nonempty=False)
+            deadline = time.monotonic() + 30
+            while not _accepts(sock):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"munged started but {sock} refuses connections")
+                time.sleep(0.1)
             pidfile = run_dir / "munged.pid"
             if pidfile.exists():
                 self._munged = int(pidfile.read_text())
@@ -151,6 +159,12 @@ class SlurmCluster:
         if self._munged is not None:
             _signal(self._munged, signal.SIGTERM)
             self._munged = None
+
+
+def _accepts(sock: Path) -> bool:
+    """A daemon listens on this Unix socket (a stale socket file refuses the connection)."""
+    with socket.socket(socket.AF_UNIX) as s:
+        return s.connect_ex(str(sock)) == 0
 
 
 def _signal(pid: int, sig: int) -> None:
