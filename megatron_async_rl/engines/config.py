@@ -43,9 +43,26 @@ class EngineConfig:
     """Seconds one generate call may take."""
     server_args: dict[str, Any] = field(default_factory=dict)
     """Extra `sglang.Engine` keyword arguments, passed through as given."""
+    max_restarts: int = 3
+    """Restarts in place an engine may take within `restart_window_steps` steps when it dies,
+    stops answering or hangs (`engines.restarting`); one more stops the run with every cause.
+    To reload its weights, the engine host keeps the newest complete version in host memory
+    (one model; two while a version loads). 0: no restart, no copy; a dead engine stops the run."""
+    restart_window_steps: int = 100
+    """The window of steps `max_restarts` counts in."""
+    health_timeout_s: float = 120.0
+    """A hung engine is killed and restarted within about this plus `health_check_every_s`:
+    two one-token probes in a row, each given half of it, went unanswered."""
+    health_check_every_s: float = 30.0
+    """Seconds between health probes while the engine is neither paused nor loading weights;
+    0 turns the probes off (deaths are still found by the calls that meet them)."""
 
     def __post_init__(self) -> None:
         require_int("tp_size", self.tp_size, 1)
+        require_int("max_restarts", self.max_restarts, 0)
+        require_int("restart_window_steps", self.restart_window_steps, 1)
+        require_number("health_timeout_s", self.health_timeout_s, gt=0, unit="seconds")
+        require_number("health_check_every_s", self.health_check_every_s, ge=0, unit="seconds")
         require_choice("dtype", self.dtype, DTYPES)
         require_int("max_total_tokens", self.max_total_tokens, 1, optional=True)
         require_number("mem_fraction_static", self.mem_fraction_static, gt=0, le=1, optional=True)

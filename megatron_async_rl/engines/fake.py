@@ -11,6 +11,7 @@ real engine does asynchronously: an in-place weight update landing mid-sequence
 
 from __future__ import annotations
 
+import threading
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -46,6 +47,9 @@ class FakeEngine:
         self._switches: list[tuple[int, str]] = []
         self._died: str | None = None
         self._shut_down = False
+        self._die_at: dict[str, str] = {}
+        self._hung = False
+        self._unhang = threading.Event()
 
     # -- what a test can predict -------------------------------------------------------------
 
@@ -66,13 +70,34 @@ class FakeEngine:
         self._switches.append((position, version))
 
     def kill(self, cause: str = "killed by the test") -> None:
-        """Simulate the engine dying: every later call raises `EngineDiedError`."""
+        """Simulate the engine dying: every later call raises `EngineDiedError` (and a
+        `generate` held by `hang` returns with it)."""
         self._died = cause
+        self._unhang.set()
+
+    def die_at(self, method: str, cause: str = "died in the call") -> None:
+        """The next call of `method` finds the engine dead (it dies as the call starts)."""
+        self._die_at[method] = cause
+
+    def hang(self) -> None:
+        """Simulate a hung engine (SIGSTOP): `generate` blocks until `kill`, `probe` fails."""
+        self._unhang.clear()
+        self._hung = True
+
+    def probe(self, timeout_s: float) -> str | None:
+        """None while the engine would answer a one-token request (see `SGLangEngine.probe`)."""
+        self.calls.append(("probe", {}))
+        if self._died is not None or self._hung:
+            return self._died or f"no answer to a one-token request within {timeout_s:g} s"
+        return None
 
     # -- Engine protocol ---------------------------------------------------------------------
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         self._enter("generate", rids=[r.rid for r in requests])
+        if self._hung:
+            self._unhang.wait()
+            self._enter("generate", rids=[r.rid for r in requests])  # raises: it was killed
         self.sessions.check_whole()
         results = [self._generate_one(r) for r in requests]
         if self._switches:
@@ -176,6 +201,8 @@ class FakeEngine:
 
     def _enter(self, method: str, **kwargs: Any) -> None:
         self.calls.append((method, kwargs))
+        if method in self._die_at:
+            self._died = self._die_at.pop(method)
         if self._died is not None:
             raise EngineDiedError(f"{self.name} died: {self._died}; cannot call {method}")
         if self._shut_down:

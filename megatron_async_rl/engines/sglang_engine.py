@@ -71,6 +71,7 @@ from megatron_async_rl.engines.protocol import (
     GenerateRequest,
     GenerateResult,
     PauseMode,
+    SamplingParams,
     WeightSessions,
     check_pause_mode,
 )
@@ -206,6 +207,29 @@ class SGLangEngine:
         except (EngineDiedError, EngineTimeoutError):
             return False
 
+    def probe(self, timeout_s: float) -> str | None:
+        """None if the engine answers a one-token greedy request within `timeout_s`, else what
+        went wrong (the health check of `engines.restarting`: a hung scheduler still looks
+        alive to `health`)."""
+        if self._death is not None or self._closed:
+            return self._death or "shut down"
+        rid = f"health-probe-{next(self._call_ids)}"
+        request = GenerateRequest([1], SamplingParams(max_new_tokens=1, temperature=0.0), rid)
+        try:
+            self._call("generate", timeout_s, requests=[request])
+        except EngineTimeoutError:
+            self._send_only("abort", rid=rid)
+            return f"no answer to a one-token request within {timeout_s:g} s"
+        except Exception as exc:  # noqa: BLE001 - any failure is the answer
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def kill(self, cause: str) -> None:
+        """Kill the engine's processes at once (a hung engine does not answer `shutdown`);
+        calls waiting on it raise `EngineDiedError` naming `cause`."""
+        self._death_notice = f"killed by the rank: {cause}"
+        kill_tree(self._proc.pid, also=self._engine_procs)
+
     def get_weights_by_name(self, name: str) -> torch.Tensor:
         """The full HF-named tensor as served, float32, vocab rows padded (module docstring)."""
         return self._call("get_weights_by_name", name=name)
@@ -215,7 +239,7 @@ class SGLangEngine:
             return
         self._closed = True
         atexit.unregister(self.shutdown)
-        if self._death is None and self._proc.is_alive():
+        if self._death is None and self._death_notice is None and self._proc.is_alive():
             try:
                 self._call("shutdown", check_closed=False)
             except (EngineDiedError, EngineTimeoutError) as exc:

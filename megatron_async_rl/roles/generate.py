@@ -46,6 +46,8 @@ class GenerateSide:
         cfg, records = self.cfg, work.records
         mine = served_prompts(len(records), self.engine_index, self.num_engines)
         ids = {i: records[i].prompt_ids or self.encode(records[i]) for i in mine}
+        if hasattr(self.engine, "set_step"):  # a restart budget counts steps
+            self.engine.set_step(work.step)
         work.samples = generate_samples(
             self.engine, self.tokenizer, records, ids, mine,
             cfg.algorithm.num_samples_per_prompt, cfg.rollout, step=work.step, run_seed=cfg.seed,
@@ -58,6 +60,8 @@ class GenerateSide:
             sample.reward = value
         work.report.add_sums(self.reward.metrics())
         work.report.add_means(self.dataset.metrics())
+        if hasattr(self.engine, "take_metrics"):
+            work.report.add_sums(self.engine.take_metrics())
         return work
 
     def validate(self, version: int) -> dict[str, float]:
@@ -96,12 +100,24 @@ def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None
             val, cfg.rollout, records, SafeReward(get_reward(cfg.reward), cfg.reward.name),
             index, num_engines, cfg.seed,
         )  # fmt: skip
+    from megatron_async_rl.engines.restarting import RestartingEngine
     from megatron_async_rl.engines.sglang_engine import SGLangEngine
+    from megatron_async_rl.weight_sync.sinks import load_tensors
 
     config = cfg.engine.sglang_config(cfg.model.hf_path, platform.device_type, cfg.seed)
     if platform.device_type == "cuda":  # the engine's TP ranks start at our device
         config.server_args.setdefault("base_gpu_id", int(os.environ.get("LOCAL_RANK", "0")))
     rank_in_role = layout.rank_in_role("generate", rank)
-    engine = SGLangEngine(config, rank_in_role=rank_in_role, global_rank=rank)
-    logger.info("generate rank %d: engine up in %.1f s", rank_in_role, engine.startup_s)
+
+    def start() -> SGLangEngine:
+        engine = SGLangEngine(config, rank_in_role=rank_in_role, global_rank=rank)
+        logger.info("generate rank %d: engine up in %.1f s", rank_in_role, engine.startup_s)
+        return engine
+
+    e = cfg.engine
+    engine = RestartingEngine(
+        start, load_tensors, where=f"generate rank in role {rank_in_role}, global rank {rank}",
+        max_restarts=e.max_restarts, window_steps=e.restart_window_steps,
+        health_timeout_s=e.health_timeout_s, check_every_s=e.health_check_every_s,
+    )  # fmt: skip
     return GenerateSide(cfg, engine, tokenizer, dataset, reward, validator, index, num_engines)

@@ -176,6 +176,14 @@ def load_into_engine(
     their KV, so it is not flushed here (SGLang cannot flush with requests held): the caller
     flushes once idle.
     """
+    load_tensors(engine, tensors, engine_version_label(version), pause, consume_bytes)
+
+
+def load_tensors(
+    engine, tensors: dict, label: str, pause: str | None = None, consume_bytes: int | None = None
+) -> None:
+    """`load_into_engine` with the version's label as the engine shows it (e.g. "v3"); what an
+    engine restarted in place reloads its newest complete version with."""
     if consume_bytes is None:
         from megatron_async_rl.weight_sync.config import WeightSyncConfig
 
@@ -201,7 +209,7 @@ def load_into_engine(
                 final = i == len(chunks) - 1
                 engine.update_weights(
                     chunk,
-                    version=engine_version_label(version) if final else old_label,
+                    version=label if final else old_label,
                     flush_cache=final and pause != "in_place",
                 )
             complete = True

@@ -1,0 +1,277 @@
+"""An engine that survives its own death: restart in place, current weights, calls carried on.
+
+Owned here: `RestartingEngine`, the `Engine` a generate rank drives (`roles.generate`). It wraps
+one real engine (`start()` makes it) and keeps, in host memory, the newest *complete* weight
+version it has loaded (HF name -> tensor, copied from every `update_weights` call and promoted
+when the session ends complete). When a call finds the engine dead (`EngineDiedError`), or it
+does not answer (`EngineTimeoutError`), or the watchdog finds it hung, it:
+
+1. kills what is left of the engine's processes (`kill`) and charges the restart budget
+   (`engine.max_restarts` per `engine.restart_window_steps`; past it the run stops with
+   `EngineRestartLimitError` naming the engine, the rank, every cause and the counts);
+2. starts a new engine, which is STALE (it serves the model on disk) until
+3. the newest complete version is loaded into it, stamped with that version's label;
+4. restores what the caller was in the middle of: a paused engine is paused again, an open
+   weight-update session is opened again and the tensors already loaded in it are loaded again,
+   so a transfer that died half way simply goes on;
+5. carries on the call that failed. Every thread blocked in a call on the dead engine does the
+   same once the restart is done (one restart per death: the first caller restarts, the others
+   see a newer engine and retry on it). A `generate` call is resubmitted whole: the requests of
+   the failed call are generated again on the new engine from their prompts (their seeds make
+   the samples those the dead engine would have produced; counted
+   `engines/requests_resubmitted`).
+
+The watchdog (a thread, every `engine.health_check_every_s`) asks the engine for one token
+within `engine.health_timeout_s / 2` while it is neither paused nor loading weights: one failure
+makes it SUSPECT, a second DEAD (it is killed, and the calls blocked on it restart it). A hung
+engine (SIGSTOP, a deadlock) is so found within about `health_check_every_s + health_timeout_s`.
+
+Metrics (`take_metrics`, summed over engines): `engines/healthy`, `engines/restarts`,
+`engines/restart_s` split into `engines/restart_start_s` (new process) and
+`engines/restart_load_s` (weights), `engines/requests_resubmitted`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from megatron_async_rl.engines.health import (
+    EngineHealth,
+    EngineRestartLimitError,
+    RestartBudget,
+    transition,
+)
+from megatron_async_rl.engines.protocol import (
+    EngineDiedError,
+    EngineTimeoutError,
+    GenerateRequest,
+    GenerateResult,
+    PauseMode,
+)
+
+logger = logging.getLogger(__name__)
+
+_FAILURES = (EngineDiedError, EngineTimeoutError)
+
+
+class RestartingEngine:
+    """`Engine` over a replaceable inner engine (module docstring)."""
+
+    def __init__(self, start: Callable[[], object], reload: Callable, *, where: str,
+                 max_restarts: int, window_steps: int, health_timeout_s: float,
+                 check_every_s: float):  # fmt: skip
+        """`start()` makes an engine; `reload(engine, tensors, label)` loads a version into
+        one (`weight_sync.sinks.load_tensors`: in chunks, through shared memory)."""
+        self._start, self._reload, self.where = start, reload, where
+        self.inner = start()
+        self.state = EngineHealth.HEALTHY
+        self.budget = RestartBudget(where, max_restarts, window_steps)
+        self.keeps_weights = max_restarts > 0
+        self.health_timeout_s, self.check_every_s = health_timeout_s, check_every_s
+        self.step = 0
+        self._lock = threading.RLock()
+        self._epoch = 0  # +1 per restart: a caller that failed on an older engine only retries
+        self._last: dict[str, torch.Tensor] = {}  # newest complete version, host copies
+        self._last_label: str | None = None
+        self._session: dict[str, torch.Tensor] | None = None  # loaded in the open session
+        self._session_label: str | None = None
+        self._paused: str | None = None
+        self._closed = threading.Event()
+        self._metrics = dict.fromkeys(
+            ("engines/restarts", "engines/restart_s", "engines/restart_start_s",
+             "engines/restart_load_s", "engines/requests_resubmitted"), 0.0,
+        )  # fmt: skip
+        self._watchdog = None
+        if self.keeps_weights and check_every_s > 0 and hasattr(self.inner, "probe"):
+            self._watchdog = threading.Thread(target=self._watch, daemon=True,
+                                              name="engine-watchdog")  # fmt: skip
+            self._watchdog.start()
+
+    # -- what the generate side tells and asks ---------------------------------------------
+
+    def set_step(self, step: int) -> None:
+        """The step being generated (the restart budget's window counts steps)."""
+        self.step = step
+
+    def take_metrics(self) -> dict[str, float]:
+        """Counters since the last call, and whether the engine is healthy now."""
+        with self._lock:
+            out = {k: v for k, v in self._metrics.items() if v}
+            self._metrics = dict.fromkeys(self._metrics, 0.0)
+            out["engines/healthy"] = float(self.state == EngineHealth.HEALTHY)
+        return out
+
+    # -- Engine protocol -------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        def call(engine):
+            return engine.generate(requests)
+
+        def on_retry():
+            self._metrics["engines/requests_resubmitted"] += len(requests)
+
+        return self._carry_on("generate", call, on_retry)
+
+    def begin_weight_update(self) -> None:
+        self._carry_on("begin_weight_update", lambda e: e.begin_weight_update())
+        self._session, self._session_label = {}, None
+
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: str | int,
+                       flush_cache: bool = True) -> None:  # fmt: skip
+        self._carry_on(
+            "update_weights", lambda e: e.update_weights(named_tensors, version, flush_cache)
+        )
+        self._session_label = str(version)
+        if self.keeps_weights and self._session is not None:
+            for name, tensor in named_tensors:
+                self._session[name] = tensor.detach().to("cpu", copy=True)
+
+    def end_weight_update(self, complete: bool = True) -> None:
+        self._carry_on("end_weight_update", lambda e: e.end_weight_update(complete))
+        with self._lock:
+            if complete and self._session:
+                self._last.update(self._session)
+                self._last_label = self._session_label
+            self._session = self._session_label = None
+
+    def weight_version(self) -> str:
+        return self._carry_on("weight_version", lambda e: e.weight_version())
+
+    def pause(self, mode: PauseMode) -> None:
+        self._carry_on("pause", lambda e: e.pause(mode))
+        self._paused = mode
+
+    def resume(self) -> None:
+        self._carry_on("resume", lambda e: e.resume())
+        self._paused = None
+
+    def abort(self, rid: str | None = None) -> None:
+        self._carry_on("abort", lambda e: e.abort(rid))
+
+    def flush_cache(self) -> None:
+        self._carry_on("flush_cache", lambda e: e.flush_cache())
+
+    def health(self) -> bool:
+        return self.state == EngineHealth.HEALTHY and self.inner.health()
+
+    def get_weights_by_name(self, name: str) -> torch.Tensor:
+        return self._carry_on("get_weights_by_name", lambda e: e.get_weights_by_name(name))
+
+    def shutdown(self) -> None:
+        self._closed.set()
+        self.inner.shutdown()
+
+    # -- restart ---------------------------------------------------------------------------
+
+    def _carry_on(self, method: str, call, on_retry=None):
+        while True:
+            with self._lock:  # waits for a restart in progress
+                epoch, engine = self._epoch, self.inner
+            try:
+                return call(engine)
+            except Exception as exc:
+                with self._lock:
+                    replaced = epoch != self._epoch
+                # Whatever the old engine said once it was being replaced, the call goes on.
+                if not replaced:
+                    if not isinstance(exc, _FAILURES) or not self.keeps_weights:
+                        raise
+                    if self._closed.is_set():
+                        raise
+                    self._restart(epoch, f"{method}: {exc}")
+                if on_retry is not None:
+                    on_retry()
+                logger.warning("[%s] %s carried on by the restarted engine", self.where, method)
+
+    def _restart(self, epoch: int, cause: str) -> None:
+        with self._lock:
+            if epoch != self._epoch:
+                return  # another caller restarted it already
+            if self.state != EngineHealth.DEAD:
+                self.state = transition(self.where, self.state, EngineHealth.DEAD, cause)
+            logger.error("[%s] engine failed at step %d: %s", self.where, self.step, cause)
+            _kill(self.inner, cause)
+            self.budget.charge(self.step, cause)  # raises past the limit: the run stops
+            self.state = transition(self.where, self.state, EngineHealth.RESTARTING, "restart")
+            start = time.monotonic()
+            try:
+                self.inner = self._start()
+            except _FAILURES as exc:
+                self.state = transition(self.where, self.state, EngineHealth.DEAD, str(exc))
+                raise EngineRestartLimitError(
+                    f"engine [{self.where}]: the restart after '{cause}' failed: {exc}"
+                ) from exc
+            started = time.monotonic()
+            self._epoch += 1
+            self.state = transition(self.where, self.state, EngineHealth.STALE, "new process")
+            self._restore()
+            self.state = transition(self.where, self.state, EngineHealth.HEALTHY, "weights in")
+            done = time.monotonic()
+            m = self._metrics
+            m["engines/restarts"] += 1
+            m["engines/restart_start_s"] += started - start
+            m["engines/restart_load_s"] += done - started
+            m["engines/restart_s"] += done - start
+            logger.warning(
+                "[%s] engine restarted in %.1f s (process %.1f s, weights %s %.1f s); "
+                "%d restart(s) so far", self.where, done - start, started - start,
+                self._last_label or "from disk", done - started, len(self.budget.causes),
+            )  # fmt: skip
+
+    def _restore(self) -> None:
+        """The new engine as the dead one was: newest complete weights, then the caller's
+        pause and open session (with what it had loaded)."""
+        if self._last:
+            self._reload(self.inner, self._last, self._last_label)
+        if self._paused is not None:
+            self.inner.pause(self._paused)
+        if self._session is not None:
+            self.inner.begin_weight_update()
+            if self._session:
+                label = self._last_label or self.inner.weight_version()
+                self.inner.update_weights(list(self._session.items()), label, flush_cache=False)
+
+    # -- watchdog --------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        failures = 0
+        while not self._closed.wait(self.check_every_s):
+            with self._lock:
+                busy = self._paused is not None or self._session is not None
+                engine, epoch = self.inner, self._epoch
+            if busy or self.state not in (EngineHealth.HEALTHY, EngineHealth.SUSPECT):
+                continue
+            problem = engine.probe(self.health_timeout_s / 2)
+            with self._lock:
+                if epoch != self._epoch or self._closed.is_set():
+                    failures = 0
+                    continue
+                if problem is None:
+                    failures = 0
+                    if self.state == EngineHealth.SUSPECT:
+                        self.state = transition(self.where, self.state, EngineHealth.HEALTHY,
+                                                "probe answered")  # fmt: skip
+                    continue
+                failures += 1
+                new = EngineHealth.SUSPECT if failures == 1 else EngineHealth.DEAD
+                self.state = transition(self.where, self.state, new, problem)
+                logger.warning("[%s] health check failed (%s): %s", self.where, new.value, problem)
+                if new == EngineHealth.DEAD:
+                    # Calls blocked on it fail now and restart it; with none, the next call does.
+                    _kill(engine, f"health check: {problem}")
+                    failures = 0
+
+
+def _kill(engine, cause: str) -> None:
+    kill = getattr(engine, "kill", None)
+    if kill is not None:
+        kill(cause)
+    try:
+        engine.shutdown()
+    except Exception as exc:  # noqa: BLE001 - it is dead already; say so and go on
+        logger.warning("shutting down the dead engine: %r", exc)

@@ -1,0 +1,170 @@
+"""`engines.restarting.RestartingEngine` and `engines.health` over fake engines.
+
+Contract checked: a call that finds the engine dead restarts it (a new engine from the factory)
+and is carried on there; the new engine first gets the newest *complete* weight version with its
+label (not an abandoned or half-loaded one), then the caller's pause and open weight session
+(the tensors already loaded in it included), so a transfer that died half way completes; a
+resubmitted generate is counted; past `max_restarts` within the window the run stops with an
+error naming the engine, every cause and the counts; the budget's window slides over steps; a
+hung engine is found by the watchdog (SUSPECT, then DEAD, killed) and the call blocked on it is
+carried on by a new engine; illegal health moves are refused. Faked: the engines
+(`FakeEngine`); the real twin is `tests/distributed/test_engine_restart.py`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from megatron_async_rl.engines.fake import FakeEngine
+from megatron_async_rl.engines.health import (
+    EngineHealth,
+    EngineRestartLimitError,
+    RestartBudget,
+    transition,
+)
+from megatron_async_rl.engines.protocol import GenerateRequest, SamplingParams
+from megatron_async_rl.engines.restarting import RestartingEngine
+from megatron_async_rl.weight_sync.sinks import load_tensors
+
+
+def _requests(n=3):
+    sampling = SamplingParams(max_new_tokens=4)
+    return [GenerateRequest([1, 2 + i], sampling, f"r{i}") for i in range(n)]
+
+
+class Factory:
+    def __init__(self):
+        self.engines: list[FakeEngine] = []
+
+    def __call__(self) -> FakeEngine:
+        self.engines.append(FakeEngine(name=f"fake{len(self.engines)}"))
+        return self.engines[-1]
+
+
+def _engine(factory, max_restarts=3, window=10, check_every_s=0.0, timeout_s=1.0):
+    return RestartingEngine(factory, load_tensors, where="generate rank 0",
+                            max_restarts=max_restarts, window_steps=window,
+                            health_timeout_s=timeout_s, check_every_s=check_every_s)  # fmt: skip
+
+
+def _sync(engine, version, tensors):
+    engine.begin_weight_update()
+    engine.update_weights(list(tensors.items()), f"v{version}")
+    engine.end_weight_update(True)
+
+
+def test_a_dead_engine_is_restarted_with_the_newest_complete_weights_and_the_call_carried_on():
+    factory = Factory()
+    engine = _engine(factory)
+    w1 = {"a": torch.ones(3), "b": torch.zeros(2)}
+    _sync(engine, 1, w1)
+    first = factory.engines[0]
+    expected = first.generate(_requests())  # what v1 generates
+    # An abandoned session (half loaded: the engine is torn) is not what a restart reloads.
+    engine.begin_weight_update()
+    engine.update_weights([("a", torch.full((3,), 7.0))], "v1")
+    engine.end_weight_update(False)
+    first.die_at("generate")
+    results = engine.generate(_requests())
+    assert len(factory.engines) == 2
+    new = factory.engines[1]
+    assert [r.output_ids for r in results] == [r.output_ids for r in expected]
+    assert {r.token_versions[0] for r in results} == {"v1"}
+    assert torch.equal(new.get_weights_by_name("a"), w1["a"])
+    assert new.weight_version() == "v1"
+    metrics = engine.take_metrics()
+    assert metrics["engines/restarts"] == 1 and metrics["engines/requests_resubmitted"] == 3
+    assert metrics["engines/healthy"] == 1.0 and metrics["engines/restart_s"] > 0
+    assert engine.take_metrics() == {"engines/healthy": 1.0}
+
+
+def test_a_transfer_that_died_half_way_goes_on_in_the_new_engine():
+    factory = Factory()
+    engine = _engine(factory)
+    _sync(engine, 1, {"a": torch.ones(2), "b": torch.ones(2)})
+    engine.pause("in_place")
+    engine.begin_weight_update()
+    engine.update_weights([("a", torch.full((2,), 2.0))], "v1", flush_cache=False)
+    factory.engines[0].die_at("update_weights")
+    engine.update_weights([("b", torch.full((2,), 3.0))], "v2", flush_cache=False)
+    engine.end_weight_update(True)
+    engine.resume()
+    new = factory.engines[1]
+    methods = new.methods_called()
+    # reload v1 (its own session), pause again, reopen the session, reload "a", carry on "b"
+    assert methods.index("pause") > methods.index("end_weight_update")
+    assert new.paused is None and new.weight_version() == "v2"
+    assert torch.equal(new.get_weights_by_name("a"), torch.full((2,), 2.0))
+    assert torch.equal(new.get_weights_by_name("b"), torch.full((2,), 3.0))
+    # and v2 is now the version a later restart reloads
+    new.die_at("weight_version")
+    assert engine.weight_version() == "v2"
+    assert torch.equal(factory.engines[2].get_weights_by_name("b"), torch.full((2,), 3.0))
+
+
+def test_past_max_restarts_in_the_window_the_run_stops_naming_every_cause():
+    factory = Factory()
+    engine = _engine(factory, max_restarts=2, window=5)
+    for step in (1, 2):
+        engine.set_step(step)
+        factory.engines[-1].die_at("generate", f"scheduler killed {step}")
+        engine.generate(_requests(1))
+    engine.set_step(3)
+    factory.engines[-1].die_at("generate", "scheduler killed 3")
+    with pytest.raises(EngineRestartLimitError, match=r"generate rank 0.*3 time\(s\).*"
+                       r"engine.max_restarts = 2.*step 1: generate: .*scheduler killed 1.*"
+                       r"step 3: .*scheduler killed 3"):  # fmt: skip
+        engine.generate(_requests(1))
+    assert engine.state == EngineHealth.DEAD and len(factory.engines) == 3
+
+
+def test_with_no_restarts_allowed_a_death_is_raised_and_no_weights_are_kept():
+    factory = Factory()
+    engine = _engine(factory, max_restarts=0)
+    _sync(engine, 1, {"a": torch.ones(2)})
+    assert not engine._last
+    factory.engines[0].die_at("generate", "gone")
+    with pytest.raises(Exception, match="gone"):
+        engine.generate(_requests(1))
+    assert len(factory.engines) == 1
+
+
+def test_the_budget_window_slides_over_steps():
+    budget = RestartBudget("e", max_restarts=2, window_steps=10)
+    budget.charge(0, "a")
+    budget.charge(5, "b")
+    budget.charge(10, "c")  # step 0 left the window
+    with pytest.raises(EngineRestartLimitError, match="3 within the last 10"):
+        budget.charge(12, "d")
+
+
+def test_a_hung_engine_is_found_by_the_watchdog_and_the_blocked_call_carried_on():
+    factory = Factory()
+    engine = _engine(factory, check_every_s=0.05, timeout_s=0.1)
+    factory.engines[0].hang()
+    out = []
+    thread = threading.Thread(target=lambda: out.append(engine.generate(_requests(2))))
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and len(out[0]) == 2
+    assert len(factory.engines) == 2 and engine.state == EngineHealth.HEALTHY
+    assert factory.engines[0].methods_called().count("probe") >= 2
+    engine.shutdown()
+
+
+def test_a_paused_engine_is_not_probed():
+    factory = Factory()
+    engine = _engine(factory, check_every_s=0.02)
+    engine.pause("in_place")
+    threading.Event().wait(0.2)
+    assert "probe" not in factory.engines[0].methods_called()
+    engine.resume()
+    engine.shutdown()
+
+
+def test_illegal_health_moves_are_refused():
+    with pytest.raises(RuntimeError, match=r"illegal health transition healthy -> stale \(x\)"):
+        transition("e", EngineHealth.HEALTHY, EngineHealth.STALE, "x")
