@@ -25,6 +25,7 @@ from megatron_async_rl.config.roles import (  # noqa: F401 - re-exported
     RoleGroupSpec,
 )
 from megatron_async_rl.engines.config import EngineConfig
+from megatron_async_rl.engines.faults import FaultsConfig
 from megatron_async_rl.rewards.config import RewardConfig
 from megatron_async_rl.rollout.config import DatasetConfig, RolloutConfig, ValidationConfig
 from megatron_async_rl.scheduler.config import SchedulerConfig
@@ -200,6 +201,8 @@ class RunConfig:
     """The held-out set evaluated every `scheduler.validation_every` versions."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Saving and resuming (the train role's model and optimizer, the pipeline's state)."""
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    """Faults injected on purpose to test recovery; off, and refused without `allow: true`."""
     megatron: dict[str, Any] = field(default_factory=dict)
     """Megatron args shared by every Megatron role, dest names (`tensor_model_parallel_size`)."""
 

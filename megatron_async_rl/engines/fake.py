@@ -84,6 +84,15 @@ class FakeEngine:
         self._unhang.clear()
         self._hung = True
 
+    def signal_scheduler(self, sig: int) -> None:
+        """What `SGLangEngine.signal_scheduler` does: SIGSTOP hangs, anything else kills."""
+        import signal
+
+        if sig == signal.SIGSTOP:
+            self.hang()
+        else:
+            self.kill(f"scheduler got signal {sig}")
+
     def probe(self, timeout_s: float) -> str | None:
         """None while the engine would answer a one-token request (see `SGLangEngine.probe`)."""
         self.calls.append(("probe", {}))

@@ -64,10 +64,12 @@ class RestartingEngine:
 
     def __init__(self, start: Callable[[], object], reload: Callable, *, where: str,
                  max_restarts: int, window_steps: int, health_timeout_s: float,
-                 check_every_s: float):  # fmt: skip
+                 check_every_s: float, faults=None):  # fmt: skip
         """`start()` makes an engine; `reload(engine, tensors, label)` loads a version into
-        one (`weight_sync.sinks.load_tensors`: in chunks, through shared memory)."""
+        one (`weight_sync.sinks.load_tensors`: in chunks, through shared memory); `faults`, an
+        `engines.faults.EngineFaults`, injects the recipe's faults (tests, soak runs)."""
         self._start, self._reload, self.where = start, reload, where
+        self._faults = faults
         self.inner = start()
         self.state = EngineHealth.HEALTHY
         self.budget = RestartBudget(where, max_restarts, window_steps)
@@ -104,12 +106,15 @@ class RestartingEngine:
             out = {k: v for k, v in self._metrics.items() if v}
             self._metrics = dict.fromkeys(self._metrics, 0.0)
             out["engines/healthy"] = float(self.state == EngineHealth.HEALTHY)
+        if self._faults is not None:
+            out.update(self._faults.take_metrics())
         return out
 
     # -- Engine protocol -------------------------------------------------------------------
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         def call(engine):
+            self._inject("generate", engine)
             return engine.generate(requests)
 
         def on_retry():
@@ -118,7 +123,11 @@ class RestartingEngine:
         return self._carry_on("generate", call, on_retry)
 
     def begin_weight_update(self) -> None:
-        self._carry_on("begin_weight_update", lambda e: e.begin_weight_update())
+        def call(engine):
+            engine.begin_weight_update()
+            self._inject("load", engine)
+
+        self._carry_on("begin_weight_update", call)
         self._session, self._session_label = {}, None
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: str | int,
@@ -165,6 +174,10 @@ class RestartingEngine:
     def shutdown(self) -> None:
         self._closed.set()
         self.inner.shutdown()
+
+    def _inject(self, phase: str, engine) -> None:
+        if self._faults is not None:
+            self._faults(phase, self.step, engine)
 
     # -- restart ---------------------------------------------------------------------------
 

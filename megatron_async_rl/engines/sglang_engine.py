@@ -224,6 +224,14 @@ class SGLangEngine:
             return f"{type(exc).__name__}: {exc}"
         return None
 
+    def signal_scheduler(self, sig: int) -> None:
+        """Send `sig` to the engine's scheduler process(es) (fault injection: SIGKILL is a
+        crash, SIGSTOP a hang)."""
+        for proc in self._engine_procs:
+            with contextlib.suppress(Exception):
+                if "scheduler" in proc.name():
+                    proc.send_signal(sig)
+
     def kill(self, cause: str) -> None:
         """Kill the engine's processes at once (a hung engine does not answer `shutdown`);
         calls waiting on it raise `EngineDiedError` naming `cause`."""

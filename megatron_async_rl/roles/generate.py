@@ -100,6 +100,7 @@ def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None
             val, cfg.rollout, records, SafeReward(get_reward(cfg.reward), cfg.reward.name),
             index, num_engines, cfg.seed,
         )  # fmt: skip
+    from megatron_async_rl.engines.faults import EngineFaults
     from megatron_async_rl.engines.restarting import RestartingEngine
     from megatron_async_rl.engines.sglang_engine import SGLangEngine
     from megatron_async_rl.weight_sync.sinks import load_tensors
@@ -119,5 +120,6 @@ def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None
         start, load_tensors, where=f"generate rank in role {rank_in_role}, global rank {rank}",
         max_restarts=e.max_restarts, window_steps=e.restart_window_steps,
         health_timeout_s=e.health_timeout_s, check_every_s=e.health_check_every_s,
+        faults=EngineFaults(cfg.faults, rank) if cfg.faults.any() else None,
     )  # fmt: skip
     return GenerateSide(cfg, engine, tokenizer, dataset, reward, validator, index, num_engines)

@@ -168,3 +168,40 @@ def test_a_paused_engine_is_not_probed():
 def test_illegal_health_moves_are_refused():
     with pytest.raises(RuntimeError, match=r"illegal health transition healthy -> stale \(x\)"):
         transition("e", EngineHealth.HEALTHY, EngineHealth.STALE, "x")
+
+
+# -- fault injection (`engines.faults`) -----------------------------------------------------
+
+
+def test_faults_are_refused_without_allow_and_checked():
+    from megatron_async_rl.config.errors import ConfigError
+    from megatron_async_rl.engines.faults import FaultsConfig
+
+    with pytest.raises(ConfigError, match=r"allow.*False.*must be true.*faults.allow: true"):
+        FaultsConfig(engine_kill_steps=[3])
+    with pytest.raises(ConfigError, match=r"engine_hang_steps.*list of step numbers"):
+        FaultsConfig(allow=True, engine_hang_steps=[1, -2])
+    with pytest.raises(ConfigError, match=r"engine_kill_probability"):
+        FaultsConfig(allow=True, engine_kill_probability=1.5)
+    assert not FaultsConfig().any() and FaultsConfig(allow=True, engine_hang_steps=[0]).any()
+
+
+def test_injected_kills_land_once_per_step_and_the_engine_recovers():
+    from megatron_async_rl.engines.faults import EngineFaults, FaultsConfig
+
+    cfg = FaultsConfig(allow=True, engine_kill_steps=[1], engine_kill_in_load_steps=[2],
+                       delay_s=0.0)  # fmt: skip
+    factory = Factory()
+    engine = RestartingEngine(factory, load_tensors, where="g", max_restarts=5, window_steps=10,
+                              health_timeout_s=1.0, check_every_s=0.0,
+                              faults=EngineFaults(cfg, rank=1))  # fmt: skip
+    for step in range(4):
+        engine.set_step(step)
+        assert len(engine.generate(_requests(2))) == 2
+        _sync(engine, step + 1, {"a": torch.full((2,), float(step))})
+    metrics = engine.take_metrics()
+    assert metrics["faults/injected/engine_kill"] == 1
+    assert metrics["faults/injected/engine_kill_in_load"] == 1
+    assert metrics["engines/restarts"] == 2 and len(factory.engines) == 3
+    assert factory.engines[-1].weight_version() == "v4"
+    assert torch.equal(factory.engines[-1].get_weights_by_name("a"), torch.full((2,), 3.0))
