@@ -80,7 +80,7 @@ class FakeEngine:
         self._die_at[method] = cause
 
     def hang(self) -> None:
-        """Simulate a hung engine (SIGSTOP): `generate` blocks until `kill`, `probe` fails."""
+        """Simulate a hung engine (SIGSTOP): every call blocks until `kill`, `probe` fails."""
         self._unhang.clear()
         self._hung = True
 
@@ -93,9 +93,9 @@ class FakeEngine:
         else:
             self.kill(f"scheduler got signal {sig}")
 
-    def probe(self, timeout_s: float) -> str | None:
+    def probe(self, timeout_s: float, control_only: bool = False) -> str | None:
         """None while the engine would answer a one-token request (see `SGLangEngine.probe`)."""
-        self.calls.append(("probe", {}))
+        self.calls.append(("probe", {"control_only": control_only}))
         if self._died is not None or self._hung:
             return self._died or f"no answer to a one-token request within {timeout_s:g} s"
         return None
@@ -104,9 +104,6 @@ class FakeEngine:
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         self._enter("generate", rids=[r.rid for r in requests])
-        if self._hung:
-            self._unhang.wait()
-            self._enter("generate", rids=[r.rid for r in requests])  # raises: it was killed
         self.sessions.check_whole()
         results = [self._generate_one(r) for r in requests]
         if self._switches:
@@ -210,6 +207,8 @@ class FakeEngine:
 
     def _enter(self, method: str, **kwargs: Any) -> None:
         self.calls.append((method, kwargs))
+        if self._hung:  # every call blocks until the engine is killed
+            self._unhang.wait()
         if method in self._die_at:
             self._died = self._die_at.pop(method)
         if self._died is not None:

@@ -22,9 +22,10 @@ does not answer (`EngineTimeoutError`), or the watchdog finds it hung, it:
    `engines/requests_resubmitted`).
 
 The watchdog (a thread, every `engine.health_check_every_s`) asks the engine for one token
-within `engine.health_timeout_s / 2` while it is neither paused nor loading weights: one failure
-makes it SUSPECT, a second DEAD (it is killed, and the calls blocked on it restart it). A hung
-engine (SIGSTOP, a deadlock) is so found within about `health_check_every_s + health_timeout_s`.
+within `engine.health_timeout_s / 2` (while it is paused or loading weights, when it answers
+no generate request, for a round trip to its schedulers): one failure makes it SUSPECT, a
+second DEAD (it is killed, and the calls blocked on it restart it). A hung engine (SIGSTOP, a
+deadlock) is so found within about `health_check_every_s + health_timeout_s`.
 
 Metrics (`take_metrics`, summed over engines): `engines/healthy`, `engines/restarts`,
 `engines/restart_s` split into `engines/restart_start_s` (new process) and
@@ -257,9 +258,11 @@ class RestartingEngine:
             with self._lock:
                 busy = self._paused is not None or self._session is not None
                 engine, epoch = self.inner, self._epoch
-            if busy or self.state not in (EngineHealth.HEALTHY, EngineHealth.SUSPECT):
+            if self.state not in (EngineHealth.HEALTHY, EngineHealth.SUSPECT):
                 continue
-            problem = engine.probe(self.health_timeout_s / 2)
+            # A paused engine, or one loading weights, answers no generate request: ask its
+            # schedulers for a round trip instead (a hang in a load is found the same).
+            problem = engine.probe(self.health_timeout_s / 2, control_only=busy)
             with self._lock:
                 if epoch != self._epoch or self._closed.is_set():
                     failures = 0
@@ -275,8 +278,9 @@ class RestartingEngine:
                 self.state = transition(self.where, self.state, new, problem)
                 logger.warning("[%s] health check failed (%s): %s", self.where, new.value, problem)
                 if new == EngineHealth.DEAD:
-                    # Calls blocked on it fail now and restart it; with none, the next call does.
-                    _kill(engine, f"health check: {problem}")
+                    # Calls blocked on it fail now (EngineDiedError) and restart it; with none,
+                    # the next call does.
+                    engine.kill(f"health check: {problem}")
                     failures = 0
 
 

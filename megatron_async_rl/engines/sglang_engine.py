@@ -207,19 +207,26 @@ class SGLangEngine:
         except (EngineDiedError, EngineTimeoutError):
             return False
 
-    def probe(self, timeout_s: float) -> str | None:
-        """None if the engine answers a one-token greedy request within `timeout_s`, else what
-        went wrong (the health check of `engines.restarting`: a hung scheduler still looks
-        alive to `health`)."""
+    def probe(self, timeout_s: float, control_only: bool = False) -> str | None:
+        """None if the engine answers a one-token greedy request within `timeout_s` (with
+        `control_only`, for a paused engine or one loading weights: a round trip to its
+        schedulers), else what went wrong. The health check of `engines.restarting`: a hung
+        scheduler still looks alive to `health`."""
         if self._death is not None or self._closed:
             return self._death or "shut down"
-        rid = f"health-probe-{next(self._call_ids)}"
-        request = GenerateRequest([1], SamplingParams(max_new_tokens=1, temperature=0.0), rid)
+        if control_only:
+            what, method, kwargs = "a scheduler round trip", "ping", {}
+        else:
+            rid = f"health-probe-{next(self._call_ids)}"
+            sampling = SamplingParams(max_new_tokens=1, temperature=0.0)
+            what, method = "a one-token request", "generate"
+            kwargs = {"requests": [GenerateRequest([1], sampling, rid)]}
         try:
-            self._call("generate", timeout_s, requests=[request])
+            self._call(method, timeout_s, **kwargs)
         except EngineTimeoutError:
-            self._send_only("abort", rid=rid)
-            return f"no answer to a one-token request within {timeout_s:g} s"
+            if not control_only:
+                self._send_only("abort", rid=rid)
+            return f"no answer to {what} within {timeout_s:g} s"
         except Exception as exc:  # noqa: BLE001 - any failure is the answer
             return f"{type(exc).__name__}: {exc}"
         return None
@@ -353,7 +360,7 @@ class SGLangEngine:
             return payload
         if kind == "error":
             raise payload
-        if self._closed and method != "shutdown":
+        if self._closed and method != "shutdown" and self._death_notice is None:
             raise RuntimeError(f"SGLang engine ({self.where}) was shut down during {method}")
         self._reader.join(timeout=15)  # lets the reader record the cause
         raise EngineDiedError(

@@ -249,6 +249,12 @@ class _EngineHost:
         except psutil.NoSuchProcess:
             return False
 
+    async def rpc_ping(self) -> bool:
+        """A round trip to every scheduler (its internal state): answered while paused or
+        between weight loads, unlike a generate request."""
+        await self.tm.get_internal_state()
+        return True
+
     async def rpc_get_weights_by_name(self, name: str) -> torch.Tensor:
         if self.tp_size > 1:
             # SGLang's get_weights_by_name answers from TP rank 0 only: its shard of column-

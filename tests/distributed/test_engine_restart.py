@@ -8,6 +8,9 @@ Contract checked, nothing faked (the real twin of `tests/unit/test_restarting_en
 - the scheduler stopped with SIGSTOP in the middle of a generate call: the watchdog finds it
   within `health_check_every_s + health_timeout_s` (plus the restart), kills it, and the call
   is carried on by a new engine; no process of the hung engine survives;
+- the scheduler stopped while the engine is paused and loading weights (no generate request
+  would be answered): found by a round trip to the scheduler, the load completes in the new
+  engine (version and tensors read back);
 - after shutdown no engine process is left.
 One module engine (each restart starts a new one, ~30 s on 2 cores).
 """
@@ -143,3 +146,31 @@ def test_a_hung_scheduler_is_found_killed_and_restarted(served):
     # Found within the bound (the generate's own re-run adds a little).
     assert found_in < CHECK_EVERY_S + HEALTH_TIMEOUT_S + 20
     assert not [p for p in old if _alive(p)]
+
+
+def test_a_scheduler_hung_during_a_weight_load_is_found_and_the_load_goes_on(served):
+    """Paused and loading, the engine answers no generate request: the watchdog's round trip
+    to the scheduler finds the hang, and the blocked load completes in the new engine."""
+    engine, weights = served
+    engine.take_metrics()
+    new = {name: t + 0.01 for name, t in weights.items()}
+    engine.pause("retract")
+    engine.begin_weight_update()
+    os.kill(_scheduler(engine), signal.SIGSTOP)
+    stopped = time.monotonic()
+    thread = threading.Thread(target=lambda: engine.update_weights(list(new.items()), "v2"))
+    thread.start()
+    thread.join(timeout=400)
+    assert not thread.is_alive()
+    engine.end_weight_update(True)
+    engine.resume()
+    metrics = engine.take_metrics()
+    found_in = time.monotonic() - stopped - metrics["engines/restart_s"]
+    print(f"\nhang in a load: {metrics}; found and carried on {found_in:.1f} s after SIGSTOP")
+    assert metrics["engines/restarts"] == 1
+    assert found_in < CHECK_EVERY_S + HEALTH_TIMEOUT_S + 10
+    assert engine.weight_version() == "v2"
+    got = engine.get_weights_by_name("model.layers.0.mlp.up_proj.weight")
+    assert torch.equal(got, new["model.layers.0.mlp.up_proj.weight"])
+    results = engine.generate(_requests("after", max_new_tokens=4))
+    assert {v for r in results for v in r.token_versions} == {"v2"}

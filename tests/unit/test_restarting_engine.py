@@ -155,13 +155,27 @@ def test_a_hung_engine_is_found_by_the_watchdog_and_the_blocked_call_carried_on(
     engine.shutdown()
 
 
-def test_a_paused_engine_is_not_probed():
+def test_a_hang_while_loading_weights_is_found_by_a_control_probe():
+    """Paused and in a weight session, the engine answers no generate request: the watchdog
+    asks for a scheduler round trip instead, finds the hang, and the blocked load goes on."""
     factory = Factory()
-    engine = _engine(factory, check_every_s=0.02)
-    engine.pause("in_place")
-    threading.Event().wait(0.2)
-    assert "probe" not in factory.engines[0].methods_called()
+    engine = _engine(factory, check_every_s=0.05, timeout_s=0.1)
+    _sync(engine, 1, {"a": torch.ones(2)})
+    engine.pause("retract")
+    engine.begin_weight_update()
+    factory.engines[0].hang()
+    thread = threading.Thread(
+        target=lambda: engine.update_weights([("a", torch.full((2,), 5.0))], "v2")
+    )
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and len(factory.engines) == 2
+    engine.end_weight_update(True)
     engine.resume()
+    probes = [kw for m, kw in factory.engines[0].calls if m == "probe"]
+    assert probes and all(kw["control_only"] for kw in probes)
+    assert factory.engines[1].weight_version() == "v2" and factory.engines[1].paused is None
+    assert torch.equal(factory.engines[1].get_weights_by_name("a"), torch.full((2,), 5.0))
     engine.shutdown()
 
 
