@@ -37,6 +37,10 @@ class RewardConfig:
     """`remote` only: retries after the first attempt (timeouts, 5xx, connection errors)."""
     backoff_s: float = 0.5
     """`remote` only: wait before retry i is backoff_s * 2**i."""
+    call_timeout_s: float | None = None
+    """Run the reward in a child process and cut a call after this many seconds (the sample
+    scores 0, counted as `reward/timeouts`; the child is killed and a new one started). None:
+    the reward runs in the rank's own process, and a call that hangs hangs the run."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -49,3 +53,4 @@ class RewardConfig:
         require_number("timeout_s", self.timeout_s, gt=0, unit="seconds")
         require_int("max_retries", self.max_retries, 0)
         require_number("backoff_s", self.backoff_s, ge=0, unit="seconds")
+        require_number("call_timeout_s", self.call_timeout_s, gt=0, unit="seconds", optional=True)

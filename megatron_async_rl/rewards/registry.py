@@ -146,14 +146,27 @@ class RewardRequest:
     metadata: dict = field(default_factory=dict)
 
 
+def safe_reward(config: RewardConfig) -> SafeReward:
+    """The recipe's reward, guarded: in a child process with a per-call bound when
+    `reward.call_timeout_s` is set (`rewards.isolated`), else in this process."""
+    fn = get_reward(config)  # in this process too: a bad name fails here, before any child
+    if config.call_timeout_s is not None:
+        from megatron_async_rl.rewards.isolated import IsolatedReward
+
+        fn = IsolatedReward(config, config.call_timeout_s)
+    return SafeReward(fn, config.name)
+
+
 class SafeReward:
-    """Calls a reward function; an exception or a non-finite value scores 0.0 and is counted."""
+    """Calls a reward function; an exception, a timeout (`rewards.isolated`) or a non-finite
+    value scores 0.0 and is counted."""
 
     def __init__(self, fn: RewardFn, name: str = "", max_logged: int = 5):
         self.fn = fn
         self.name = name or getattr(fn, "__qualname__", repr(fn))
         self.max_logged = max_logged
         self.errors = 0
+        self.timeouts = 0
         self.calls = 0
 
     def __call__(self, response_text: str, answer: str, metadata: dict, uid: str = "?") -> float:
@@ -167,6 +180,7 @@ class SafeReward:
             return float(value)
         except Exception as err:  # any failure of user code scores 0 and is counted, by design
             self.errors += 1
+            self.timeouts += isinstance(err, TimeoutError)
             if self.errors <= self.max_logged:
                 logger.warning(
                     "reward %s failed on sample %s (scored 0.0): %s: %s%s",
@@ -188,5 +202,7 @@ class SafeReward:
         ]
 
     def metrics(self) -> dict[str, float]:
-        """`reward/errors`: failed calls since construction; `reward/calls`: all calls."""
-        return {"reward/errors": float(self.errors), "reward/calls": float(self.calls)}
+        """`reward/errors`: failed calls since construction (`reward/timeouts` of them cut by
+        `reward.call_timeout_s`); `reward/calls`: all calls."""
+        return {"reward/errors": float(self.errors), "reward/timeouts": float(self.timeouts),
+                "reward/calls": float(self.calls)}  # fmt: skip

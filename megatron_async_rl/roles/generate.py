@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 
-from megatron_async_rl.rewards.registry import SafeReward, get_reward
+from megatron_async_rl.rewards.registry import safe_reward
 from megatron_async_rl.roles.work import StepWork
 from megatron_async_rl.rollout.dataset import PromptDataset, encode_prompt
 from megatron_async_rl.rollout.generation import generate_samples, served_prompts
@@ -87,7 +87,7 @@ def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None
     use_template = cfg.rollout.use_chat_template
     # Data and rewards first: a mistake in them is reported before the engine's start-up.
     dataset = PromptDataset(cfg.data, tokenizer=tokenizer, use_chat_template=use_template)
-    reward = SafeReward(get_reward(cfg.reward), cfg.reward.name)
+    reward = safe_reward(cfg.reward)
     validator = None
     if cfg.scheduler.validation_every > 0:
         val = cfg.validation
@@ -97,7 +97,7 @@ def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None
         )  # fmt: skip
         records = held_out.records[: val.num_prompts] if val.num_prompts else held_out.records
         validator = Validator(
-            val, cfg.rollout, records, SafeReward(get_reward(cfg.reward), cfg.reward.name),
+            val, cfg.rollout, records, safe_reward(cfg.reward),
             index, num_engines, cfg.seed,
         )  # fmt: skip
     from megatron_async_rl.engines.faults import EngineFaults

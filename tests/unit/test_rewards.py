@@ -173,7 +173,7 @@ def test_safe_reward_counts_failures_and_scores_zero(caplog):
     with caplog.at_level(logging.WARNING):
         assert safe.score(samples) == [1.0, 0.0, 0.0]
         assert safe("str", "1", {}, uid="s3") == 0.0
-    assert safe.metrics() == {"reward/errors": 3.0, "reward/calls": 4.0}
+    assert safe.metrics() == {"reward/errors": 3.0, "reward/timeouts": 0.0, "reward/calls": 4.0}
     assert "sample s1" in caplog.text and "KeyError" in caplog.text
     assert "sample s3" not in caplog.text  # only the first max_logged failures are logged
 
