@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from megatron_async_rl.config.checks import require_int, require_number
+from megatron_async_rl.config.checks import require_choice, require_int, require_number
 from megatron_async_rl.config.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,10 @@ class RewardConfig:
     """`remote` only: retries after the first attempt (timeouts, 5xx, connection errors)."""
     backoff_s: float = 0.5
     """`remote` only: wait before retry i is backoff_s * 2**i."""
+    on_failure: str = "zero"
+    """What a failed call does (an exception, a timeout, a remote server down after its
+    retries, a non-finite value): `zero` scores the sample 0 and counts it (`reward/errors`);
+    `stop` stops the run with the reward's error."""
     call_timeout_s: float | None = None
     """Run the reward in a child process and cut a call after this many seconds (the sample
     scores 0, counted as `reward/timeouts`; the child is killed and a new one started). None:
@@ -53,4 +57,5 @@ class RewardConfig:
         require_number("timeout_s", self.timeout_s, gt=0, unit="seconds")
         require_int("max_retries", self.max_retries, 0)
         require_number("backoff_s", self.backoff_s, ge=0, unit="seconds")
+        require_choice("on_failure", self.on_failure, ("zero", "stop"))
         require_number("call_timeout_s", self.call_timeout_s, gt=0, unit="seconds", optional=True)

@@ -154,15 +154,17 @@ def safe_reward(config: RewardConfig) -> SafeReward:
         from megatron_async_rl.rewards.isolated import IsolatedReward
 
         fn = IsolatedReward(config, config.call_timeout_s)
-    return SafeReward(fn, config.name)
+    return SafeReward(fn, config.name, stop_on_failure=config.on_failure == "stop")
 
 
 class SafeReward:
     """Calls a reward function; an exception, a timeout (`rewards.isolated`) or a non-finite
     value scores 0.0 and is counted."""
 
-    def __init__(self, fn: RewardFn, name: str = "", max_logged: int = 5):
-        self.fn = fn
+    def __init__(self, fn: RewardFn, name: str = "", max_logged: int = 5,
+                 stop_on_failure: bool = False):  # fmt: skip
+        """`stop_on_failure` (`reward.on_failure: stop`): a failure raises instead."""
+        self.fn, self.stop_on_failure = fn, stop_on_failure
         self.name = name or getattr(fn, "__qualname__", repr(fn))
         self.max_logged = max_logged
         self.errors = 0
@@ -181,6 +183,11 @@ class SafeReward:
         except Exception as err:  # any failure of user code scores 0 and is counted, by design
             self.errors += 1
             self.timeouts += isinstance(err, TimeoutError)
+            if self.stop_on_failure:
+                raise RuntimeError(
+                    f"reward {self.name} failed on sample {uid} and reward.on_failure is stop: "
+                    f"{type(err).__name__}: {err}"
+                ) from err
             if self.errors <= self.max_logged:
                 logger.warning(
                     "reward %s failed on sample %s (scored 0.0): %s: %s%s",

@@ -4,7 +4,8 @@ Contract checked, with a real child process (nothing faked): a reward plug-in an
 the pipe; a call that hangs is cut after `call_timeout_s`, scores 0 and is counted in
 `reward/timeouts`, its process is killed, and the next call is answered by a new one; an
 exception in the reward scores 0 (its type and message logged); a reward process that dies
-(`os._exit`) scores 0 and the next call starts a new one; `reward.call_timeout_s` is checked.
+(`os._exit`) scores 0 and the next call starts a new one; `reward.call_timeout_s` is checked;
+with `reward.on_failure: stop` a failure raises, naming the reward and the sample.
 """
 
 from __future__ import annotations
@@ -62,3 +63,15 @@ def test_a_hanging_reward_is_cut_counted_and_the_next_call_answered(tmp_path, mo
 def test_call_timeout_is_checked():
     with pytest.raises(ConfigError, match=r"call_timeout_s = 0.*> 0"):
         RewardConfig(name="math", call_timeout_s=0)
+
+
+def test_on_failure_stop_raises_naming_the_reward_and_the_sample(tmp_path, monkeypatch):
+    (tmp_path / "stop_reward_plugin.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    safe = safe_reward(RewardConfig(name="stop_reward_plugin:score", on_failure="stop"))
+    assert safe("1", "1", {}) == 1.0
+    with pytest.raises(RuntimeError, match=r"stop_reward_plugin:score failed on sample s9 and "
+                       r"reward.on_failure is stop: KeyError"):  # fmt: skip
+        safe("raise", "1", {}, uid="s9")
+    with pytest.raises(ConfigError, match=r"on_failure = 'retry'"):
+        RewardConfig(on_failure="retry")
