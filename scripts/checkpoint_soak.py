@@ -58,11 +58,11 @@ def _prepare() -> None:
 
 
 def _launch(run_dir: Path, sets: list[str], port: int, log: Path,
-            restarts: int = 0) -> subprocess.Popen:  # fmt: skip
+            restarts: int = 0, nproc: int = 2) -> subprocess.Popen:  # fmt: skip
     cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), str(RECIPE), "--run-dir", str(run_dir)]
     for item in sets:
         cmd += ["--set", item]
-    env = dict(os.environ, PYTHON=PY, NPROC_PER_NODE="2", MASTER_PORT=str(port),
+    env = dict(os.environ, PYTHON=PY, NPROC_PER_NODE=str(nproc), MASTER_PORT=str(port),
                PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                MAX_RESTARTS=str(restarts))  # fmt: skip
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "a"),

@@ -74,6 +74,8 @@ def main() -> int:
     parser.add_argument("--hangs", type=int, default=2)
     parser.add_argument("--load-kills", type=int, default=2)
     parser.add_argument("--mode", default="in_flight", choices=["wait", "in_flight"])
+    parser.add_argument("--engines", type=int, default=1,
+                        help="generate ranks (one engine each); the world is 1 + this")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/engine-fault-soak")
     args = parser.parse_args()
@@ -100,14 +102,15 @@ def main() -> int:
     sets = ["model.hf_path=runs/tiny-llama-warm", "data.path=runs/arith/train.jsonl",
             f"trainer.num_steps={args.steps}", "checkpoint.every_steps=0",
             "scheduler.validation_every=0", f"scheduler.weight_update_mode={args.mode}",
-            f"seed={args.seed}"]  # fmt: skip
+            f"seed={args.seed}", f"roles.groups[1].num_ranks={args.engines}"]  # fmt: skip
+    nproc = 1 + args.engines
     ref_dir, run_dir = out / "reference", out / "faults"
     if (
         not (ref_dir / "metrics.jsonl").exists()
         or len(_rows(ref_dir / "metrics.jsonl")) != args.steps
     ):
         subprocess.run(["rm", "-rf", str(ref_dir)], check=True)
-        proc = _launch(ref_dir, sets, 29740, out / "reference.log")
+        proc = _launch(ref_dir, sets, 29740, out / "reference.log", nproc=nproc)
         assert proc.wait() == 0, f"the reference run failed: {out / 'reference.log'}"
     shm_before, procs_before = set(os.listdir("/dev/shm")), _ours()
     fault_sets = sets + [
@@ -121,7 +124,7 @@ def main() -> int:
     log = out / "faults.log"
     log.unlink(missing_ok=True)
     start = time.monotonic()
-    final = _launch(run_dir, fault_sets, 29745, log).wait()
+    final = _launch(run_dir, fault_sets, 29745, log, nproc=nproc).wait()
     elapsed = time.monotonic() - start
     time.sleep(2)
     leaked = sorted(_ours() - procs_before)

@@ -6,8 +6,9 @@ when a step's generation starts and when a weight load begins. It signals the en
 scheduler process as a real fault would: SIGKILL (a crash) or SIGSTOP (a hang), during
 generation after `delay_s`, or right after a weight load began (a transfer that dies half way).
 Each fault is injected once per (kind, step), also when the step's generation is carried on
-by a restarted engine. Counted as `faults/injected/engine_kill`, `.../engine_hang`,
-`.../engine_kill_in_load`. Pure of torch and sglang (the recipe loader imports the config).
+by a restarted engine; with several engines, into engine `step % num_engines` only. Counted
+as `faults/injected/engine_kill`, `.../engine_hang`, `.../engine_kill_in_load`. Pure of torch
+and sglang (the recipe loader imports the config).
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ class FaultsConfig:
 class EngineFaults:
     """`hook(phase, step, engine)`: inject what `FaultsConfig` asks for at this point."""
 
-    def __init__(self, cfg: FaultsConfig, rank: int):
-        self.cfg = cfg
+    def __init__(self, cfg: FaultsConfig, rank: int, engine_index: int = 0, num_engines: int = 1):
+        """With several engines, the faults of step k go to engine `k % num_engines` only
+        (the others keep generating); random kills are drawn by every engine."""
+        self.cfg, self.engine_index, self.num_engines = cfg, engine_index, num_engines
         self.rng = random.Random(f"{cfg.seed}:{rank}")
         self.done: set[tuple[str, int]] = set()
         self.counts: dict[str, float] = {}
@@ -79,15 +82,16 @@ class EngineFaults:
     def __call__(self, phase: str, step: int, engine) -> None:
         cfg = self.cfg
         if phase == "generate":
-            self._maybe("kill", step, step in cfg.engine_kill_steps, engine, cfg.delay_s)
-            self._maybe("hang", step, step in cfg.engine_hang_steps, engine, cfg.delay_s)
+            mine = step % self.num_engines == self.engine_index
+            self._maybe("kill", step, mine and step in cfg.engine_kill_steps, engine, cfg.delay_s)
+            self._maybe("hang", step, mine and step in cfg.engine_hang_steps, engine, cfg.delay_s)
             if cfg.engine_kill_probability and (("random", step) not in self.done):
                 self.done.add(("random", step))
                 if self.rng.random() < cfg.engine_kill_probability:
                     self._maybe("kill", step, True, engine, cfg.delay_s)
         elif phase == "load":
             for due in cfg.engine_kill_in_load_steps:
-                if due <= step:
+                if due <= step and due % self.num_engines == self.engine_index:
                     self._maybe("kill_in_load", due, True, engine, 0.0)
 
     def take_metrics(self) -> dict[str, float]:

@@ -120,6 +120,6 @@ def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None
         start, load_tensors, where=f"generate rank in role {rank_in_role}, global rank {rank}",
         max_restarts=e.max_restarts, window_steps=e.restart_window_steps,
         health_timeout_s=e.health_timeout_s, check_every_s=e.health_check_every_s,
-        faults=EngineFaults(cfg.faults, rank) if cfg.faults.any() else None,
+        faults=EngineFaults(cfg.faults, rank, index, num_engines) if cfg.faults.any() else None,
     )  # fmt: skip
     return GenerateSide(cfg, engine, tokenizer, dataset, reward, validator, index, num_engines)

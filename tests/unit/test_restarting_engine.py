@@ -219,3 +219,18 @@ def test_injected_kills_land_once_per_step_and_the_engine_recovers():
     assert metrics["engines/restarts"] == 2 and len(factory.engines) == 3
     assert factory.engines[-1].weight_version() == "v4"
     assert torch.equal(factory.engines[-1].get_weights_by_name("a"), torch.full((2,), 3.0))
+
+
+def test_with_several_engines_a_step_s_fault_goes_to_one_engine():
+    from megatron_async_rl.engines.faults import EngineFaults, FaultsConfig
+
+    cfg = FaultsConfig(allow=True, engine_kill_steps=[3, 4], engine_kill_in_load_steps=[5])
+    engines = [FakeEngine(name=f"e{i}") for i in range(2)]
+    faults = [EngineFaults(cfg, rank=i, engine_index=i, num_engines=2) for i in range(2)]
+    for step in (3, 4):
+        for fault, engine in zip(faults, engines, strict=True):
+            fault("generate", step, engine)
+    assert [f.take_metrics() for f in faults] == [{"faults/injected/engine_kill": 1.0}] * 2
+    for fault, engine in zip(faults, engines, strict=True):
+        fault("load", 6, engine)
+    assert [f.take_metrics() for f in faults] == [{}, {"faults/injected/engine_kill_in_load": 1.0}]
