@@ -247,7 +247,10 @@ class RestartingEngine:
         if self._session is not None:
             self.inner.begin_weight_update()
             if self._session:
-                label = self._last_label or self.inner.weight_version()
+                # The label the session's last load carried: the new version's once its final
+                # call went through (found by the soak: a death in end_weight_update restored
+                # the new weights under the old label, and their tokens broke the lag bound).
+                label = self._session_label or self._last_label or self.inner.weight_version()
                 self.inner.update_weights(list(self._session.items()), label, flush_cache=False)
 
     # -- watchdog --------------------------------------------------------------------------

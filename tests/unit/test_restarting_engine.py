@@ -105,6 +105,23 @@ def test_a_transfer_that_died_half_way_goes_on_in_the_new_engine():
     assert torch.equal(factory.engines[2].get_weights_by_name("b"), torch.full((2,), 3.0))
 
 
+def test_a_death_when_ending_a_session_keeps_the_new_version_s_label():
+    """All of v2 loaded, its last call stamped "v2"; the engine dies in end_weight_update: the
+    new engine serves v2's weights as "v2" (not under v1's label)."""
+    factory = Factory()
+    engine = _engine(factory)
+    _sync(engine, 1, {"a": torch.ones(2)})
+    engine.begin_weight_update()
+    engine.update_weights([("a", torch.full((2,), 2.0))], "v1", flush_cache=False)
+    engine.update_weights([], "v2")
+    factory.engines[0].die_at("end_weight_update")
+    engine.end_weight_update(True)
+    new = factory.engines[1]
+    assert new.weight_version() == "v2"
+    assert torch.equal(new.get_weights_by_name("a"), torch.full((2,), 2.0))
+    assert {v for r in engine.generate(_requests(1)) for v in r.token_versions} == {"v2"}
+
+
 def test_past_max_restarts_in_the_window_the_run_stops_naming_every_cause():
     factory = Factory()
     engine = _engine(factory, max_restarts=2, window=5)
