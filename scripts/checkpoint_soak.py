@@ -173,13 +173,12 @@ def soak(mode: str, args, out: Path) -> dict:
     return _check(mode, args, ref_dir, run_dir, faults, codes, final)
 
 
-def _check(mode, args, ref_dir, run_dir, faults, codes, final) -> dict:
+def exactly_once(ref_dir: Path, run_dir: Path, num_steps: int, ahead: int = 1) -> list[str]:
+    """What is wrong with `run_dir` against the uninterrupted `ref_dir`: steps missing or
+    logged twice, steps trained on other prompts, tokens more than `ahead` versions old."""
     ref_ledger = {r["step"]: r for r in _rows(ref_dir / "ledger.jsonl")}
     ledger, rows = _rows(run_dir / "ledger.jsonl"), _rows(run_dir / "metrics.jsonl")
-    steps = list(range(args.steps))
-    problems = []
-    if final != 0:
-        problems.append(f"the last resume exited {final}")
+    steps, problems = list(range(num_steps)), []
     if [r["step"] for r in rows] != steps:
         problems.append(f"metrics.jsonl steps {[r['step'] for r in rows]}")
     if [r["step"] for r in ledger] != steps:
@@ -187,10 +186,16 @@ def _check(mode, args, ref_dir, run_dir, faults, codes, final) -> dict:
     differing = [r["step"] for r in ledger if r["prompts"] != ref_ledger[r["step"]]["prompts"]]
     if differing:
         problems.append(f"steps trained on other prompts than the reference's: {differing}")
-    ahead = 1
     stale = [r["step"] for r in ledger if r["step"] - r["versions"][0] > ahead]
     if stale:
         problems.append(f"steps with a token older than {ahead} version(s): {stale}")
+    return problems
+
+
+def _check(mode, args, ref_dir, run_dir, faults, codes, final) -> dict:
+    rows = _rows(run_dir / "metrics.jsonl")
+    problems = [] if final == 0 else [f"the last resume exited {final}"]
+    problems += exactly_once(ref_dir, run_dir, args.steps)
     if codes and codes != [83]:
         problems.append(f"the preempted launcher exited {codes[0]}, not 83")
     resumes = [r for r in rows if "resume/from_step" in r]

@@ -35,7 +35,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checkpoint_soak import REPO, _launch, _prepare, _rows  # noqa: E402
+from checkpoint_soak import REPO, _launch, _prepare, _rows, exactly_once  # noqa: E402
 
 RESTART = re.compile(r"engine restarted in ([\d.]+) s \(process ([\d.]+) s, weights \S+ ([\d.]+) s")
 
@@ -131,22 +131,8 @@ def main() -> int:
     shm_left = sorted(set(os.listdir("/dev/shm")) - shm_before)
 
     ref_rows, rows = _rows(ref_dir / "metrics.jsonl"), _rows(run_dir / "metrics.jsonl")
-    ref_ledger = {r["step"]: r for r in _rows(ref_dir / "ledger.jsonl")}
-    ledger = _rows(run_dir / "ledger.jsonl")
-    steps = list(range(args.steps))
-    problems = []
-    if final != 0:
-        problems.append(f"the launcher exited {final}")
-    if [r["step"] for r in rows] != steps:
-        problems.append(f"metrics.jsonl steps {[r['step'] for r in rows]}")
-    if [r["step"] for r in ledger] != steps:
-        problems.append(f"ledger.jsonl steps {[r['step'] for r in ledger]}")
-    differing = [r["step"] for r in ledger if r["prompts"] != ref_ledger[r["step"]]["prompts"]]
-    if differing:
-        problems.append(f"steps trained on other prompts than the reference's: {differing}")
-    stale = [r["step"] for r in ledger if r["step"] - r["versions"][0] > 1]
-    if stale:
-        problems.append(f"steps with a token older than 1 version: {stale}")
+    problems = [] if final == 0 else [f"the launcher exited {final}"]
+    problems += exactly_once(ref_dir, run_dir, args.steps)
     restarts = sum(r.get("engines/restarts", 0) for r in rows)
     injected = {k: sum(r.get(k, 0) for r in rows) for k in (
         "faults/injected/engine_kill", "faults/injected/engine_hang",
