@@ -144,7 +144,7 @@ class RestartingEngine:
     def end_weight_update(self, complete: bool = True) -> None:
         self._carry_on("end_weight_update", lambda e: e.end_weight_update(complete))
         with self._lock:
-            if complete and self._session:
+            if complete and self._session is not None and self._session_label is not None:
                 self._last.update(self._session)
                 self._last_label = self._session_label
             self._session = self._session_label = None
