@@ -148,8 +148,21 @@ def start_write_queue() -> None:
 
     if filesystem_async._results_queue is not None:
         return
-    manager = SyncManager(ctx=get_context("spawn"))
-    manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))
+    # A save-and-exit signal to the process group while the server is being spawned (seconds:
+    # it imports this program) kills it before its initializer ignores that signal (the
+    # e2e preemption test, once: EOFError, the save failed). torchrun and SLURM send it once:
+    # a second server is not hit. (A signal mask does not help: spawn's child starts with
+    # none blocked.)
+    for attempt in range(3):
+        manager = SyncManager(ctx=get_context("spawn"))
+        try:
+            manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))
+            break
+        except (EOFError, ConnectionError) as exc:
+            logger.warning("checkpoint writer server died while starting (%r, a signal to the "
+                           "process group?): starting another", exc)  # fmt: skip
+            if attempt == 2:
+                raise
     filesystem_async._results_queue = manager.Queue()
     filesystem_async._results_queue._manager = manager  # for `stop_write_queue`
 
