@@ -24,8 +24,7 @@ from megatron_async_rl.config.roles import (  # noqa: F401 - re-exported
     ROLES,
     RoleGroupSpec,
 )
-from megatron_async_rl.engines.config import EngineConfig
-from megatron_async_rl.engines.faults import FaultsConfig
+from megatron_async_rl.engines.config import EngineConfig, FaultsConfig
 from megatron_async_rl.rewards.config import RewardConfig
 from megatron_async_rl.rollout.config import DatasetConfig, RolloutConfig, ValidationConfig
 from megatron_async_rl.scheduler.config import SchedulerConfig

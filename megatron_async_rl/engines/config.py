@@ -2,7 +2,8 @@
 
 Owned here: `EngineConfig` (validated recipe knobs) and its translation into
 `SGLangEngineConfig`, the config of one `engines.sglang_engine.SGLangEngine` (and of its host
-process, `engines.sglang_host`). Called by the jobs that start engines on generate ranks. Pure:
+process, `engines.sglang_host`); and the `faults:` section (`FaultsConfig`, what
+`engines.faults` injects). Called by the jobs that start engines on generate ranks. Pure:
 no torch, no sglang (the recipe loader imports it).
 """
 
@@ -132,3 +133,45 @@ class SGLangEngineConfig:
             )
         for name in ("startup_timeout_s", "call_timeout_s", "generate_timeout_s"):
             require_number(f"engine.{name}", getattr(self, name), gt=0, unit="seconds")
+
+
+@dataclass
+class FaultsConfig:
+    """Faults to inject (all off by default)."""
+
+    allow: bool = False
+    """Must be true for any fault below: a recipe never injects one by accident."""
+    engine_kill_steps: list[int] = field(default_factory=list)
+    """Steps whose generation gets its engine's scheduler killed (SIGKILL) after `delay_s`."""
+    engine_hang_steps: list[int] = field(default_factory=list)
+    """Steps whose generation gets its engine's scheduler stopped (SIGSTOP) after `delay_s`."""
+    engine_kill_in_load_steps: list[int] = field(default_factory=list)
+    """For each step k, the first weight load to begin once step k's generation has started
+    has its engine killed at once (the transfer dies half way)."""
+    engine_kill_probability: float = 0.0
+    """Chance, per step and engine, that the step's generation gets its engine killed."""
+    delay_s: float = 0.5
+    """Seconds after a step's generation starts that a kill or hang lands."""
+    seed: int = 0
+    """Seed of the random kills (each engine host draws its own stream)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.allow, bool):
+            raise ConfigError("allow", self.allow, "must be true or false")
+        for name in ("engine_kill_steps", "engine_hang_steps", "engine_kill_in_load_steps"):
+            steps = getattr(self, name)
+            if not isinstance(steps, list) or not all(
+                isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps
+            ):
+                raise ConfigError(name, steps, "must be a list of step numbers (ints >= 0)")
+        require_number("engine_kill_probability", self.engine_kill_probability, ge=0, le=1)
+        require_number("delay_s", self.delay_s, ge=0, unit="seconds")
+        if self.any() and not self.allow:
+            raise ConfigError(
+                "allow", self.allow, "must be true for the faults this recipe asks to inject",
+                "set faults.allow: true (fault injection is for tests and soak runs)",
+            )  # fmt: skip
+
+    def any(self) -> bool:
+        return bool(self.engine_kill_steps or self.engine_hang_steps
+                    or self.engine_kill_in_load_steps or self.engine_kill_probability)  # fmt: skip

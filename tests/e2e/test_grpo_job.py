@@ -6,8 +6,9 @@ Contracts checked:
   documented keys; `reward.png` and `config.resolved.yaml` are written;
   at step 0 the engine's log-probs of its own tokens match the trainer's within 1e-3 (fp32);
   malformed dataset rows are reported with file and line and counted in the metrics.
-- an engine that dies mid-run stops the run with a non-zero exit and an error naming the
-  generate rank and the cause, instead of hanging.
+- with restarts off (`engine.max_restarts: 0`), an engine that dies mid-run stops the run
+  with a non-zero exit and an error naming the generate rank and the cause, instead of
+  hanging.
 Nothing is faked: real torchrun, megatron-core, gloo and SGLang; the engine is killed with a
 real SIGKILL of its scheduler process.
 """
@@ -65,8 +66,11 @@ def _scheduler_pids(root_pid):
 
 
 def test_engine_death_stops_the_run_naming_the_rank(task, tmp_path):
+    """With restarts off (`engine.max_restarts: 0`) a dead engine stops the run, naming the
+    rank and the cause (with restarts: `tests/e2e/test_engine_faults.py`)."""
     run_dir = tmp_path / "run"
-    sets = (f"model.hf_path={task.model}", f"data.path={task.data}", "trainer.num_steps=10000")
+    sets = (f"model.hf_path={task.model}", f"data.path={task.data}", "trainer.num_steps=10000",
+            "engine.max_restarts=0")  # fmt: skip
     proc = subprocess.Popen(
         launch_command(RECIPE, run_dir, *sets), env=launch_env(29632), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True,

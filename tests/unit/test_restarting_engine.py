@@ -206,7 +206,7 @@ def test_illegal_health_moves_are_refused():
 
 def test_faults_are_refused_without_allow_and_checked():
     from megatron_async_rl.config.errors import ConfigError
-    from megatron_async_rl.engines.faults import FaultsConfig
+    from megatron_async_rl.engines.config import FaultsConfig
 
     with pytest.raises(ConfigError, match=r"allow.*False.*must be true.*faults.allow: true"):
         FaultsConfig(engine_kill_steps=[3])
@@ -218,7 +218,8 @@ def test_faults_are_refused_without_allow_and_checked():
 
 
 def test_injected_kills_land_once_per_step_and_the_engine_recovers():
-    from megatron_async_rl.engines.faults import EngineFaults, FaultsConfig
+    from megatron_async_rl.engines.config import FaultsConfig
+    from megatron_async_rl.engines.faults import EngineFaults
 
     cfg = FaultsConfig(allow=True, engine_kill_steps=[1], engine_kill_in_load_steps=[2],
                        delay_s=0.0)  # fmt: skip
@@ -239,7 +240,8 @@ def test_injected_kills_land_once_per_step_and_the_engine_recovers():
 
 
 def test_with_several_engines_a_step_s_fault_goes_to_one_engine():
-    from megatron_async_rl.engines.faults import EngineFaults, FaultsConfig
+    from megatron_async_rl.engines.config import FaultsConfig
+    from megatron_async_rl.engines.faults import EngineFaults
 
     cfg = FaultsConfig(allow=True, engine_kill_steps=[3, 4], engine_kill_in_load_steps=[5])
     engines = [FakeEngine(name=f"e{i}") for i in range(2)]
