@@ -90,7 +90,7 @@ class RestartingEngine:
              "engines/restart_load_s", "engines/requests_resubmitted"), 0.0,
         )  # fmt: skip
         self._watchdog = None
-        if self.keeps_weights and check_every_s > 0 and hasattr(self.inner, "probe"):
+        if self.keeps_weights and check_every_s > 0:
             self._watchdog = threading.Thread(target=self._watch, daemon=True,
                                               name="engine-watchdog")  # fmt: skip
             self._watchdog.start()
@@ -193,9 +193,9 @@ class RestartingEngine:
                     replaced = epoch != self._epoch
                 # Whatever the old engine said once it was being replaced, the call goes on.
                 if not replaced:
-                    if not isinstance(exc, _FAILURES) or not self.keeps_weights:
+                    if not (isinstance(exc, _FAILURES) and self.keeps_weights):
                         raise
-                    if self._closed.is_set():
+                    if self._closed.is_set():  # shut down on purpose: nothing to restart
                         raise
                     self._restart(epoch, f"{method}: {exc}")
                 if on_retry is not None:
@@ -288,9 +288,7 @@ class RestartingEngine:
 
 
 def _kill(engine, cause: str) -> None:
-    kill = getattr(engine, "kill", None)
-    if kill is not None:
-        kill(cause)
+    engine.kill(cause)
     try:
         engine.shutdown()
     except Exception as exc:  # noqa: BLE001 - it is dead already; say so and go on
