@@ -70,12 +70,18 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.platform import init_distributed
 
-    rank, world_size = init_distributed(platform, timeout_s=cfg.platform.timeout_s)
+    timeout_s, timeout_key = cfg.collective_timeout_s()
+    start_up_s = timeout_s + cfg.engine.startup_timeout_s  # barriers that wait for engines
+    rank, world_size = init_distributed(platform, timeout_s=start_up_s)
     try:
         setup_logging(rank, layout.roles_of_rank(rank))
         logger.info("layout on %d ranks (%s):\n%s", world_size, platform, layout.describe())
-        timeout = datetime.timedelta(seconds=cfg.platform.timeout_s)
-        groups = build_world_groups(layout, platform.backend, timeout)
+        logger.info("collectives fail after %g s (%s; world and control groups %g s)",
+                    timeout_s, timeout_key, start_up_s)  # fmt: skip
+        groups = build_world_groups(
+            layout, platform.backend, datetime.timedelta(seconds=timeout_s),
+            control_timeout=datetime.timedelta(seconds=start_up_s),
+        )  # fmt: skip
         if rank == 0:
             Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
             write_resolved(cfg, Path(cfg.run_dir) / RESOLVED_NAME)

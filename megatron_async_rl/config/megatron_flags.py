@@ -127,6 +127,8 @@ _MEGATRON_LM_ARGS = (
     ArgSpec("save", "str", None, nullable=True),
     # Vocabulary size; None means "from the tokenizer / HF config".
     ArgSpec("vocab_size", "int", None, nullable=True),
+    # Minutes a collective may wait before it fails (every process group; platform.timeout_s).
+    ArgSpec("distributed_timeout_minutes", "int", None, nullable=True),
     # Pad the vocabulary to a multiple of this times the TP size, as Megatron-LM does.
     ArgSpec("make_vocab_size_divisible_by", "int", 128),
 )

@@ -348,7 +348,9 @@ def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True)
         resolved[role] = args
     fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(RunConfig)}
     fields["roles"] = RolesConfig(groups=run.roles.groups, megatron=overrides)
-    return ResolvedConfig(**fields, role_megatron_args=resolved)
+    resolved_config = ResolvedConfig(**fields, role_megatron_args=resolved)
+    resolved_config.collective_timeout_s()  # the keys that set it agree
+    return resolved_config
 
 
 def resolve(

@@ -122,15 +122,17 @@ class PlatformConfig:
     """auto, cpu or cuda."""
     backend: str = "auto"
     """auto, gloo or nccl (nccl needs cuda)."""
-    timeout_s: float = 1800.0
-    """Seconds a collective may wait before torch.distributed fails it, on the default group
-    and on every group the layout builds (start-up included: checkpoint loading, engine
-    start)."""
+    timeout_s: float | None = None
+    """Seconds a collective may wait before torch.distributed fails it, on every group the
+    layout builds (start-up waits included: model loading). None (the default): Megatron's
+    `--distributed-timeout-minutes` where given, else `scheduler.stage_timeout_s`, so a peer that
+    hangs inside a collective is reported within the same bound as any other wait. The world
+    group (start-up barriers) waits at least `engine.startup_timeout_s` more."""
 
     def __post_init__(self) -> None:
         require_choice("device", self.device, ("auto", "cpu", "cuda"))
         require_choice("backend", self.backend, ("auto", "gloo", "nccl"))
-        require_number("timeout_s", self.timeout_s, gt=0, unit="seconds")
+        require_number("timeout_s", self.timeout_s, gt=0, unit="seconds", optional=True)
         if self.device == "cpu" and self.backend == "nccl":
             raise ConfigError("backend", self.backend, "nccl needs device cuda", "use gloo on cpu")
 
@@ -287,6 +289,33 @@ class ResolvedConfig(RunConfig):
         """This config without the resolved args."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(RunConfig)}
         return RunConfig(**values)
+
+    def collective_timeout_s(self) -> tuple[float, str]:
+        """Seconds a collective may wait (every process group) and the key it comes from:
+        `platform.timeout_s`, else Megatron's `--distributed-timeout-minutes`, else
+        `scheduler.stage_timeout_s`. Raises ConfigError when two of them disagree."""
+        minutes = {
+            args["distributed_timeout_minutes"]
+            for args in self.role_megatron_args.values()
+            if args.get("distributed_timeout_minutes") is not None
+        }
+        if len(minutes) > 1:
+            raise ConfigError(
+                "--distributed-timeout-minutes", sorted(minutes),
+                "must be the same for every role (one world, one collective timeout)",
+            )  # fmt: skip
+        flag_s = 60.0 * minutes.pop() if minutes else None
+        explicit = self.platform.timeout_s
+        if explicit is not None and flag_s is not None and explicit != flag_s:
+            raise ConfigError(
+                "platform.timeout_s", explicit,
+                f"disagrees with --distributed-timeout-minutes ({flag_s:g} s)", "set only one",
+            )  # fmt: skip
+        if explicit is not None:
+            return float(explicit), "platform.timeout_s"
+        if flag_s is not None:
+            return flag_s, "--distributed-timeout-minutes"
+        return float(self.scheduler.stage_timeout_s), "scheduler.stage_timeout_s"
 
     def plan_layout(self, world_size: int, ranks_per_node: int | None = None) -> RoleLayout:
         """The rank layout of this recipe on a world of `world_size` ranks (engines of

@@ -181,12 +181,17 @@ def _weight_sender_groups(layout: RoleLayout, followers: set[int], timeout, back
 
 
 def build_world_groups(
-    layout: RoleLayout, backend: str, timeout: datetime.timedelta | None = None
+    layout: RoleLayout,
+    backend: str,
+    timeout: datetime.timedelta | None = None,
+    control_timeout: datetime.timedelta | None = None,
 ) -> WorldGroups:
     """Build every group of `layout` (collective: call on every rank, same arguments).
 
     `timeout`: how long any collective on these groups may wait before torch.distributed fails
-    it (`platform.timeout_s`); None: torch's default (10 min for NCCL, 30 min for gloo)."""
+    it (`ResolvedConfig.collective_timeout_s`); None: torch's default (10 min for NCCL, 30 min
+    for gloo). `control_timeout`: the same for `control`, whose barriers also wait for engines
+    to start; None: `timeout`."""
     if not dist.is_initialized():
         raise RuntimeError("build_world_groups needs torch.distributed to be initialised first")
     world_size, rank = dist.get_world_size(), dist.get_rank()
@@ -195,7 +200,9 @@ def build_world_groups(
             f"layout was planned for world size {layout.world_size} but torch.distributed has "
             f"{world_size} ranks (global rank {rank})"
         )
-    control = dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
+    control = dist.new_group(
+        list(range(world_size)), backend="gloo", timeout=control_timeout or timeout
+    )
     roles: dict[str, RoleGroups] = {}
     for role in MEGATRON_ROLES:
         if role not in layout.parallelism:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron_async_rl.checkpoint.config import Preempted
 from megatron_async_rl.checkpoint.manager import CheckpointManager
 from megatron_async_rl.checkpoint.pending import GENERATED, LOADED, SCORED, PendingSteps
+from megatron_async_rl.distributed.collective_errors import name_failure
 from megatron_async_rl.jobs.async_checkpoint import Boundaries, Resumed
 from megatron_async_rl.jobs.grpo_sync import boundary
 from megatron_async_rl.jobs.parts import build_parts
@@ -57,7 +58,9 @@ class _Thread(threading.Thread):
         try:
             self.target()
         except BaseException as err:  # noqa: BLE001 - surfaced by the scheduler's checks
-            self.error = err
+            self.error = name_failure(err, {"stage": self.name})
+            if self.error is not err:
+                self.error.__cause__ = err
             self.wake()
 
     def check(self, who: str) -> None:

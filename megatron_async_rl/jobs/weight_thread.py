@@ -23,6 +23,7 @@ import threading
 import time
 from contextlib import contextmanager, nullcontext
 
+from megatron_async_rl.distributed.collective_errors import name_failure
 from megatron_async_rl.scheduler.states import StageState, StageTimeout
 from megatron_async_rl.weight_sync.sinks import load_into_engine
 
@@ -185,8 +186,11 @@ class WeightReceiver(threading.Thread):
                 self.wake()
             machine.transition(S.DONE, "every version loaded")
         except BaseException as err:  # noqa: BLE001 - surfaced by the scheduler's checks
+            named = name_failure(err, {"stage": "param_update (weight thread)"})
+            if named is not err:
+                named.__cause__ = err
             with self.cond:
-                self.error = err
+                self.error = named
                 self.cond.notify_all()
             if not machine.is_terminal:
                 machine.fail(err)

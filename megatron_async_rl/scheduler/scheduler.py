@@ -40,9 +40,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_async_rl.distributed.collective_errors import name_failure
 from megatron_async_rl.scheduler.machine import StageMachine
 from megatron_async_rl.scheduler.queues import BoundedQueue, QueueClosed
 from megatron_async_rl.scheduler.states import StageState, StageTimeout
+from megatron_async_rl.scheduler.watchdog import StallWatchdog
 
 S = StageState
 POLL_S = 0.002
@@ -93,6 +95,11 @@ class Scheduler:
         self._from_main: queue.Queue = queue.Queue(maxsize=1)
         self._wake = threading.Event()
         self.error: BaseException | None = None
+        self.progress = 0
+        """Work items finished and results handed on: the step watchdog watches it move."""
+        self.main_thread: int | None = None
+        """Ident of the thread in `run()`, where the work runs."""
+        self.watchdog: StallWatchdog | None = None
 
     def wake(self) -> None:
         """Tell the scheduler that a queue or a guard changed in another thread."""
@@ -100,8 +107,11 @@ class Scheduler:
 
     def run(self) -> None:
         """Run every task to DONE (blocking, main thread); re-raises the first error."""
+        self.main_thread = threading.get_ident()
         thread = threading.Thread(target=self._loop, name=f"scheduler-{self.role}", daemon=True)
         thread.start()
+        self.watchdog = StallWatchdog(self, self.timeout_s)
+        self.watchdog.start()
         try:
             while True:
                 try:
@@ -117,14 +127,20 @@ class Scheduler:
                 try:
                     result = task.work(item) if kind == "work" else task.finish(item)
                 except BaseException as err:
-                    self._from_main.put((False, err))
-                    raise
+                    context = {"role": self.role, "rank": self.rank, "stage": task.name}
+                    named = name_failure(err, context)  # a collective's failure, named
+                    self._from_main.put((False, named))
+                    if named is err:
+                        raise
+                    raise named from err
+                self.progress += 1
                 self._from_main.put((True, result))
         finally:
             for task in self.tasks:
                 if task.output is not None:
                     task.output.close()
             self._wake.set()
+            self.watchdog.stop()
             thread.join(timeout=5.0)
 
     # -- the scheduler thread -----------------------------------------------------------------
@@ -158,6 +174,7 @@ class Scheduler:
         machine = task.machine
         if task.held is not None:  # a result waiting for space downstream
             if task.output.try_put(task.held):
+                self.progress += 1
                 task.held, task.waiting_since, task.waiting_for = None, None, None
                 machine.transition(S.IDLE, f"result handed to {task.output.name}")
             else:
@@ -283,4 +300,6 @@ class Scheduler:
             out.update(task.machine.metrics())
             if task.output is not None:
                 out.update(task.output.metrics(prefix="scheduler/queue"))
+        if self.watchdog is not None:
+            out["scheduler/stalls"] = float(self.watchdog.stalls)
         return out

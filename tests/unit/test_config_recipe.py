@@ -256,3 +256,20 @@ def test_exit_on_config_error_passes_results_through(capsys):
         err.startswith("error: config error: --config = '/nonexistent/recipe.yaml'")
         and err.count("\n") == 1
     )
+
+
+def test_collective_timeout_is_derived_from_the_stage_timeout(workdir):
+    """Issue 14, item 5: every process group's timeout comes from `scheduler.stage_timeout_s`
+    unless Megatron's --distributed-timeout-minutes or platform.timeout_s sets it; two keys
+    that disagree are refused, naming both."""
+    tiny = REPO_ROOT / "yaml_configs" / "tiny-cpu.yaml"
+    cfg = resolve(tiny, ["scheduler.stage_timeout_s=45"], [])
+    assert cfg.collective_timeout_s() == (45.0, "scheduler.stage_timeout_s")
+    cfg = resolve(tiny, [], ["--distributed-timeout-minutes", "3"])
+    assert cfg.collective_timeout_s() == (180.0, "--distributed-timeout-minutes")
+    cfg = resolve(tiny, ["platform.timeout_s=90"], [])
+    assert cfg.collective_timeout_s() == (90.0, "platform.timeout_s")
+    with pytest.raises(ConfigError, match=r"platform.timeout_s = 90.*--distributed-timeout"):
+        resolve(tiny, ["platform.timeout_s=90"], ["--distributed-timeout-minutes", "3"])
+    with pytest.raises(ConfigError, match="timeout_s"):
+        resolve(tiny, ["platform.timeout_s=-1"], [])

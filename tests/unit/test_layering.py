@@ -18,7 +18,7 @@ bottom first:
 
     config          config/errors, config/checks, config/roles, config/megatron_flags and
                     every <package>/config.py: the recipe's sections, pure and validated
-    layout          distributed/layout (pure rank arithmetic)
+    layout          distributed/layout (pure rank arithmetic), distributed/collective_errors
     groups          distributed/groups, distributed/platform, compat (torch.distributed)
     models          models/
     engines         engines/
@@ -74,7 +74,15 @@ PURITY: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "scheduler": (
         tuple(
             f"{PACKAGE}.scheduler.{name}"
-            for name in ("config", "staleness", "machine", "queues", "states", "scheduler")
+            for name in (
+                "config",
+                "staleness",
+                "machine",
+                "queues",
+                "states",
+                "scheduler",
+                "watchdog",
+            )  # fmt: skip
         ),
         ("torch",),
     ),
@@ -89,8 +97,15 @@ PURITY: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "section configs": (
         tuple(
             f"{PACKAGE}.{name}.config"
-            for name in ("algorithms", "checkpoint", "engines", "rewards", "rollout", "scheduler",
-                         "weight_sync")  # fmt: skip
+            for name in (
+                "algorithms",
+                "checkpoint",
+                "engines",
+                "rewards",
+                "rollout",
+                "scheduler",
+                "weight_sync",
+            )  # fmt: skip
         ),
         NO_HEAVY,
     ),
@@ -103,6 +118,7 @@ PURE = (
     "distributed.layout", "weight_sync.plan", "models.name_map", "algorithms.grpo",
     "algorithms.losses", "scheduler.states", "scheduler.machine", "scheduler.queues",
     "scheduler.staleness", "scheduler.scheduler", "checkpoint.config", "checkpoint.store",
+    "distributed.collective_errors", "scheduler.watchdog",
 )  # fmt: skip
 IMPURE = ("torch.distributed", "megatron", "sglang")
 
@@ -111,7 +127,7 @@ IMPURE = ("torch.distributed", "megatron", "sglang")
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("config.errors", "config.checks", "config.roles", "config.megatron_flags",
                 "*.config")),
-    ("layout", ("distributed.layout",)),
+    ("layout", ("distributed.layout", "distributed.collective_errors")),
     ("groups", ("distributed.groups", "distributed.platform", "distributed.devices", "compat")),
     ("models", ("models",)),
     ("engines", ("engines",)),
