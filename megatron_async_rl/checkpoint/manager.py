@@ -256,6 +256,8 @@ class CheckpointManager:
                 else saved.get("version_cursor", saved["cursor"])
             )
         pipeline_state.restore_rank_state(state, cursor, gen, learn)
+        if gen is not None:
+            gen.resumed_at(version)
         self.restored = state
         if state is None:
             pipeline_state.reseed(self.cfg.seed, version, self.groups.rank)

@@ -267,6 +267,12 @@ class RunConfig:
                         "ahead while the Megatron roles train)",
                         "give generate its own group, or use scheduler.generate_ahead_steps: 0",
                     )
+        if self.faults.reward_hang_steps and self.reward.call_timeout_s is None:
+            raise ConfigError(
+                "faults.reward_hang_steps", self.faults.reward_hang_steps,
+                "an injected reward hang needs reward.call_timeout_s (nothing else cuts it)",
+                "set reward.call_timeout_s, e.g. 5",
+            )  # fmt: skip
         if self.scheduler.validation_every > 0 and self.validation.data is None:
             raise ConfigError(
                 "validation.data",

@@ -154,11 +154,24 @@ class FaultsConfig:
     """Seconds after a step's generation starts that a kill or hang lands."""
     seed: int = 0
     """Seed of the random kills (each engine host draws its own stream)."""
+    weight_corrupt_versions: list[int] = field(default_factory=list)
+    """Versions whose first weight message has one payload byte flipped on arrival, on its
+    first attempt (its checksum fails; the sync sends the version again)."""
+    reward_hang_steps: list[int] = field(default_factory=list)
+    """Steps whose first reward call hangs (needs `reward.call_timeout_s`, which cuts it)."""
+    reward_raise_steps: list[int] = field(default_factory=list)
+    """Steps whose first reward call raises (scored 0 and counted, or stops the run with
+    `reward.on_failure: stop`)."""
+    rank_kill_steps: list[int] = field(default_factory=list)
+    """Steps at whose start global rank `rank_kill_rank` SIGKILLs itself (on the launcher's
+    first attempt only: a run restarted by `torchrun --max-restarts` resumes without it)."""
+    rank_kill_rank: int = 0
+    """The global rank `rank_kill_steps` kills."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.allow, bool):
             raise ConfigError("allow", self.allow, "must be true or false")
-        for name in ("engine_kill_steps", "engine_hang_steps", "engine_kill_in_load_steps"):
+        for name in STEP_LISTS:
             steps = getattr(self, name)
             if not isinstance(steps, list) or not all(
                 isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps
@@ -166,6 +179,7 @@ class FaultsConfig:
                 raise ConfigError(name, steps, "must be a list of step numbers (ints >= 0)")
         require_number("engine_kill_probability", self.engine_kill_probability, ge=0, le=1)
         require_number("delay_s", self.delay_s, ge=0, unit="seconds")
+        require_int("rank_kill_rank", self.rank_kill_rank, 0)
         if self.any() and not self.allow:
             raise ConfigError(
                 "allow", self.allow, "must be true for the faults this recipe asks to inject",
@@ -173,5 +187,15 @@ class FaultsConfig:
             )  # fmt: skip
 
     def any(self) -> bool:
+        return any(getattr(self, name) for name in STEP_LISTS) or bool(self.engine_kill_probability)
+
+    def engine_faults(self) -> bool:
+        """Faults `engines.faults.EngineFaults` injects (through the engine's hooks)."""
         return bool(self.engine_kill_steps or self.engine_hang_steps
                     or self.engine_kill_in_load_steps or self.engine_kill_probability)  # fmt: skip
+
+
+STEP_LISTS = (
+    "engine_kill_steps", "engine_hang_steps", "engine_kill_in_load_steps",
+    "weight_corrupt_versions", "reward_hang_steps", "reward_raise_steps", "rank_kill_steps",
+)  # fmt: skip

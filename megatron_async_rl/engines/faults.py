@@ -33,6 +33,9 @@ class EngineFaults:
         self.cfg, self.engine_index, self.num_engines = cfg, engine_index, num_engines
         self.rng = random.Random(f"{cfg.seed}:{rank}")
         self.done: set[tuple[str, int]] = set()
+        self.start = 0
+        """The step the run (re)started at: a kill in load due before it is not injected
+        again after a resume (`skip_before`)."""
         self.counts: dict[str, float] = {}
         self._lock = threading.Lock()
 
@@ -48,8 +51,12 @@ class EngineFaults:
                     self._maybe("kill", step, True, engine, cfg.delay_s)
         elif phase == "load":
             for due in cfg.engine_kill_in_load_steps:
-                if due <= step and due % self.num_engines == self.engine_index:
+                if self.start <= due <= step and due % self.num_engines == self.engine_index:
                     self._maybe("kill_in_load", due, True, engine, 0.0)
+
+    def skip_before(self, start: int) -> None:
+        """The run resumed at step `start`: faults of earlier steps were injected already."""
+        self.start = start
 
     def take_metrics(self) -> dict[str, float]:
         with self._lock:

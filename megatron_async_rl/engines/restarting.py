@@ -101,6 +101,13 @@ class RestartingEngine:
         """The step being generated (the restart budget's window counts steps)."""
         self.step = step
 
+    def resumed_at(self, step: int) -> None:
+        """The run resumed at `step`: faults due before it were injected by an earlier
+        attempt (`EngineFaults.skip_before`)."""
+        self.step = step
+        if self._faults is not None:
+            self._faults.skip_before(step)
+
     def take_metrics(self) -> dict[str, float]:
         """Counters since the last call, and whether the engine is healthy now."""
         with self._lock:

@@ -92,6 +92,8 @@ class GlooExchange:
         """The rank's device (`Platform.device()`), decided on the main thread."""
         self.pool = BufferPool()
         """This rank's weight-sync buffers, reused from one version to the next."""
+        self.tamper = None
+        """Fault injection on received weight messages (`faults.weight_corrupt_versions`)."""
 
     def share_step(self, work, step):
         groups = self.groups
@@ -119,12 +121,15 @@ class GlooExchange:
 
     def sync_weights(self, version, engine=None):
         return sync_weights(
-            self.groups, self.roles, engine, version, self.config, self.pool, self.device
-        )
+            self.groups, self.roles, engine, version, self.config, self.pool, self.device,
+            self.tamper,
+        )  # fmt: skip
 
     def receive_weights(self, version):
         devices.bind_thread(self.device)  # the engine host's weight thread
-        return broadcast_weights(self.groups, {}, self.config, version, self.pool, self.device)
+        return broadcast_weights(
+            self.groups, {}, self.config, version, self.pool, self.device, self.tamper
+        )
 
 
 class LocalExchange:

@@ -124,6 +124,8 @@ def run_generate_pipeline(
         return pending.record(gen.load(step), LOADED)
 
     def generate(work: StepWork) -> StepWork:
+        if gen.faults is not None:
+            gen.faults.at_step(work.step)
         with gate.generating():
             return pending.record(gen.generate(work), GENERATED)
 
@@ -209,9 +211,10 @@ def run_generate_pipeline(
 
 
 def run_learn_pipeline(learn, exchange, clock: RankClock, cfg, rank: int, role: str,
-                       checkpoints=None, start: int = 0) -> None:  # fmt: skip
+                       checkpoints=None, start: int = 0, faults=None) -> None:  # fmt: skip
     """A Megatron rank's side of the asynchronous loop: every step from `start` trained and
-    synced; with `checkpoints`, the boundary after each version (`jobs/async_checkpoint.py`)."""
+    synced; with `checkpoints`, the boundary after each version (`jobs/async_checkpoint.py`);
+    `faults`: the recipe's injected faults (`jobs/faults.py`)."""
     sched, steps = cfg.scheduler, cfg.trainer.num_steps
     timeout, capacity = sched.stage_timeout_s, sched.queue_capacity
     staleness = StalenessController(sched.generate_ahead_steps)
@@ -232,6 +235,8 @@ def run_learn_pipeline(learn, exchange, clock: RankClock, cfg, rank: int, role: 
         return learn.logp_waits_for(work)
 
     def train(work: StepWork) -> StepWork:
+        if faults is not None:
+            faults.at_step(work.step)
         learn.train(work)
         work.batch_metrics.update(staleness.check_batch(work.step, work.token_versions()))
         return work
@@ -300,7 +305,7 @@ def run_grpo_async(cfg, groups, platform) -> None:
         elif parts.learn is not None:
             role = "+".join(groups.local_roles())
             run_learn_pipeline(parts.learn, parts.exchange, parts.clock, cfg, rank, role,
-                               checkpoints, start)  # fmt: skip
+                               checkpoints, start, parts.faults)  # fmt: skip
         else:  # an engine follower: its host's engine uses its devices; it meets the boundaries
             for version in range(start + 1, steps + 1):
                 boundary(checkpoints, version, None, None)

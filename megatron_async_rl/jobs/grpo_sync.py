@@ -39,14 +39,17 @@ def _running(machine, step: int | None, reason: str):
     machine.transition(S.IDLE, "done")
 
 
-def run_steps(gen, learn, exchange, clock: RankClock, cfg, checkpoints=None, start=0) -> None:
+def run_steps(gen, learn, exchange, clock: RankClock, cfg, checkpoints=None, start=0,
+              faults=None) -> None:  # fmt: skip
     """Train steps `start`..`trainer.num_steps - 1` on this rank's sides (collective over the
     world); with `checkpoints` (a `CheckpointManager`), save when due, on a signal (then raise
-    `Preempted`) and at the end."""
+    `Preempted`) and at the end. `faults`: the recipe's injected faults (`jobs/faults.py`)."""
     machines = {stage: clock.machine(stage) for stage in Stage}
     staleness = StalenessController(0)
     last = time.perf_counter()
     for step in range(start, cfg.trainer.num_steps):
+        if faults is not None:
+            faults.at_step(step)
         work = None
         if gen is not None:
             work = _rollout(gen, machines, clock, cfg, step)
@@ -128,7 +131,8 @@ def run_grpo_sync(cfg, groups, platform) -> None:
                 "over)", groups.rank,
             )  # fmt: skip
         dist.barrier(group=groups.control)  # engines are up: step timings start clean
-        run_steps(parts.gen, parts.learn, parts.exchange, parts.clock, cfg, checkpoints, start)
+        run_steps(parts.gen, parts.learn, parts.exchange, parts.clock, cfg, checkpoints, start,
+                  parts.faults)  # fmt: skip
         parts.write_trace()
     finally:
         checkpoints.close()

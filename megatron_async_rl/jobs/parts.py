@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_async_rl.config.errors import ConfigError
 from megatron_async_rl.distributed import devices
 from megatron_async_rl.jobs.exchange import GlooExchange
+from megatron_async_rl.jobs.faults import RankFaults
 from megatron_async_rl.observability.clock import RankClock
 from megatron_async_rl.observability.plots import plot_stage_timeline
 from megatron_async_rl.observability.trace import merge_traces, write_trace
@@ -37,6 +39,8 @@ class RankParts:
     learn: LearnSide | None
     """On a rank with Megatron roles only."""
     exchange: GlooExchange
+    faults: RankFaults | None = None
+    """The recipe's rank, reward and weight-message faults (`faults:`), if any."""
 
     def write_trace(self) -> None:
         """Merge every rank's spans into trace.json and timeline.png (collective, world)."""
@@ -79,7 +83,21 @@ def build_parts(cfg, groups, platform) -> RankParts:
             learn.close()
         raise
     clock = RankClock(groups.rank, groups.local_roles())
-    return RankParts(cfg, groups, clock, gen, learn, exchange)
+    faults = None
+    if cfg.faults.any():
+        world = groups.layout.world_size
+        if cfg.faults.rank_kill_steps and cfg.faults.rank_kill_rank >= world:
+            raise ConfigError(
+                "faults.rank_kill_rank", cfg.faults.rank_kill_rank,
+                f"must be a global rank of this world (0 to {world - 1})",
+            )  # fmt: skip
+        hosts = groups.layout.engine_host_ranks()
+        index = hosts.index(groups.rank) if gen is not None else None
+        faults = RankFaults(cfg.faults, groups.rank, index, len(hosts))
+        exchange.tamper = faults.tamper if gen is not None else None
+        if gen is not None:
+            gen.faults = faults
+    return RankParts(cfg, groups, clock, gen, learn, exchange, faults)
 
 
 def _warm_up(cfg, groups, roles, exchange) -> None:

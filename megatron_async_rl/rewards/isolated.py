@@ -26,7 +26,7 @@ class RewardTimeoutError(TimeoutError):
 
 
 def _serve(conn, config) -> None:
-    from megatron_async_rl.rewards.registry import get_reward
+    from megatron_async_rl.rewards.registry import FAULT_KEY, get_reward
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the rank handles interrupts
     fn = get_reward(config)
@@ -36,6 +36,8 @@ def _serve(conn, config) -> None:
         except (EOFError, OSError):  # the rank is gone
             return
         try:
+            if isinstance(args[2], dict) and args[2].get(FAULT_KEY) == "hang":
+                time.sleep(10**6)  # an injected hang (faults.reward_hang_steps): cut by the rank
             conn.send(("ok", fn(*args)))
         except Exception as err:  # noqa: BLE001 - reported to the rank, which scores 0
             conn.send(("error", f"{type(err).__name__}: {err}"))

@@ -146,6 +146,10 @@ class RewardRequest:
     metadata: dict = field(default_factory=dict)
 
 
+FAULT_KEY = "__megatron_async_rl_fault__"
+"""Metadata key of an injected reward hang: the isolated reward's child sleeps on it."""
+
+
 def safe_reward(config: RewardConfig) -> SafeReward:
     """The recipe's reward, guarded: in a child process with a per-call bound when
     `reward.call_timeout_s` is set (`rewards.isolated`), else in this process."""
@@ -171,9 +175,14 @@ class SafeReward:
         self.timeouts = 0
         self.calls = 0
 
-    def __call__(self, response_text: str, answer: str, metadata: dict, uid: str = "?") -> float:
+    def __call__(self, response_text: str, answer: str, metadata: dict, uid: str = "?",
+                 fault: str | None = None) -> float:  # fmt: skip
         self.calls += 1
         try:
+            if fault == "raise":
+                raise RuntimeError("fault injection: the reward raised (faults.reward_raise_steps)")
+            if fault == "hang":  # only an isolated reward (reward.call_timeout_s) gets one
+                metadata = {**metadata, FAULT_KEY: "hang"}
             value = self.fn(response_text, answer, metadata)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"returned {type(value).__name__} {value!r}, expected a float")
@@ -201,11 +210,18 @@ class SafeReward:
                 )
             return 0.0
 
-    def score(self, samples: Iterable[Any]) -> list[float]:
-        """Rewards for samples carrying uid, response_text, answer, metadata (in order)."""
+    def score(self, samples: Iterable[Any], fault: str | None = None) -> list[float]:
+        """Rewards for samples carrying uid, response_text, answer, metadata (in order).
+        `fault` (fault injection, `jobs/faults.py`): 'hang' or 'raise' in the first call."""
         return [
-            self(s.response_text, s.answer, s.metadata or {}, uid=getattr(s, "uid", "?"))
-            for s in samples
+            self(
+                s.response_text,
+                s.answer,
+                s.metadata or {},
+                uid=getattr(s, "uid", "?"),
+                fault=fault if i == 0 else None,
+            )  # fmt: skip
+            for i, s in enumerate(samples)
         ]
 
     def metrics(self) -> dict[str, float]:

@@ -33,6 +33,9 @@ class GenerateSide:
         self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
         self.dataset, self.reward, self.validator = dataset, reward, validator
         self.engine_index, self.num_engines = engine_index, num_engines
+        self.faults = None
+        """Injected faults (`jobs.faults.RankFaults`: `reward_fault(step)`, `take_metrics()`),
+        set by the job when the recipe asks for some."""
 
     # -- stages ----------------------------------------------------------------------------
     def load(self, step: int) -> StepWork:
@@ -56,9 +59,13 @@ class GenerateSide:
 
     def score(self, work: StepWork) -> StepWork:
         """reward: every sample scored; the engine host's report of the step."""
-        for sample, value in zip(work.samples, self.reward.score(work.samples), strict=True):
+        fault = self.faults.reward_fault(work.step) if self.faults is not None else None
+        values = self.reward.score(work.samples, fault=fault)
+        for sample, value in zip(work.samples, values, strict=True):
             sample.reward = value
         work.report.add_sums(self.reward.metrics())
+        if self.faults is not None:
+            work.report.add_sums(self.faults.take_metrics())
         work.report.add_means(self.dataset.metrics())
         if hasattr(self.engine, "take_metrics"):
             work.report.add_sums(self.engine.take_metrics())
@@ -69,6 +76,12 @@ class GenerateSide:
         return self.validator.run(self.engine, self.tokenizer, version, self.encode)
 
     # -- helpers ---------------------------------------------------------------------------
+    def resumed_at(self, step: int) -> None:
+        """The run resumed at `step`: the engine's restart window and injected faults count
+        from there."""
+        if hasattr(self.engine, "resumed_at"):
+            self.engine.resumed_at(step)
+
     def encode(self, record) -> list[int]:
         return encode_prompt(record, self.tokenizer, self.cfg.rollout.use_chat_template)
 
@@ -120,6 +133,9 @@ def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None
         start, load_tensors, where=f"generate rank in role {rank_in_role}, global rank {rank}",
         max_restarts=e.max_restarts, window_steps=e.restart_window_steps,
         health_timeout_s=e.health_timeout_s, check_every_s=e.health_check_every_s,
-        faults=EngineFaults(cfg.faults, rank, index, num_engines) if cfg.faults.any() else None,
+        faults=(
+            EngineFaults(cfg.faults, rank, index, num_engines)
+            if cfg.faults.engine_faults() else None
+        ),
     )  # fmt: skip
     return GenerateSide(cfg, engine, tokenizer, dataset, reward, validator, index, num_engines)

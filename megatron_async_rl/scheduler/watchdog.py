@@ -38,14 +38,14 @@ class StallWatchdog(threading.Thread):
         self.report = report or logger.warning
         self.check_every_s = check_every_s or min(max(timeout_s / 10, 0.05), 30.0)
         self.stalls = 0
-        self._stop = threading.Event()
+        self._halt = threading.Event()  # not `_stop`: Thread has a method of that name
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     def run(self) -> None:
         seen, since, reported = self.scheduler.progress, time.monotonic(), 0
-        while not self._stop.wait(self.check_every_s):
+        while not self._halt.wait(self.check_every_s):
             if self.scheduler.progress != seen:
                 seen, since, reported = self.scheduler.progress, time.monotonic(), 0
                 continue

@@ -135,7 +135,8 @@ def _agree(groups, error: str | None) -> list[str]:
     return [f"global rank {r}: {e}" for r, e in box if e]
 
 
-def _attempt(groups, train, receiving: bool, version, config, make_sink, pool, device):
+def _attempt(groups, train, receiving: bool, version, config, make_sink, pool, device,
+             tamper=None):  # fmt: skip
     """One run of the reshard: (sink, metrics, errors of every participant, retryable)."""
     rank = groups.rank
     key = _train_key(groups, train, version, config) if train else None
@@ -181,6 +182,7 @@ def _attempt(groups, train, receiving: bool, version, config, make_sink, pool, d
             reshard, rank, key.version, groups.weight_sender_groups(device.type != "cpu"),
             local=local, tp_groups=tp_groups,
             sink=sink, counter=counter, pool=pool, transport=config.transport, device=device,
+            tamper=tamper,
         )  # fmt: skip
     finally:
         if hasattr(sink, "finish"):  # may name what a complete run left undone
@@ -194,7 +196,8 @@ def _attempt(groups, train, receiving: bool, version, config, make_sink, pool, d
     return sink, metrics, errors, True
 
 
-def _reshard(groups, roles: dict, version: int | None, config, make_sink, pool, device):
+def _reshard(groups, roles: dict, version: int | None, config, make_sink, pool, device,
+             tamper=None):  # fmt: skip
     """Take part in one reshard; returns (sink or None, metrics). Collective.
 
     Every participant (train ranks and receivers, `groups.weight_sync`) learns every other's
@@ -209,7 +212,7 @@ def _reshard(groups, roles: dict, version: int | None, config, make_sink, pool, 
     config = config or WeightSyncConfig()
     for attempt in range(1, config.max_attempts + 1):
         sink, metrics, errors, retryable = _attempt(
-            groups, train, receiving, version, config, make_sink, pool, device
+            groups, train, receiving, version, config, make_sink, pool, device, tamper
         )
         if not errors:
             metrics["weight_sync/attempts"] = attempt
@@ -233,6 +236,7 @@ def broadcast_weights(
     version: int | None = None,
     pool: buffers.BufferPool | None = None,
     device: torch.device | None = None,
+    tamper=None,
 ) -> tuple[StagedWeights | None, dict[str, float]]:
     """Reshard with receivers staging whole tensors in host memory (collective).
 
@@ -242,14 +246,15 @@ def broadcast_weights(
     `pool`: buffers kept from one call to the next (the staging arena among them: the result
     is valid until the next call with the same pool). `device`: the rank's device
     (`Platform.device()`, passed in: never the calling thread's current CUDA device), where
-    device-bridge buffers go; None: this rank has none but the CPU.
+    device-bridge buffers go; None: this rank has none but the CPU. `tamper`: fault injection
+    on received messages (`executor.run_plan`).
     """
 
     def staging(reshard, key, counter) -> StagingSink:
         pinned = key.device_type == "cuda"
         return StagingSink(reshard, counter, key.version, key.consume_bytes, pool, pinned)
 
-    sink, metrics = _reshard(groups, roles, version, config, staging, pool, device)
+    sink, metrics = _reshard(groups, roles, version, config, staging, pool, device, tamper)
     return (sink.weights if sink is not None else None), metrics
 
 
@@ -286,6 +291,7 @@ def sync_weights(
     config: WeightSyncConfig | None = None,
     pool: buffers.BufferPool | None = None,
     device: torch.device | None = None,
+    tamper=None,
 ) -> dict[str, float]:
     """Push the train role's weights to engines and the logp role (collective); returns metrics.
 
@@ -294,7 +300,7 @@ def sync_weights(
     sync to the next (a job passes the same one every step); `device`: as `broadcast_weights`.
     Raises RuntimeError, on every participant, naming parameters, sender and receiver ranks and
     the version on a checksum mismatch or a chunk the engine rejects that persists over
-    `config.max_attempts`.
+    `config.max_attempts`. `tamper`: fault injection on received messages (`run_plan`).
     """
     if engine is not None and "logp" not in roles:
 
@@ -302,7 +308,7 @@ def sync_weights(
             dtype = buffers.torch_dtype(reshard.dtype)
             return EngineSink(engine, key.version, groups.rank, counter, dtype, pool=pool)
 
-        return _reshard(groups, roles, version, config, streaming, pool, device)[1]
+        return _reshard(groups, roles, version, config, streaming, pool, device, tamper)[1]
     if engine is None and "logp" in roles:
         role = roles["logp"]
 
@@ -311,8 +317,8 @@ def sync_weights(
             dtype = buffers.torch_dtype(reshard.dtype)
             return ShardSink(role.module, dims, ranks, counter, dtype, groups.rank)
 
-        return _reshard(groups, roles, version, config, into_shards, pool, device)[1]
-    staged, metrics = broadcast_weights(groups, roles, config, version, pool, device)
+        return _reshard(groups, roles, version, config, into_shards, pool, device, tamper)[1]
+    staged, metrics = broadcast_weights(groups, roles, config, version, pool, device, tamper)
     if staged is None:
         return metrics
     start = metrics.get("timing/weight_sync/load_s", 0.0)

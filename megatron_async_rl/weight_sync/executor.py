@@ -110,6 +110,8 @@ class _Receiver:
         """Shared-memory senders: their produce slots, mapped here."""
         self.queues: dict[int, collections.deque] = {}
         self.acks: list = []
+        self.tamper = None
+        """`run_plan`'s fault injection hook, if any."""
 
     def attach(self, sender: int, handles) -> None:
         """Map `sender`'s produce slots (raises OSError when they cannot be mapped)."""
@@ -186,6 +188,8 @@ class _Receiver:
             return
         try:
             if verify:
+                if self.tamper is not None:
+                    self.tamper(view, self.version, seq)
                 self._verify(view, message, sender, seq)
             start = time.perf_counter()
             pieces = buffers.unpack(view, message, self.dtype)
@@ -396,6 +400,7 @@ def run_plan(
     pool: buffers.BufferPool | None = None,
     transport: str = "auto",
     device: torch.device | None = None,
+    tamper=None,
 ) -> SyncStats:
     """Take this rank's part in `plan` (collective over every participant).
 
@@ -409,6 +414,8 @@ def run_plan(
     A receiver's first check or
     sink error is returned in `SyncStats.error` once the whole schedule has run (so that every
     participant reaches the end); any other error is raised where it happens.
+    `tamper(view, version, seq)`: fault injection (`faults.weight_corrupt_versions`), called on
+    each message a receiver gets from another rank before its checks.
     """
     stats, wall = SyncStats(counter=counter or buffers.MemoryCounter()), time.perf_counter()
     device = torch.device(device if device is not None else "cpu")
@@ -426,6 +433,7 @@ def run_plan(
         total = sum(len(b.messages) for s in plan.senders for b in s.buckets)
         slot = max((m.wire_bytes for m in others), default=0)
         receiver = _Receiver(plan, rank, version, sink, stats, slot, total, pool, device)
+        receiver.tamper = tamper
     _negotiate(plan, rank, sender_groups, sender_state, receiver, transport, stats, device)
     checked: set[str] = set()
     for sender_index, bucket_index in plan.schedule:
