@@ -183,6 +183,21 @@ class RestartingEngine:
         self._closed.set()
         self.inner.shutdown()
 
+    def restore_last_version(self) -> None:
+        """A version failed on every attempt (`weight_sync.on_failure: keep_serving`): the
+        engine serves the newest complete version again, reloaded into it; with none kept yet
+        (the checkpoint's weights), it is restarted, and the new process loads those."""
+        with self._lock:
+            self._session = self._session_label = None
+            epoch = self._epoch
+            if self._last:
+                start = time.monotonic()
+                self._reload(self.inner, self._last, self._last_label)
+                logger.warning("[%s] weights %s reloaded in %.1f s after a failed version",
+                               self.where, self._last_label, time.monotonic() - start)  # fmt: skip
+                return
+        self._restart(epoch, "a weight version failed on every attempt (no copy kept yet)")
+
     def _inject(self, phase: str, engine) -> None:
         if self._faults is not None:
             self._faults(phase, self.step, engine)

@@ -169,8 +169,14 @@ class WeightReceiver(threading.Thread):
                 step = version - 1
                 machine.transition(S.WAITING_INPUT, f"receiving v{version}", step=step)
                 received = time.perf_counter()
-                tensors, _ = self.exchange.receive_weights(version)
+                tensors, metrics = self.exchange.receive_weights(version)
                 received = time.perf_counter() - received  # generation kept running
+                if tensors is None and metrics.get("weight_sync/failed_versions"):
+                    # Failed on every attempt (weight_sync.on_failure: keep_serving): nothing
+                    # of it was staged; the engine keeps serving the last version it loaded.
+                    machine.transition(S.RUNNING, f"v{version} failed: v{self.loaded} kept")
+                    machine.transition(S.IDLE, f"v{version} skipped")
+                    continue  # counted by the train side (weight_sync/failed_versions)
                 machine.transition(S.WAITING_OUTPUT_SPACE, f"engine ready for v{version}")
                 self._wait_for_validation(version)
                 started = f"loading v{version}"

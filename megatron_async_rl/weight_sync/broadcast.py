@@ -23,13 +23,15 @@ Per call, on every participant:
    rank's weight thread, stages the whole model first (`StagingSink`);
 4. every participant learns every receiver's outcome: after a checksum mismatch or a rejected
    load anywhere, all run steps 1-3 again (`WeightSyncConfig.max_attempts`), then all raise the
-   same error. An engine left with partly new weights refuses to generate until an update
-   completes (`engines.protocol.WeightSessions`).
+   same error, unless only engines that can keep their last complete version failed and
+   `on_failure` is `keep_serving`: then all skip the version (`weight_sync/failed_versions`)
+   and a torn engine reloads its last version. An engine left with partly new weights refuses
+   to generate until an update completes (`engines.protocol.WeightSessions`).
 
 Metrics (this rank's): `timing/weight_sync/{gather,send,load}_s`, `weight_sync/GB` (the plan's
 bytes), `weight_sync/GB_per_s` (over this rank's wall time) and peak buffer sizes
 `weight_sync/{produce,consume,gathered,staging}_peak_MB`; with a `buffers.BufferPool`, the bytes
-it keeps between syncs, `weight_sync/pool_MB`; `weight_sync/attempts`;
+it keeps between syncs, `weight_sync/pool_MB`; `weight_sync/attempts`, `.../failed_versions`;
 `weight_sync/shared_memory_senders` (senders this rank dealt with over shared memory);
 `weight_sync/device_bridge` (1 when messages stayed on the GPU).
 """
@@ -128,15 +130,19 @@ def _metrics(stats: executor.SyncStats, reshard: plan.ReshardPlan) -> dict[str, 
     return out
 
 
-def _agree(groups, error: str | None) -> list[str]:
-    """Every participant's error of this attempt, "global rank r: ..." (collective)."""
+def _agree(groups, error: str | None, recoverable: bool = False) -> list[str]:
+    """Every participant's error of this attempt, "global rank r: ..." (collective); an error
+    its rank can recover from (`WeightSyncConfig.on_failure`) ends with `RECOVERABLE`."""
     box: list = [None] * dist.get_world_size(groups.weight_sync)
-    devices.all_gather_object(box, (groups.rank, error), group=groups.weight_sync)
-    return [f"global rank {r}: {e}" for r, e in box if e]
+    devices.all_gather_object(box, (groups.rank, error, recoverable), group=groups.weight_sync)
+    return [f"global rank {r}: {e}{RECOVERABLE if ok else ''}" for r, e, ok in box if e]
+
+
+RECOVERABLE = " [engine keeps its last complete version]"
 
 
 def _attempt(groups, train, receiving: bool, version, config, make_sink, pool, device,
-             tamper=None):  # fmt: skip
+             tamper=None, roles=None):  # fmt: skip
     """One run of the reshard: (sink, metrics, errors of every participant, retryable)."""
     rank = groups.rank
     key = _train_key(groups, train, version, config) if train else None
@@ -188,12 +194,19 @@ def _attempt(groups, train, receiving: bool, version, config, make_sink, pool, d
         if hasattr(sink, "finish"):  # may name what a complete run left undone
             finished = sink.finish(complete=stats is not None and stats.error is None)
     error = str(stats.error) if stats.error is not None else finished
-    errors = _agree(groups, error)
+    recoverable = bool(getattr(sink, "recoverable", False)) and "logp" not in (roles or {})
+    errors = _agree(groups, error, recoverable)
     metrics = _metrics(stats, reshard)
     metrics["weight_sync/device_bridge"] = float(device.type != "cpu")
     if pool is not None:
         metrics["weight_sync/pool_MB"] = pool.held_bytes / 2**20
     return sink, metrics, errors, True
+
+
+def _skippable(errors: list[str], config) -> bool:
+    """Whether a version that failed on every attempt may be skipped: only engines failed,
+    each able to keep its last complete version, and `on_failure` allows it."""
+    return config.on_failure == "keep_serving" and all(e.endswith(RECOVERABLE) for e in errors)
 
 
 def _reshard(groups, roles: dict, version: int | None, config, make_sink, pool, device,
@@ -212,11 +225,19 @@ def _reshard(groups, roles: dict, version: int | None, config, make_sink, pool, 
     config = config or WeightSyncConfig()
     for attempt in range(1, config.max_attempts + 1):
         sink, metrics, errors, retryable = _attempt(
-            groups, train, receiving, version, config, make_sink, pool, device, tamper
+            groups, train, receiving, version, config, make_sink, pool, device, tamper, roles
         )
         if not errors:
             metrics["weight_sync/attempts"] = attempt
             return sink, metrics
+        if retryable and attempt == config.max_attempts and _skippable(errors, config):
+            logger.error(
+                "weight sync v%s: failed after %d attempt(s) on %d engine(s), which keep "
+                "serving their last complete version; the run goes on: %s",
+                version, attempt, len(errors), " | ".join(errors),
+            )  # fmt: skip
+            metrics.update({"weight_sync/attempts": attempt, "weight_sync/failed_versions": 1.0})
+            return None, metrics  # nothing of the version is handed on
         if not retryable or attempt == config.max_attempts:
             raise RuntimeError(
                 f"weight sync v{version}: failed after {attempt} attempt(s) (max_attempts "
@@ -300,7 +321,8 @@ def sync_weights(
     sync to the next (a job passes the same one every step); `device`: as `broadcast_weights`.
     Raises RuntimeError, on every participant, naming parameters, sender and receiver ranks and
     the version on a checksum mismatch or a chunk the engine rejects that persists over
-    `config.max_attempts`. `tamper`: fault injection on received messages (`run_plan`).
+    `config.max_attempts` (unless `config.on_failure` lets engines keep serving). `tamper`:
+    fault injection on received messages (`run_plan`).
     """
     if engine is not None and "logp" not in roles:
 
@@ -308,7 +330,10 @@ def sync_weights(
             dtype = buffers.torch_dtype(reshard.dtype)
             return EngineSink(engine, key.version, groups.rank, counter, dtype, pool=pool)
 
-        return _reshard(groups, roles, version, config, streaming, pool, device, tamper)[1]
+        metrics = _reshard(groups, roles, version, config, streaming, pool, device, tamper)[1]
+        if metrics.get("weight_sync/failed_versions"):  # torn by a partial load: undo it
+            engine.restore_last_version()
+        return metrics
     if engine is None and "logp" in roles:
         role = roles["logp"]
 

@@ -54,6 +54,12 @@ class WeightSyncConfig:
     """Times one version is sent before the sync fails: a message that fails its checksum, or
     that an engine rejects, on any receiver makes every participant run the reshard again from
     the start (the trainer's weights have not moved). 1: no second attempt."""
+    on_failure: str = "keep_serving"
+    """After the last attempt failed. "keep_serving": when every failing receiver is an engine
+    that can keep (or get back) the last complete version, the version is skipped there (the
+    engine serves the last good one; torn by a partial load, it reloads it) and the run goes on
+    (`weight_sync/failed_versions`); a failure anywhere else (the logp role) still stops it.
+    "stop": any failure stops the run."""
 
     def __post_init__(self) -> None:
         for name in ("produce_bucket_mb", "consume_bucket_mb"):
@@ -63,6 +69,7 @@ class WeightSyncConfig:
         require_choice("transport", self.transport, TRANSPORTS)
         require_choice("bridge", self.bridge, BRIDGES)
         require_int("max_attempts", self.max_attempts, 1)
+        require_choice("on_failure", self.on_failure, ("keep_serving", "stop"))
 
     @property
     def produce_bytes(self) -> int:

@@ -54,6 +54,8 @@ class StagingSink:
     model order; a tensor is in `weights` once all its pieces have arrived.
     """
 
+    #: A failed version loaded nothing: the engine keeps serving the last one.
+    recoverable = True
     borrows_buffers = False
 
     def __init__(self, reshard, counter, version: int, consume_bytes: int, pool=None, pinned=False):
@@ -111,6 +113,12 @@ class EngineSink:
         self.assembler = buffers.Assembler(dtype, counter, shared=True, pool=pool)
         self.old_label = ""
         self.opened = False
+
+    @property
+    def recoverable(self) -> bool:
+        """A version that fails on every attempt can be undone: the engine reloads the last
+        complete one (`RestartingEngine.restore_last_version`, which keeps it)."""
+        return bool(getattr(self.engine, "keeps_weights", False))
 
     def begin(self) -> None:
         if self.in_place:

@@ -122,6 +122,30 @@ def test_a_death_when_ending_a_session_keeps_the_new_version_s_label():
     assert {v for r in engine.generate(_requests(1)) for v in r.token_versions} == {"v2"}
 
 
+def test_after_a_version_failed_on_every_attempt_the_engine_serves_the_last_one_again():
+    """Item 4 of issue 14: a torn engine (an abandoned, half-loaded v2) reloads v1 in place;
+    with no version kept yet (only the checkpoint's), it is restarted instead."""
+    factory = Factory()
+    engine = _engine(factory)
+    w1 = {"a": torch.ones(3), "b": torch.zeros(2)}
+    _sync(engine, 1, w1)
+    expected = factory.engines[0].generate(_requests())
+    engine.begin_weight_update()
+    engine.update_weights([("a", torch.full((3,), 7.0))], "v2")
+    engine.end_weight_update(False)
+    engine.restore_last_version()
+    assert len(factory.engines) == 1  # reloaded in place, no restart
+    assert torch.equal(engine.get_weights_by_name("a"), w1["a"])
+    assert engine.weight_version() == "v1"
+    assert [r.output_ids for r in engine.generate(_requests())] == [r.output_ids for r in expected]
+    fresh = _engine(Factory())
+    fresh.begin_weight_update()
+    fresh.update_weights([("a", torch.full((3,), 7.0))], "v1")
+    fresh.end_weight_update(False)
+    fresh.restore_last_version()
+    assert fresh.take_metrics()["engines/restarts"] == 1
+
+
 def test_past_max_restarts_in_the_window_the_run_stops_naming_every_cause():
     factory = Factory()
     engine = _engine(factory, max_restarts=2, window=5)
