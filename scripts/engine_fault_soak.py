@@ -1,15 +1,18 @@
 """Soak of engine restarts in place: engines killed and hung by the recipe, the run goes on.
 
-    .venv/bin/python scripts/engine_fault_soak.py [--steps 40] [--kills 4] [--hangs 2]
-        [--load-kills 2] [--mode in_flight] [--seed 0] [--out runs/engine-fault-soak]
+    .venv/bin/python scripts/engine_fault_soak.py [--steps 100] [--engines 2] [--kills 7]
+        [--hangs 3] [--load-kills 3] [--corrupt 3] [--reward-hangs 3] [--mode in_flight]
+        [--seed 0] [--out runs/engine-fault-soak]
 
 On the quick-start task (`scripts/quickstart.sh` writes it; this script writes it too where
 missing) with `yaml_configs/tiny-grpo-async-cpu.yaml` (one step ahead):
 1. a reference run of `--steps` steps, uninterrupted;
 2. the same recipe with a `faults:` section: `--kills` SIGKILLs and `--hangs` SIGSTOPs of the
    engine's scheduler during the generation of random steps, and `--load-kills` SIGKILLs right
-   after a weight load began, with `engine.health_timeout_s` 10 and probes every 2 s. No
-   torchrun restart: the engine is restarted in place each time.
+   after a weight load began, with `engine.health_timeout_s` 10 and probes every 2 s; `--corrupt`
+   weight messages with a byte flipped on arrival (sent again) and `--reward-hangs` reward
+   calls that hang (cut by `reward.call_timeout_s` 5, scored 0). No torchrun restart: the
+   engine is restarted in place each time.
 Then it checks and prints: the launcher's exit code; every step in `metrics.jsonl` and
 `ledger.jsonl` exactly once; each step trained on exactly the prompts the reference trained
 at that step; every token within one version of its step; restarts equal to the faults
@@ -69,12 +72,14 @@ def _plot(ref_rows, rows, path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--kills", type=int, default=4)
-    parser.add_argument("--hangs", type=int, default=2)
-    parser.add_argument("--load-kills", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--kills", type=int, default=7)
+    parser.add_argument("--hangs", type=int, default=3)
+    parser.add_argument("--load-kills", type=int, default=3)
+    parser.add_argument("--corrupt", type=int, default=3)
+    parser.add_argument("--reward-hangs", type=int, default=3)
     parser.add_argument("--mode", default="in_flight", choices=["wait", "in_flight"])
-    parser.add_argument("--engines", type=int, default=1,
+    parser.add_argument("--engines", type=int, default=2,
                         help="generate ranks (one engine each); the world is 1 + this")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/engine-fault-soak")
@@ -99,6 +104,8 @@ def main() -> int:
     )
     load_kills = sorted(chosen[args.kills + args.hangs :])
     total = len(chosen)
+    corrupt = sorted(rng.sample(range(2, args.steps), args.corrupt))
+    reward_hangs = sorted(rng.sample(range(2, args.steps), args.reward_hangs))
     sets = ["model.hf_path=runs/tiny-llama-warm", "data.path=runs/arith/train.jsonl",
             f"trainer.num_steps={args.steps}", "checkpoint.every_steps=0",
             "scheduler.validation_every=0", f"scheduler.weight_update_mode={args.mode}",
@@ -118,9 +125,11 @@ def main() -> int:
         f"faults.engine_hang_steps={hangs}", f"faults.engine_kill_in_load_steps={load_kills}",
         f"faults.seed={args.seed}", "engine.health_timeout_s=10", "engine.health_check_every_s=2",
         f"engine.max_restarts={total + 1}", f"engine.restart_window_steps={args.steps}",
+        f"faults.weight_corrupt_versions={corrupt}", f"faults.reward_hang_steps={reward_hangs}",
+        "reward.call_timeout_s=5",
     ]  # fmt: skip
-    print(f"faults: kills at {kills}, hangs at {hangs}, kills in a load at {load_kills}",
-          flush=True)  # fmt: skip
+    print(f"faults: kills at {kills}, hangs at {hangs}, kills in a load at {load_kills}, "
+          f"corrupted versions {corrupt}, reward hangs at {reward_hangs}", flush=True)  # fmt: skip
     log = out / "faults.log"
     log.unlink(missing_ok=True)
     start = time.monotonic()
@@ -139,6 +148,14 @@ def main() -> int:
         "faults/injected/engine_kill_in_load")}  # fmt: skip
     if restarts != total or sum(injected.values()) != total:
         problems.append(f"{restarts} restart(s), injected {injected}, expected {total} each")
+    others = {k: sum(r.get(f"faults/injected/{k}", 0) for r in rows)
+              for k in ("weight_corrupt", "reward_hang")}  # fmt: skip
+    resent = sum(r.get("weight_sync/attempts", 1) == 2 for r in rows)
+    timeouts = max((r.get("reward/timeouts", 0) for r in rows), default=0)
+    if others != {"weight_corrupt": args.corrupt, "reward_hang": args.reward_hangs}:
+        problems.append(f"injected {others}, expected {args.corrupt} and {args.reward_hangs}")
+    if resent != args.corrupt or timeouts != args.reward_hangs:
+        problems.append(f"{resent} version(s) sent twice, {timeouts} reward timeout(s)")
     if leaked:
         problems.append(f"processes left: {leaked}")
     if shm_left:
@@ -148,6 +165,7 @@ def main() -> int:
     _plot(ref_rows, rows, out / "reward.png")
     summary = {
         "steps": args.steps, "faults": total, "injected": injected, "restarts": restarts,
+        "other_faults": others, "versions_sent_twice": resent, "reward_timeouts": timeouts,
         "restart_s_median": statistics.median(t[0] for t in times) if times else None,
         "restart_start_s_median": statistics.median(t[1] for t in times) if times else None,
         "restart_load_s_median": statistics.median(t[2] for t in times) if times else None,
