@@ -56,8 +56,9 @@ def is_collective_failure(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(m in str(err) for m in _MARKERS)
 
 
-def _locate(frames: list[traceback.FrameSummary]) -> tuple[str, str] | None:
-    """(collective, call site) from frames ordered outermost first, or None."""
+def _in_collective(frames: list[traceback.FrameSummary]) -> tuple[str, str] | None:
+    """(torch.distributed call, its call site) of frames ordered outermost first, if they
+    enter torch.distributed."""
     for index, frame in enumerate(frames):
         if _TORCH_DIST not in frame.filename.replace("\\", "/"):
             continue
@@ -65,10 +66,14 @@ def _locate(frames: list[traceback.FrameSummary]) -> tuple[str, str] | None:
         api = next((f for f in frames[index:] if f.filename.endswith("distributed_c10d.py")), frame)
         caller = frames[index - 1] if index else frame
         return f"torch.distributed.{api.name}", _site(caller)
-    if frames:  # an async handle's wait() (C++) or a failure raised in our own code
-        last = frames[-1]
-        return f"`{(last.line or '').strip() or last.name}`", _site(last)
     return None
+
+
+def _innermost(frames: list[traceback.FrameSummary]) -> tuple[str, str]:
+    """(the innermost line, quoted, and its site): where no torch.distributed frame is (an
+    async handle's wait() runs in C++)."""
+    last = frames[-1]
+    return f"`{(last.line or '').strip() or last.name}`", _site(last)
 
 
 def _site(frame: traceback.FrameSummary) -> str:
@@ -82,12 +87,15 @@ def _site(frame: traceback.FrameSummary) -> str:
 
 def name_failure(err: BaseException, context: Mapping[str, Any]) -> BaseException:
     """`err` as a `CollectiveFailure` naming `context` (role, rank, stage) and the collective,
-    when it is a collective's failure; else `err` itself. Raise the result `from err`."""
+    chained to `err` (`__cause__`), when it is a collective's failure; else `err` itself."""
     if not is_collective_failure(err):
         return err
-    found = _locate(traceback.extract_tb(err.__traceback__))
+    frames = traceback.extract_tb(err.__traceback__)
+    found = _in_collective(frames) or (_innermost(frames) if frames else None)
     collective, site = found or ("(unknown)", "no traceback")
-    return CollectiveFailure(context, collective, site, str(err).splitlines()[0][:400])
+    named = CollectiveFailure(context, collective, site, str(err).splitlines()[0][:400])
+    named.__cause__ = err
+    return named
 
 
 def stalled_in(frame: FrameType | None) -> str:
@@ -95,21 +103,7 @@ def stalled_in(frame: FrameType | None) -> str:
     if frame is None:
         return "(thread gone)"
     frames = traceback.extract_stack(frame)
-    for index, summary in enumerate(frames):
-        if _TORCH_DIST in summary.filename.replace("\\", "/"):
-            api = next(
-                (f for f in frames[index:] if f.filename.endswith("distributed_c10d.py")),
-                summary,
-            )
-            caller = frames[index - 1] if index else summary
-            return f"collective torch.distributed.{api.name} ({_site(caller)})"
-    last = frames[-1]
-    return f"`{(last.line or '').strip()}` ({_site(last)})"
-
-
-def raise_named(err: BaseException, context: Mapping[str, Any]) -> None:
-    """Raise `name_failure(err, context)` chained to `err` (or `err` itself)."""
-    named = name_failure(err, context)
-    if named is err:
-        raise err
-    raise named from err
+    found = _in_collective(frames)
+    if found is not None:
+        return f"collective {found[0]} ({found[1]})"
+    return "{} ({})".format(*_innermost(frames))

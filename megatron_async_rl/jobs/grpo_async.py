@@ -59,8 +59,6 @@ class _Thread(threading.Thread):
             self.target()
         except BaseException as err:  # noqa: BLE001 - surfaced by the scheduler's checks
             self.error = name_failure(err, {"stage": self.name})
-            if self.error is not err:
-                self.error.__cause__ = err
             self.wake()
 
     def check(self, who: str) -> None:

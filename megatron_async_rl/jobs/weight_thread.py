@@ -192,11 +192,8 @@ class WeightReceiver(threading.Thread):
                 self.wake()
             machine.transition(S.DONE, "every version loaded")
         except BaseException as err:  # noqa: BLE001 - surfaced by the scheduler's checks
-            named = name_failure(err, {"stage": "param_update (weight thread)"})
-            if named is not err:
-                named.__cause__ = err
             with self.cond:
-                self.error = named
+                self.error = name_failure(err, {"stage": "param_update (weight thread)"})
                 self.cond.notify_all()
             if not machine.is_terminal:
                 machine.fail(err)

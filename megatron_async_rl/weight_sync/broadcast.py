@@ -130,20 +130,19 @@ def _metrics(stats: executor.SyncStats, reshard: plan.ReshardPlan) -> dict[str, 
     return out
 
 
-def _agree(groups, error: str | None, recoverable: bool = False) -> list[str]:
-    """Every participant's error of this attempt, "global rank r: ..." (collective); an error
-    its rank can recover from (`WeightSyncConfig.on_failure`) ends with `RECOVERABLE`."""
+def _agree(groups, error: str | None, recoverable: bool = False) -> tuple[list[str], bool]:
+    """Every participant's error of this attempt, "global rank r: ...", and whether every
+    participant that failed can recover from it (`WeightSyncConfig.on_failure`) (collective)."""
     box: list = [None] * dist.get_world_size(groups.weight_sync)
     devices.all_gather_object(box, (groups.rank, error, recoverable), group=groups.weight_sync)
-    return [f"global rank {r}: {e}{RECOVERABLE if ok else ''}" for r, e, ok in box if e]
-
-
-RECOVERABLE = " [engine keeps its last complete version]"
+    errors = [f"global rank {r}: {e}" for r, e, _ in box if e]
+    return errors, all(ok for _, e, ok in box if e)
 
 
 def _attempt(groups, train, receiving: bool, version, config, make_sink, pool, device,
              tamper=None, roles=None):  # fmt: skip
-    """One run of the reshard: (sink, metrics, errors of every participant, retryable)."""
+    """One run of the reshard: (sink, metrics, errors of every participant, retryable, and
+    whether every failing participant could keep serving its last version)."""
     rank = groups.rank
     key = _train_key(groups, train, version, config) if train else None
     first = min(groups.weight_senders)
@@ -176,9 +175,9 @@ def _attempt(groups, train, receiving: bool, version, config, make_sink, pool, d
             sink = make_sink(reshard, key, counter)
         except ValueError as exc:  # a receiving model the plan does not fit
             error = str(exc)
-    errors = _agree(groups, error)  # before anything moves: nothing to undo
+    errors, _ = _agree(groups, error)  # before anything moves: nothing to undo
     if errors:
-        return None, {}, errors, False
+        return None, {}, errors, False, False
     if hasattr(sink, "begin"):
         sink.begin()
     stats = None
@@ -195,18 +194,12 @@ def _attempt(groups, train, receiving: bool, version, config, make_sink, pool, d
             finished = sink.finish(complete=stats is not None and stats.error is None)
     error = str(stats.error) if stats.error is not None else finished
     recoverable = bool(getattr(sink, "recoverable", False)) and "logp" not in (roles or {})
-    errors = _agree(groups, error, recoverable)
+    errors, recoverable = _agree(groups, error, recoverable)
     metrics = _metrics(stats, reshard)
     metrics["weight_sync/device_bridge"] = float(device.type != "cpu")
     if pool is not None:
         metrics["weight_sync/pool_MB"] = pool.held_bytes / 2**20
-    return sink, metrics, errors, True
-
-
-def _skippable(errors: list[str], config) -> bool:
-    """Whether a version that failed on every attempt may be skipped: only engines failed,
-    each able to keep its last complete version, and `on_failure` allows it."""
-    return config.on_failure == "keep_serving" and all(e.endswith(RECOVERABLE) for e in errors)
+    return sink, metrics, errors, True, recoverable
 
 
 def _reshard(groups, roles: dict, version: int | None, config, make_sink, pool, device,
@@ -224,13 +217,14 @@ def _reshard(groups, roles: dict, version: int | None, config, make_sink, pool, 
         return None, {}
     config = config or WeightSyncConfig()
     for attempt in range(1, config.max_attempts + 1):
-        sink, metrics, errors, retryable = _attempt(
+        sink, metrics, errors, retryable, recoverable = _attempt(
             groups, train, receiving, version, config, make_sink, pool, device, tamper, roles
         )
         if not errors:
             metrics["weight_sync/attempts"] = attempt
             return sink, metrics
-        if retryable and attempt == config.max_attempts and _skippable(errors, config):
+        last = attempt == config.max_attempts
+        if retryable and last and recoverable and config.on_failure == "keep_serving":
             logger.error(
                 "weight sync v%s: failed after %d attempt(s) on %d engine(s), which keep "
                 "serving their last complete version; the run goes on: %s",
@@ -238,7 +232,7 @@ def _reshard(groups, roles: dict, version: int | None, config, make_sink, pool, 
             )  # fmt: skip
             metrics.update({"weight_sync/attempts": attempt, "weight_sync/failed_versions": 1.0})
             return None, metrics  # nothing of the version is handed on
-        if not retryable or attempt == config.max_attempts:
+        if not retryable or last:
             raise RuntimeError(
                 f"weight sync v{version}: failed after {attempt} attempt(s) (max_attempts "
                 f"{config.max_attempts}) on {len(errors)} rank(s): " + " | ".join(errors)
