@@ -8,9 +8,11 @@ wrapper, which keeps the host copy a restart reloads. Then, alternately, `repeat
 - the restart's reload: `weight_sync.sinks.load_tensors` of that kept copy (chunked into
   `consume_bucket_mb` messages through shared memory), exactly what `_restore` calls;
 - a plain load of the same tensors: one `update_weights` call between begin and end.
-Then one real restart: the engine's scheduler is SIGKILLed and a call carried on, and the
-wrapper's split is read back (`engines/restart_start_s`, `engines/restart_load_s`,
-`engines/restart_s`).
+Then one real restart in the middle of a generation: the engine's scheduler is SIGKILLed a
+second into a greedy generate call of `--requests` requests, the call is carried on, and the
+wrapper's split is read back: `engines/restart_start_s` (new process), `engines/restart_load_s`
+(weights), `engines/restart_resubmit_s` (the carried-on call: each request continued from the
+prefix the dead engine reported, `engines/tokens_kept`).
 Prints the medians, the bytes and `RESULT restart_load_vs_plain_load=<plain s / reload s>`
 (1: the reload is as fast as one plain load). A benchmark, not a test.
 """
@@ -22,6 +24,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -34,10 +37,13 @@ def main() -> int:
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args()
 
     from safetensors.torch import load_file
 
+    from megatron_async_rl.engines.protocol import GenerateRequest, SamplingParams
     from megatron_async_rl.engines.restarting import RestartingEngine
     from megatron_async_rl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
     from megatron_async_rl.models.tiny import write_tiny_model
@@ -48,13 +54,14 @@ def main() -> int:
     model = write_tiny_model(
         tmp / "model", "llama", hidden_size=args.hidden_size,
         intermediate_size=int(args.hidden_size * 2.6875), num_hidden_layers=args.num_layers,
-        num_attention_heads=heads, num_key_value_heads=heads,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=1024,
     )  # fmt: skip
     state = {name: t + 0.01 for name, t in load_file(model / "model.safetensors").items()}
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     config = SGLangEngineConfig(
         model_path=str(model), dtype="float32", max_total_tokens=4096,
         startup_timeout_s=600, call_timeout_s=600, generate_timeout_s=600,
+        progress_every_tokens=8,
     )  # fmt: skip
 
     def start():
@@ -79,10 +86,17 @@ def main() -> int:
             engine.inner.update_weights(list(kept.items()), "v1")
             engine.inner.end_weight_update(True)
             plain_s.append(time.perf_counter() - start_t)
+        sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
+        requests = [GenerateRequest([1, 10 + i, 20 + i], sampling, f"g{i}")
+                    for i in range(args.requests)]  # fmt: skip
+        start_t = time.perf_counter()
+        engine.generate(requests)
+        plain_generate_s = time.perf_counter() - start_t
         engine.take_metrics()
-        engine.inner.signal_scheduler(signal.SIGKILL)
-        time.sleep(1.0)
-        assert engine.weight_version() == "v1"  # carried on by the restarted engine
+        killer = threading.Timer(1.0, engine.inner.signal_scheduler, (signal.SIGKILL,))
+        killer.start()
+        results = engine.generate(requests)
+        assert all(v == "v1" for r in results for v in r.token_versions)
         m = engine.take_metrics()
     finally:
         engine.shutdown()
@@ -91,12 +105,18 @@ def main() -> int:
           f"{[round(x, 3) for x in reload_s]}")  # fmt: skip
     print(f"plain load (one update_weights call): median {plain_med:.3f} s "
           f"{[round(x, 3) for x in plain_s]}")  # fmt: skip
-    print(f"one restart: {m.get('engines/restart_s', 0):.1f} s = process start "
+    print(f"one restart mid-generation: {m.get('engines/restart_s', 0):.1f} s = process start "
           f"{m.get('engines/restart_start_s', 0):.1f} s + weight load "
-          f"{m.get('engines/restart_load_s', 0):.2f} s")  # fmt: skip
+          f"{m.get('engines/restart_load_s', 0):.2f} s; then the resubmitted requests "
+          f"{m.get('engines/restart_resubmit_s', 0):.2f} s ("
+          f"{m.get('engines/requests_resubmitted', 0):.0f} requests, "
+          f"{m.get('engines/tokens_kept', 0):.0f} tokens kept; the whole call without a "
+          f"fault: {plain_generate_s:.2f} s)")  # fmt: skip
     print(f"RESULT restart_load_vs_plain_load={plain_med / reload_med:.2f} "
           f"restart_s={m.get('engines/restart_s', 0):.1f} "
-          f"restart_load_s={m.get('engines/restart_load_s', 0):.2f}")  # fmt: skip
+          f"restart_load_s={m.get('engines/restart_load_s', 0):.2f} "
+          f"restart_resubmit_s={m.get('engines/restart_resubmit_s', 0):.2f} "
+          f"tokens_kept={m.get('engines/tokens_kept', 0):.0f}")  # fmt: skip
     return 0
 
 

@@ -57,11 +57,17 @@ class EngineConfig:
     health_check_every_s: float = 30.0
     """Seconds between health probes while the engine is neither paused nor loading weights;
     0 turns the probes off (deaths are still found by the calls that meet them)."""
+    progress_every_tokens: int = 8
+    """While an engine generates, its host reports each request's tokens every this many
+    tokens (at most twice a second), so that a request cut by the engine's death goes on from
+    its prefix on the restarted engine. 0: no reports; a cut request is generated again from
+    its prompt. Only with `max_restarts` > 0."""
 
     def __post_init__(self) -> None:
         require_int("tp_size", self.tp_size, 1)
         require_int("max_restarts", self.max_restarts, 0)
         require_int("restart_window_steps", self.restart_window_steps, 1)
+        require_int("progress_every_tokens", self.progress_every_tokens, 0)
         require_number("health_timeout_s", self.health_timeout_s, gt=0, unit="seconds")
         require_number("health_check_every_s", self.health_check_every_s, ge=0, unit="seconds")
         require_choice("dtype", self.dtype, DTYPES)
@@ -85,6 +91,7 @@ class EngineConfig:
             startup_timeout_s=self.startup_timeout_s,
             call_timeout_s=self.call_timeout_s,
             generate_timeout_s=self.generate_timeout_s,
+            progress_every_tokens=self.progress_every_tokens if self.max_restarts else 0,
         )
 
 
@@ -117,6 +124,12 @@ class SGLangEngineConfig:
     """Limit on every call except generate."""
     generate_timeout_s: float = 3600.0
     """Limit on one `generate` call."""
+    progress_every_tokens: int = 0
+    """Stream each request and report its tokens to the rank every this many tokens
+    (`engines.progress`); 0: results only when the call returns."""
+    progress_every_s: float = 0.5
+    """At most one progress report per this many seconds (and one when an engine process
+    dies)."""
 
     def __post_init__(self):
         require_choice("engine.device", self.device, ("cpu", "cuda"))
@@ -133,6 +146,8 @@ class SGLangEngineConfig:
             )
         for name in ("startup_timeout_s", "call_timeout_s", "generate_timeout_s"):
             require_number(f"engine.{name}", getattr(self, name), gt=0, unit="seconds")
+        require_int("engine.progress_every_tokens", self.progress_every_tokens, 0)
+        require_number("engine.progress_every_s", self.progress_every_s, ge=0, unit="seconds")
 
 
 @dataclass

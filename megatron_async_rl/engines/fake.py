@@ -6,7 +6,9 @@ the token, so a test can predict every output. It enforces the protocol's orderi
 way SGLang does (`update_weights` only between begin/end; no calls after `shutdown` or after a
 simulated death), records every call in `calls` as `(method, kwargs)`, and can simulate what a
 real engine does asynchronously: an in-place weight update landing mid-sequence
-(`switch_version_at`) and the engine dying (`kill`). It is not a model of SGLang's timing.
+(`switch_version_at`) and the engine dying (`kill`), also half way through a generate call
+(`die_in_generate_after`, with the prefixes reported by `partial_results`). It is not a model
+of SGLang's timing.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class FakeEngine:
         self._died: str | None = None
         self._shut_down = False
         self._die_at: dict[str, str] = {}
+        self._die_after_tokens: tuple[int, str] | None = None
+        self._partial: dict[str, GenerateResult] = {}
         self._hung = False
         self._unhang = threading.Event()
 
@@ -74,6 +78,11 @@ class FakeEngine:
         `generate` held by `hang` returns with it)."""
         self._died = cause
         self._unhang.set()
+
+    def die_in_generate_after(self, num_tokens: int, cause: str = "died mid-generation") -> None:
+        """The next `generate` dies once each request has `num_tokens` tokens (those that
+        finish sooner are whole); `partial_results` then reports what it had generated."""
+        self._die_after_tokens = (num_tokens, cause)
 
     def die_at(self, method: str, cause: str = "died in the call") -> None:
         """The next call of `method` finds the engine dead (it dies as the call starts)."""
@@ -106,6 +115,12 @@ class FakeEngine:
         self._enter("generate", rids=[r.rid for r in requests])
         self.sessions.check_whole()
         results = [self._generate_one(r) for r in requests]
+        if self._die_after_tokens is not None:
+            num_tokens, cause = self._die_after_tokens
+            self._die_after_tokens = None
+            self._partial = {r.rid: _cut(r, num_tokens) for r in results}
+            self.kill(cause)
+            raise EngineDiedError(f"{self.name} died: {cause}; during generate")
         if self._switches:
             self._version = self._switches[-1][1]
             self._switches.clear()
@@ -135,6 +150,11 @@ class FakeEngine:
             token_versions=versions,
             finish_reason=finish_reason,
         )
+
+    def partial_results(self, rids: Sequence[str]) -> dict[str, GenerateResult]:
+        """What a generate call that died had produced for `rids` (see
+        `die_in_generate_after`)."""
+        return {rid: self._partial[rid] for rid in rids if rid in self._partial}
 
     def begin_weight_update(self) -> None:
         self._enter("begin_weight_update")
@@ -219,3 +239,16 @@ class FakeEngine:
     def methods_called(self) -> list[str]:
         """The method names in `calls`, in order (for ordering assertions)."""
         return [method for method, _ in self.calls]
+
+
+def _cut(result: GenerateResult, num_tokens: int) -> GenerateResult:
+    """`result` as it stood after `num_tokens` tokens ("abort": cut short)."""
+    if len(result.output_ids) <= num_tokens:
+        return result
+    return GenerateResult(
+        rid=result.rid,
+        output_ids=result.output_ids[:num_tokens],
+        output_logprobs=result.output_logprobs[:num_tokens],
+        token_versions=result.token_versions[:num_tokens],
+        finish_reason="abort",
+    )

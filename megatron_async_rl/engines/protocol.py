@@ -164,6 +164,12 @@ class Engine(Protocol):
         Raises `EngineTornError` while the weights are torn (see `end_weight_update`)."""
         ...
 
+    def partial_results(self, rids: Sequence[str]) -> dict[str, GenerateResult]:
+        """After a `generate` call failed (the engine died): what it had generated for those
+        of `rids` it had reported, each a prefix ("abort") or a whole response ("stop",
+        "length"). Read by `engines.restarting` to carry the requests on from there."""
+        ...
+
     def begin_weight_update(self) -> None:
         """Open a weight-update session."""
         ...

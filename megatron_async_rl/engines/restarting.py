@@ -16,10 +16,15 @@ does not answer (`EngineTimeoutError`), or the watchdog finds it hung, it:
    so a transfer that died half way simply goes on;
 5. carries on the call that failed. Every thread blocked in a call on the dead engine does the
    same once the restart is done (one restart per death: the first caller restarts, the others
-   see a newer engine and retry on it). A `generate` call is resubmitted whole: the requests of
-   the failed call are generated again on the new engine from their prompts (their seeds make
-   the samples those the dead engine would have produced; counted
-   `engines/requests_resubmitted`).
+   see a newer engine and retry on it). A `generate` call goes on from where the dead engine
+   was: the requests it had finished are kept whole, the others continue from the tokens it
+   had reported (`Engine.partial_results`; the SGLang engine host reports every
+   `engine.progress_every_tokens` tokens), each token keeping its log-prob and weight version
+   (`engines.prefixes`: a prefix older than the step's staleness window, `set_step`'s
+   `oldest_version`, is generated again). Counted: `engines/requests_resubmitted` (requests
+   sent again), `engines/tokens_kept`, `engines/tokens_regenerated` (reported tokens thrown
+   away as too stale; tokens decoded after the engine's last report are not known, so not
+   counted).
 
 The watchdog (a thread, every `engine.health_check_every_s`) asks the engine for one token
 within `engine.health_timeout_s / 2` (while it is paused or loading weights, when it answers
@@ -29,7 +34,9 @@ deadlock) is so found within about `health_check_every_s + health_timeout_s`.
 
 Metrics (`take_metrics`, summed over engines): `engines/healthy`, `engines/restarts`,
 `engines/restart_s` split into `engines/restart_start_s` (new process) and
-`engines/restart_load_s` (weights), `engines/requests_resubmitted`.
+`engines/restart_load_s` (weights), `engines/restart_resubmit_s` (the carried-on generate
+calls: the resubmitted requests generated from their prefixes), `engines/requests_resubmitted`,
+`engines/tokens_kept`, `engines/tokens_regenerated`.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from megatron_async_rl.engines import prefixes
 from megatron_async_rl.engines.health import (
     EngineHealth,
     EngineRestartLimitError,
@@ -77,6 +85,7 @@ class RestartingEngine:
         self.keeps_weights = max_restarts > 0
         self.health_timeout_s, self.check_every_s = health_timeout_s, check_every_s
         self.step = 0
+        self.oldest_version: int | None = None
         self._lock = threading.RLock()
         self._epoch = 0  # +1 per restart: a caller that failed on an older engine only retries
         self._last: dict[str, torch.Tensor] = {}  # newest complete version, host copies
@@ -87,7 +96,9 @@ class RestartingEngine:
         self._closed = threading.Event()
         self._metrics = dict.fromkeys(
             ("engines/restarts", "engines/restart_s", "engines/restart_start_s",
-             "engines/restart_load_s", "engines/requests_resubmitted"), 0.0,
+             "engines/restart_load_s", "engines/restart_resubmit_s",
+             "engines/requests_resubmitted", "engines/tokens_kept", "engines/tokens_regenerated"),
+            0.0,
         )  # fmt: skip
         self._watchdog = None
         if self.keeps_weights and check_every_s > 0:
@@ -97,9 +108,11 @@ class RestartingEngine:
 
     # -- what the generate side tells and asks ---------------------------------------------
 
-    def set_step(self, step: int) -> None:
-        """The step being generated (the restart budget's window counts steps)."""
-        self.step = step
+    def set_step(self, step: int, oldest_version: int | None = None) -> None:
+        """The step being generated (the restart budget's window counts steps), and the
+        oldest policy version its tokens may carry (a cut request's prefix with older tokens
+        is generated again; None: every prefix is kept)."""
+        self.step, self.oldest_version = step, oldest_version
 
     def resumed_at(self, step: int) -> None:
         """The run resumed at `step`: faults due before it were injected by an earlier
@@ -121,12 +134,32 @@ class RestartingEngine:
     # -- Engine protocol -------------------------------------------------------------------
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        kept: dict[str, GenerateResult] = {}  # rid -> what dead engines had generated
+
         def call(engine):
             self._inject("generate", engine)
-            return engine.generate(requests)
+            todo = [prefixes.continuation(r, kept.get(r.rid)) for r in requests]
+            todo = [r for r in todo if r is not None]
+            start = time.monotonic()
+            rest = {r.rid: r for r in engine.generate(todo)} if todo else {}
+            if kept:  # a carried-on call: the resubmitted requests' share of the recovery
+                self._metrics["engines/restart_resubmit_s"] += time.monotonic() - start
+            return [prefixes.joined(kept.get(r.rid), rest.get(r.rid)) for r in requests]
 
-        def on_retry():
-            self._metrics["engines/requests_resubmitted"] += len(requests)
+        def on_retry(failed):
+            partial = failed.partial_results([r.rid for r in requests])
+            m = self._metrics
+            for request in requests:
+                before = kept.get(request.rid)
+                if before is not None and prefixes.is_finished(before):
+                    continue
+                new, dropped = prefixes.kept_prefix(partial.get(request.rid), self.oldest_version)
+                if new is not None:
+                    kept[request.rid] = prefixes.joined(before, new)
+                m["engines/tokens_kept"] += len(new.output_ids) if new is not None else 0
+                m["engines/tokens_regenerated"] += dropped
+                finished = request.rid in kept and prefixes.is_finished(kept[request.rid])
+                m["engines/requests_resubmitted"] += not finished
 
         return self._carry_on("generate", call, on_retry)
 
@@ -221,7 +254,7 @@ class RestartingEngine:
                         raise
                     self._restart(epoch, f"{method}: {exc}")
                 if on_retry is not None:
-                    on_retry()
+                    on_retry(engine)
                 logger.warning("[%s] %s carried on by the restarted engine", self.where, method)
 
     def _restart(self, epoch: int, cause: str) -> None:

@@ -65,6 +65,7 @@ import torch.multiprocessing  # noqa: F401 - registers tensor pickling for the p
 
 from megatron_async_rl.engines import handover
 from megatron_async_rl.engines.config import SGLangEngineConfig
+from megatron_async_rl.engines.progress import PartialResults
 from megatron_async_rl.engines.protocol import (
     EngineDiedError,
     EngineTimeoutError,
@@ -113,6 +114,7 @@ class SGLangEngine:
         self._closed = False
         self._pause_mode: str | None = None
         self.sessions = WeightSessions(self.where)
+        self._partial = PartialResults()
         stale = remove_stale_segments()
         if stale:
             logger.info("[%s] removed %d shared-memory segment(s) of dead engines from "
@@ -143,11 +145,19 @@ class SGLangEngine:
             return []
         self.sessions.check_whole()
         try:
-            return self._call("generate", self.config.generate_timeout_s, requests=list(requests))
+            results = self._call("generate", self.config.generate_timeout_s,
+                                 requests=list(requests))  # fmt: skip
+            self._partial.forget(r.rid for r in requests)
+            return results
         except EngineTimeoutError:
             for request in requests:  # best effort: do not leave them decoding
                 self._send_only("abort", rid=request.rid)
             raise
+
+    def partial_results(self, rids: Sequence[str]) -> dict[str, GenerateResult]:
+        """The newest progress the host reported for `rids` (with
+        `progress_every_tokens` > 0; `engines.progress`)."""
+        return self._partial.take(rids)
 
     def begin_weight_update(self) -> None:
         self._call("begin_weight_update")
@@ -309,6 +319,9 @@ class SGLangEngine:
                 break
             if message[0] == "died":
                 self._death_notice = message[1]
+                continue
+            if message[0] == "progress":
+                self._partial.update(message[1])
                 continue
             kind, call_id, payload = message
             pending = self._pending.pop(call_id, None)

@@ -30,6 +30,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers tensor pickling for the pipe
 
 from megatron_async_rl.engines.config import SGLangEngineConfig
+from megatron_async_rl.engines.progress import ProgressReporter
 from megatron_async_rl.engines.protocol import (
     GenerateRequest,
     GenerateResult,
@@ -119,6 +120,8 @@ class _EngineHost:
         self.child_pids: list[int] = engine.get_all_child_pids()
         self.stopped = asyncio.Event()
         self._shards: _ShardDump | None = None  # TP > 1 read-back; dropped on weight updates
+        self.progress = ProgressReporter(self._send_quietly)
+        self._progress_sent = 0.0
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -179,10 +182,17 @@ class _EngineHost:
         ]
         cause = "; ".join(dead) or "an SGLang child process reported a failure (SIGQUIT)"
         try:
+            self.progress.flush()  # the tokens streamed since the last report
             self.conn.send(("died", cause + "; its traceback, if any, is in the log above"))
         finally:
             kill_tree(os.getpid(), include_root=False)
             os._exit(HOST_EXIT_CHILD_DIED)
+
+    def _send_quietly(self, message: tuple) -> None:
+        try:
+            self.conn.send(message)
+        except (OSError, EOFError):
+            pass  # the rank is gone; its pipe closing shuts this host down
 
     @staticmethod
     def _check(what: str, result) -> None:
@@ -191,14 +201,42 @@ class _EngineHost:
             raise RuntimeError(f"SGLang refused {what}: {message}")
 
     async def rpc_generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        every = self.config.progress_every_tokens
+        params = [_sampling_dict(r) for r in requests]
+        for p in params if every else ():
+            p["stream_interval"] = every
         obj = self.io.GenerateReqInput(
             input_ids=[r.input_ids for r in requests],
-            sampling_params=[_sampling_dict(r) for r in requests],
+            sampling_params=params,
             rid=[r.rid for r in requests],
             return_logprob=True,
+            stream=bool(every),
         )
-        outputs = await self.tm.generate_request(obj, None).__anext__()
-        return [_to_result(r.rid, out) for r, out in zip(requests, outputs)]
+        if not every:
+            outputs = await self.tm.generate_request(obj, None).__anext__()
+            return [_to_result(r.rid, out) for r, out in zip(requests, outputs)]
+        # Streamed: the newest output of each request is reported to the rank as it goes
+        # (`engines.progress`), so a request cut by a death goes on from its prefix.
+        final: list[dict | None] = [None] * len(requests)
+        try:
+            async for out in self.tm.generate_request(obj, None):
+                index = out["index"]
+                self.progress.record(requests[index].rid, out)
+                if out["meta_info"].get("finish_reason"):
+                    final[index] = out
+                self._progress_due()
+        finally:
+            self.progress.forget(r.rid for r in requests)
+        missing = [r.rid for r, out in zip(requests, final) if out is None]
+        if missing:
+            raise RuntimeError(f"SGLang's stream ended without a final output for {missing}")
+        return [_to_result(r.rid, out) for r, out in zip(requests, final)]
+
+    def _progress_due(self) -> None:
+        now = time.monotonic()
+        if now - self._progress_sent >= self.config.progress_every_s:
+            self._progress_sent = now
+            self.progress.flush()
 
     async def rpc_begin_weight_update(self) -> None:
         self._drop_shards()

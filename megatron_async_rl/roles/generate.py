@@ -50,7 +50,9 @@ class GenerateSide:
         mine = served_prompts(len(records), self.engine_index, self.num_engines)
         ids = {i: records[i].prompt_ids or self.encode(records[i]) for i in mine}
         if hasattr(self.engine, "set_step"):  # a restart budget counts steps
-            self.engine.set_step(work.step)
+            # A request cut by an engine death keeps its prefix if it is in the step's window.
+            oldest = max(0, work.step - cfg.scheduler.generate_ahead_steps)
+            self.engine.set_step(work.step, oldest)
         work.samples = generate_samples(
             self.engine, self.tokenizer, records, ids, mine,
             cfg.algorithm.num_samples_per_prompt, cfg.rollout, step=work.step, run_seed=cfg.seed,

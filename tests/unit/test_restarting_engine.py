@@ -277,3 +277,47 @@ def test_with_several_engines_a_step_s_fault_goes_to_one_engine():
     for fault, engine in zip(faults, engines, strict=True):
         fault("load", 6, engine)
     assert [f.take_metrics() for f in faults] == [{}, {"faults/injected/engine_kill_in_load": 1.0}]
+
+
+def test_a_generation_cut_by_a_death_goes_on_from_each_request_s_prefix():
+    factory = Factory()
+    engine = _engine(factory)
+    _sync(engine, 1, {"a": torch.ones(2)})
+    requests = [GenerateRequest([1, 2 + i], SamplingParams(max_new_tokens=6), f"r{i}")
+                for i in range(3)]  # fmt: skip
+    first = factory.engines[0]
+    first.eos_token_id = first.token([1, 3], 1, "v1")  # r1 stops at its 2nd token
+    first.die_in_generate_after(3)
+    engine.set_step(4, oldest_version=None)
+    results = engine.generate(requests)
+    new = factory.engines[1]
+    asked = dict(new.calls)["generate"]["rids"]
+    assert asked == ["r0", "r2"]  # r1 had finished before the death: kept whole
+    for i, result in enumerate(results):
+        prompt = [1, 2 + i]
+        if i == 1:
+            assert result.finish_reason == "stop" and len(result.output_ids) == 2
+            continue
+        head = [first.token(prompt, p, "v1") for p in range(3)]
+        tail = [new.token(prompt + head, p, "v1") for p in range(3)]
+        assert result.output_ids == head + tail and result.token_versions == ["v1"] * 6
+        assert result.output_logprobs == [FakeEngine.logprob(t) for t in head + tail]
+    metrics = engine.take_metrics()
+    assert metrics["engines/tokens_kept"] == 3 + 2 + 3
+    assert metrics["engines/requests_resubmitted"] == 2
+    assert "engines/tokens_regenerated" not in metrics  # zero counters are left out
+    assert metrics["engines/restart_resubmit_s"] > 0
+
+
+def test_a_prefix_older_than_the_step_s_window_is_generated_again_and_counted():
+    factory = Factory()
+    engine = _engine(factory)
+    _sync(engine, 2, {"a": torch.ones(2)})  # the prefixes carry "v2": not a number, version 0
+    factory.engines[0].die_in_generate_after(2)
+    engine.set_step(3, oldest_version=1)
+    results = engine.generate(_requests())
+    new = factory.engines[1]
+    assert [r.output_ids for r in results] == [r.output_ids for r in new.generate(_requests())]
+    metrics = engine.take_metrics()
+    assert metrics["engines/tokens_regenerated"] == 6 and "engines/tokens_kept" not in metrics
+    assert metrics["engines/requests_resubmitted"] == 3
