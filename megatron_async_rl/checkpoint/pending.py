@@ -5,11 +5,12 @@ Owned here: `PendingSteps`. Called by `jobs/grpo_async.py`: every step the engin
 generates and scores is recorded here by the stage that just finished it (on the main thread,
 where those stages run), a step stays until the learner has trained it (`drop_before(v)` once
 version v exists), and a save writes every step still here with the stage it reached
-(`state_dict`): prompts loaded, samples generated, samples scored (sent to the learner or not).
-Snapshots are taken between two stage works on the main thread, so no generation is half done:
-there are no partial trajectories to keep. A resumed engine host puts each step back where it
-was (`restore`): scored steps are sent again (the learner drops what it had received), generated
-ones are scored, loaded ones generated; the data cursor continues after the last loaded step.
+(`state_dict`): prompts loaded, responses cut short (a generation stopped for the save: each
+response's prefix, its engine log-probs and per-token versions), samples generated, samples
+scored (sent to the learner or not). A resumed engine host puts each step back where it was
+(`restore`): scored steps are sent again (the learner drops what it had received), generated
+ones are scored, partial ones continued from their prefixes, loaded ones generated; the data
+cursor continues after the last loaded step.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from collections.abc import Mapping
 
 from megatron_async_rl.roles.work import StepWork
 
-LOADED, GENERATED, SCORED = "loaded", "generated", "scored"
-STAGES = (LOADED, GENERATED, SCORED)
+LOADED, PARTIAL, GENERATED, SCORED = "loaded", "partial", "generated", "scored"
+STAGES = (LOADED, PARTIAL, GENERATED, SCORED)
 
 
 class PendingSteps:
@@ -81,10 +82,15 @@ class PendingSteps:
 
     @staticmethod
     def counts(state: Mapping) -> dict[str, float]:
-        """Samples and response tokens kept in a saved state (generated or scored steps)."""
-        samples = tokens = 0
+        """Samples and response tokens kept in a saved state: whole ones (generated or scored
+        steps) and the prefixes of partial steps."""
+        samples = tokens = partial = 0
         for entry in state["steps"]:
             for sample in entry["work"]["samples"] or []:
+                if entry["stage"] == PARTIAL:
+                    partial += len(sample["response_ids"])
+                    continue
                 samples += 1
                 tokens += len(sample["response_ids"])
-        return {"samples": float(samples), "tokens": float(tokens)}
+        return {"samples": float(samples), "tokens": float(tokens),
+                "partial_tokens": float(partial)}  # fmt: skip

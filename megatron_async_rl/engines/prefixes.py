@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_async_rl.engines.protocol import GenerateRequest, GenerateResult
+from megatron_async_rl.engines.protocol import GenerateRequest, GenerateResult, version_number
 
 FINISHED = ("stop", "length")
 
@@ -38,7 +38,7 @@ def kept_prefix(
     """(The part of `partial` to keep or None, the number of its tokens thrown away)."""
     if partial is None or not partial.output_ids:
         return None, 0
-    if oldest_version is not None and _version(partial.token_versions[0]) < oldest_version:
+    if oldest_version is not None and version_number(partial.token_versions[0]) < oldest_version:
         return None, len(partial.output_ids)
     return partial, 0
 
@@ -70,11 +70,3 @@ def joined(kept: GenerateResult | None, rest: GenerateResult | None) -> Generate
         token_versions=kept.token_versions + rest.token_versions,
         finish_reason=rest.finish_reason,
     )
-
-
-def _version(label: str) -> int:
-    """A weight label as a policy version; the engine's initial label counts as version 0."""
-    try:
-        return int(label)
-    except ValueError:
-        return 0

@@ -41,6 +41,13 @@ def check_pause_mode(mode: str) -> None:
 INITIAL_VERSION = "default"
 
 
+def version_number(label: str) -> int:
+    """Policy version of an engine weight-version label: 'default' (initial) = 0, 'v3' = 3."""
+    if label in (INITIAL_VERSION, "", None):
+        return 0
+    return int(str(label).lstrip("v"))
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request's continuation."""

@@ -15,8 +15,12 @@ Called by `jobs/grpo_async.py`.
 
 The learner reaches boundary v as soon as version v exists; the engine host's boundary thread
 waits for it there without holding the main thread, so generation goes on, and only a save
-takes the main thread: the learner waits for the work in progress to finish (a generation, at
-most one step's). A signal anywhere makes every rank save at the same boundary and stop.
+takes the main thread. A generation in progress when a save is due is cut (`GenerateSide.cut`:
+the engine aborts its requests, which come back as prefixes); the generate stage records the
+step as partial, runs the save itself once the engine holds v, and then continues the
+responses from their prefixes. So the learner waits for the save only, not for a generation,
+and no generated token is lost or done twice. A signal anywhere makes every rank save at the
+same boundary and stop.
 """
 
 from __future__ import annotations
@@ -38,8 +42,11 @@ class Boundaries(threading.Thread):
     """An engine host's boundaries after versions start+1..steps (see the module doc)."""
 
     def __init__(self, checkpoints, start: int, steps: int, pending: PendingSteps, saves, wake,
-                 device: torch.device | None = None):  # fmt: skip
+                 device: torch.device | None = None, cut=None):  # fmt: skip
         super().__init__(name="checkpoint-boundaries", daemon=True)
+        self.cut = cut
+        """Stops the generation in progress (`GenerateSide.cut`) once a save is due: its
+        responses are saved as prefixes instead of the save waiting for them."""
         self.device = device
         """This rank's device: the collectives here may be NCCL's (a thread's CUDA device is
         cuda:0 until it is set)."""
@@ -63,6 +70,8 @@ class Boundaries(threading.Thread):
                 if save:
                     self.saves.put(version, None)
                     self.wake()
+                    if self.cut is not None:
+                        self.cut()
                     with self.cond:  # the next boundary's collective after this save's
                         while self.saved_version < version:
                             self.cond.wait()
@@ -117,13 +126,14 @@ class Resumed:
         path = checkpoints.chosen[0] if checkpoints is not None else None
         if path is None:
             return cls()
-        counts = {"resume/partial_tokens_restored": 0.0}  # snapshots fall between works
+        counts = {}
         state = checkpoints.restored
         if state is not None and "pending" in state.get("gen", {}):
             gen = state["gen"]
             kept = PendingSteps.counts(gen["pending"])
             counts.update({"resume/samples_restored": kept["samples"],
-                           "resume/tokens_restored": kept["tokens"]})  # fmt: skip
+                           "resume/tokens_restored": kept["tokens"],
+                           "resume/partial_tokens_restored": kept["partial_tokens"]})  # fmt: skip
             return cls(gen["pending"], gen.get("validated", -1), gen.get("validations", {}),
                        counts)  # fmt: skip
         regenerated = 0.0
@@ -131,7 +141,8 @@ class Resumed:
             for file in sorted(Path(path).glob("rank_*.pt")):
                 saved = torch.load(file, weights_only=False).get("gen", {})
                 if "pending" in saved:
-                    regenerated += PendingSteps.counts(saved["pending"])["tokens"]
+                    kept = PendingSteps.counts(saved["pending"])
+                    regenerated += kept["tokens"] + kept["partial_tokens"]
         counts["resume/tokens_regenerated"] = regenerated
         start = int(checkpoints.chosen[1]["step"])
         return cls(None, start - 1, {}, counts)  # versions before `start` count as evaluated

@@ -29,8 +29,9 @@ import torch.distributed as dist
 
 from megatron_async_rl.checkpoint.config import Preempted
 from megatron_async_rl.checkpoint.manager import CheckpointManager
-from megatron_async_rl.checkpoint.pending import GENERATED, LOADED, SCORED, PendingSteps
+from megatron_async_rl.checkpoint.pending import GENERATED, LOADED, PARTIAL, SCORED, PendingSteps
 from megatron_async_rl.distributed.collective_errors import name_failure
+from megatron_async_rl.engines.protocol import version_number
 from megatron_async_rl.jobs.async_checkpoint import Boundaries, Resumed
 from megatron_async_rl.jobs.grpo_sync import boundary
 from megatron_async_rl.jobs.parts import build_parts
@@ -86,13 +87,18 @@ def run_generate_pipeline(
     resumed = resumed or Resumed()
     pending = PendingSteps()
     kept = resumed.steps(start)
-    prompts, rollouts, scored = (
-        BoundedQueue(stage_name, max(capacity, len(kept[stage])))
-        for stage_name, stage in (("prompts", LOADED), ("rollouts", GENERATED), ("scored", SCORED))
-    )  # fmt: skip
-    for stage, queue in ((LOADED, prompts), (GENERATED, rollouts), (SCORED, scored)):
-        for work in kept[stage]:  # where each step was when the checkpoint was taken
-            queue.put(pending.record(work, stage), timeout, context)
+    # Where each step was when the checkpoint was taken; a partial step (its generation cut
+    # for the save) goes back to the generate stage, which continues it from its prefixes.
+    placed = ((PARTIAL, "prompts"), (LOADED, "prompts"), (GENERATED, "rollouts"),
+              (SCORED, "scored"))  # fmt: skip
+    queues = {name: BoundedQueue(name, max(capacity, sum(len(kept[st]) for st, n in placed
+                                                          if n == name)))
+              for name in ("prompts", "rollouts", "scored")}  # fmt: skip
+    prompts, rollouts, scored = queues["prompts"], queues["rollouts"], queues["scored"]
+    for stage, name in placed:
+        for work in kept[stage]:
+            queues[name].put(pending.record(work, stage), timeout, context)
+    resumed.metrics.update(_stale_prefixes(kept[PARTIAL], staleness))
     generate_machine = clock.machine(Stage.GENERATE)
     validation_machine = clock.machine(Stage.VALIDATION)
     in_flight = sched.weight_update_mode == "in_flight"
@@ -124,8 +130,15 @@ def run_generate_pipeline(
     def generate(work: StepWork) -> StepWork:
         if gen.faults is not None:
             gen.faults.at_step(work.step)
-        with gate.generating():
-            return pending.record(gen.generate(work), GENERATED)
+        while True:
+            with gate.generating():
+                work = gen.generate(work)
+            if not work.partial:
+                return pending.record(work, GENERATED)
+            # Cut by the boundaries thread for a due save: save the prefixes now (a signal
+            # stops the run here), then go on from them.
+            pending.record(work, PARTIAL)
+            save_now()
 
     def score(work: StepWork) -> StepWork:
         return pending.record(gen.score(work), SCORED)
@@ -161,10 +174,21 @@ def run_generate_pipeline(
 
     saves = BoundedQueue("saves", 1)
     boundaries = Boundaries(checkpoints, start, steps, pending, saves, lambda: scheduler.wake(),
-                            getattr(exchange, "device", None))  # fmt: skip
+                            getattr(exchange, "device", None), cut=gen.cut)  # fmt: skip
 
     def save_due(version: int) -> str | None:
         return None if receiver.loaded >= version else f"engine weights v{version} to save"
+
+    def save_now() -> None:
+        """The due save, from the generate stage whose generation was cut for it."""
+        version = saves.get(timeout, context)
+        deadline = time.monotonic() + timeout
+        while (waiting := save_due(version)) is not None:  # the weight thread loads it
+            receiver.check()
+            if time.monotonic() > deadline:
+                raise StageTimeout(waiting, timeout, timeout, context)
+            time.sleep(0.01)
+        save(version)
 
     def save(version: int) -> None:
         """The engine host's part of checkpoint `version` (its data, between two works)."""
@@ -206,6 +230,19 @@ def run_generate_pipeline(
     receiver.check()
     if checkpoints is not None:
         boundaries.finish(timeout, context)
+
+
+def _stale_prefixes(works: list[StepWork], staleness: StalenessController) -> dict[str, float]:
+    """`resume/tokens_regenerated`: tokens of restored prefixes now older than their step's
+    window (the generate stage generates them again)."""
+    dropped = 0
+    for work in works:
+        low = staleness.window(work.step)[0]
+        for sample in work.samples or []:
+            versions = [version_number(v) for v in sample.token_versions]
+            if versions and versions[0] < low:
+                dropped += len(versions)
+    return {"resume/tokens_regenerated": float(dropped)} if dropped else {}
 
 
 def run_learn_pipeline(learn, exchange, clock: RankClock, cfg, rank: int, role: str,

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
+from megatron_async_rl.engines import prefixes
 from megatron_async_rl.rewards.registry import safe_reward
 from megatron_async_rl.roles.work import StepWork
 from megatron_async_rl.rollout.dataset import PromptDataset, encode_prompt
-from megatron_async_rl.rollout.generation import generate_samples, served_prompts
+from megatron_async_rl.rollout.generation import as_result, generate_samples, served_prompts
 from megatron_async_rl.rollout.validation import Validator
 
 logger = logging.getLogger(__name__)
@@ -36,6 +38,8 @@ class GenerateSide:
         self.faults = None
         """Injected faults (`jobs.faults.RankFaults`: `reward_fault(step)`, `take_metrics()`),
         set by the job when the recipe asks for some."""
+        self._cut_lock = threading.Lock()
+        self._generating = self._cut = False
 
     # -- stages ----------------------------------------------------------------------------
     def load(self, step: int) -> StepWork:
@@ -45,19 +49,70 @@ class GenerateSide:
         return StepWork(step=step, cursor=cursor, records=records)
 
     def generate(self, work: StepWork) -> StepWork:
-        """generate: this engine's share of the step's prompts, sampled."""
+        """generate: this engine's share of the step's prompts, sampled. A work whose samples
+        are prefixes (`work.partial`: cut for a save, or saved so) continues from them; a
+        prefix older than the step's staleness window is generated again (counted). Returns
+        with `work.partial` set when `cut` stopped it (the samples hold the prefixes)."""
         cfg, records = self.cfg, work.records
         mine = served_prompts(len(records), self.engine_index, self.num_engines)
         ids = {i: records[i].prompt_ids or self.encode(records[i]) for i in mine}
+        # A request cut short keeps its prefix if it is in the step's window.
+        oldest = max(0, work.step - cfg.scheduler.generate_ahead_steps)
         if hasattr(self.engine, "set_step"):  # a restart budget counts steps
-            # A request cut by an engine death keeps its prefix if it is in the step's window.
-            oldest = max(0, work.step - cfg.scheduler.generate_ahead_steps)
             self.engine.set_step(work.step, oldest)
-        work.samples = generate_samples(
-            self.engine, self.tokenizer, records, ids, mine,
-            cfg.algorithm.num_samples_per_prompt, cfg.rollout, step=work.step, run_seed=cfg.seed,
-        )  # fmt: skip
-        return work
+        kept = self._prefixes(work, oldest)
+        for attempt in range(1, 4):
+            with self._cut_lock:
+                self._generating, self._cut = True, False
+            try:
+                work.samples = generate_samples(
+                    self.engine, self.tokenizer, records, ids, mine,
+                    cfg.algorithm.num_samples_per_prompt, cfg.rollout, step=work.step,
+                    run_seed=cfg.seed, prefixes=kept,
+                )  # fmt: skip
+            finally:
+                with self._cut_lock:
+                    self._generating, cut = False, self._cut
+            cut_short = [s for s in work.samples if s.finish_reason not in prefixes.FINISHED]
+            work.partial = bool(cut_short)
+            if not cut_short or cut:
+                return work
+            # Aborted, but not by `cut` (nothing here asks for it): never train a cut response.
+            logger.warning("step %d: %d response(s) came back cut short (attempt %d); "
+                           "continuing them", work.step, len(cut_short), attempt)  # fmt: skip
+            kept = {r.rid: r for r in (as_result(s, work.step) for s in work.samples)}
+        raise RuntimeError(
+            f"generate rank (engine {self.engine_index}), step {work.step}: the engine aborted "
+            f"{len(cut_short)} response(s) on 3 attempts in a row (e.g. {cut_short[0].uid}), "
+            "and nothing asked it to; see the engine's log"
+        )
+
+    def cut(self) -> bool:
+        """Stop the generation in progress (from another thread): its responses come back as
+        prefixes and `generate` returns the work partial. False when none was running."""
+        with self._cut_lock:
+            if not self._generating:
+                return False
+            self._cut = True
+            # Under the lock: no next generation starts before the abort has gone out.
+            self.engine.abort()
+        return True
+
+    def _prefixes(self, work: StepWork, oldest: int) -> dict:
+        """The prefixes a partial `work` continues from (request id -> result); those older
+        than `oldest` are dropped and counted as regenerated."""
+        if not work.partial or not work.samples:
+            return {}
+        kept, counts = {}, {"rollout/prefix_tokens_kept": 0.0,
+                            "rollout/prefix_tokens_regenerated": 0.0}  # fmt: skip
+        for sample in work.samples:
+            result, dropped = prefixes.kept_prefix(as_result(sample, work.step), oldest)
+            counts["rollout/prefix_tokens_regenerated"] += dropped
+            if result is not None:
+                kept[result.rid] = result
+                counts["rollout/prefix_tokens_kept"] += len(result.output_ids)
+        work.report.add_sums(counts)
+        return kept
 
     def score(self, work: StepWork) -> StepWork:
         """reward: every sample scored; the engine host's report of the step."""

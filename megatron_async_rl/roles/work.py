@@ -8,7 +8,7 @@ the same objects. Every field is a plain int, float, str, list, dict or tensor, 
 serialises as it is (`state_dict`), the unit a checkpoint saves.
 
     dataloader      cursor, records                 (generate ranks)
-    generate        samples (tokens, engine log-probs, per-token versions)
+    generate        samples (tokens, engine log-probs, per-token versions), partial
     reward          samples[i].reward, report
     -- samples cross to the Megatron ranks --
     logp            batch, logp_BT                  (logp ranks)
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_async_rl.rollout.batch import version_number
+from megatron_async_rl.engines.protocol import version_number
 from megatron_async_rl.rollout.dataset import PromptRecord
 from megatron_async_rl.rollout.generation import Sample
 
@@ -102,6 +102,9 @@ class StepWork:
     records: list[PromptRecord] | None = None
     samples: list[Sample] | None = None
     """Every engine's samples in prompt order (on an engine host before the exchange: its own)."""
+    partial: bool = False
+    """The generation was cut for a checkpoint: `samples` hold each response's prefix so far
+    (finish reason "abort" where unfinished), to be continued (`GenerateSide.generate`)."""
     gen_reports: list[StepReport] = field(default_factory=list)
     """The engine hosts' reports of the step (generate, reward, validation, weight loads)."""
     batch: dict[str, torch.Tensor] | None = None

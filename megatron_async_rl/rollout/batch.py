@@ -11,12 +11,7 @@ from __future__ import annotations
 
 import torch
 
-
-def version_number(label: str) -> int:
-    """Policy version of an engine weight-version label: 'default' (initial) = 0, 'v3' = 3."""
-    if label in ("default", "", None):
-        return 0
-    return int(str(label).lstrip("v"))
+from megatron_async_rl.engines.protocol import version_number
 
 
 def build_batch(samples, pad_id: int, multiple: int = 8) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from megatron_async_rl.rollout.config import RolloutConfig
@@ -47,6 +48,11 @@ def request_seed(run_seed: int, step: int, uid: str, sample_index: int) -> int:
     return zlib.crc32(text) & 0x7FFFFFFF
 
 
+def request_id(step: int, prompt_index: int, sample_index: int) -> str:
+    """The engine request id of one sample of a step."""
+    return f"s{step}-p{prompt_index}-k{sample_index}"
+
+
 def generate_samples(
     engine,
     tokenizer,
@@ -58,10 +64,15 @@ def generate_samples(
     *,
     step: int,
     run_seed: int,
+    prefixes: Mapping | None = None,
 ) -> list[Sample]:
-    """Sample `num_samples` responses for each prompt in `indices` with `engine`."""
+    """Sample `num_samples` responses for each prompt in `indices` with `engine`. `prefixes`
+    (request id -> `GenerateResult`): responses generated earlier and cut short, continued
+    from there (`engines.prefixes`); a whole one is taken as it is."""
+    from megatron_async_rl.engines import prefixes as continuing
     from megatron_async_rl.engines.protocol import GenerateRequest, SamplingParams
 
+    prefixes = prefixes or {}
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     requests, owners = [], []
     for index in indices:
@@ -75,10 +86,13 @@ def generate_samples(
                 seed=request_seed(run_seed, step, record.uid, k),
                 stop_token_ids=stop,
             )
-            rid = f"s{step}-p{index}-k{k}"
+            rid = request_id(step, index, k)
             requests.append(GenerateRequest(prompt_ids[index], sampling, rid))
             owners.append((index, k))
-    results = engine.generate(requests) if requests else []
+    todo = [continuing.continuation(r, prefixes.get(r.rid)) for r in requests]
+    todo = [r for r in todo if r is not None]
+    rest = {r.rid: r for r in engine.generate(todo)} if todo else {}
+    results = [continuing.joined(prefixes.get(r.rid), rest.get(r.rid)) for r in requests]
     samples = []
     for (index, k), result in zip(owners, results, strict=True):
         record = records[index]
@@ -98,3 +112,16 @@ def generate_samples(
             )
         )
     return samples
+
+
+def as_result(sample: Sample, step: int):
+    """A sample's response as the engine's `GenerateResult` (to continue it)."""
+    from megatron_async_rl.engines.protocol import GenerateResult
+
+    return GenerateResult(
+        rid=request_id(step, sample.prompt_index, sample.sample_index),
+        output_ids=list(sample.response_ids),
+        output_logprobs=list(sample.response_logprobs),
+        token_versions=list(sample.token_versions),
+        finish_reason=sample.finish_reason,
+    )

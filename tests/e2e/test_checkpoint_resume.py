@@ -167,9 +167,11 @@ def test_the_asynchronous_loop_loses_nothing_through_a_kill_during_a_save(task, 
     launched with `MAX_RESTARTS=1`. A random rank is killed with SIGKILL while version 4 is
     being written (its partial directory exists): torchrun restarts the world, which resumes
     by itself from version 2 with the engine host's untrained steps
-    (`resume/samples_restored` > 0, never a partial trajectory) and finishes: the launcher
-    exits 0. The ledger then holds steps 0-7 once each, 128 prompts, none twice (the data has
-    200 rows: one epoch), and every token within one version of its step."""
+    (generated samples, `resume/tokens_restored`, and the prefixes of the generation the save
+    cut, `resume/partial_tokens_restored`, continued after the resume; together > 0) and
+    finishes: the launcher exits 0. The ledger then holds steps 0-7 once each, 128 prompts,
+    none twice (the data has 200 rows: one epoch), and every token within one version of its
+    step."""
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
     sets = (f"model.hf_path={task.model}", f"data.path={task.data}", "trainer.num_steps=8",
@@ -188,8 +190,9 @@ def test_the_asynchronous_loop_loses_nothing_through_a_kill_during_a_save(task, 
     assert [r["step"] for r in rows] == list(range(8)), out
     resumed = [r for r in rows if "resume/from_step" in r]
     assert len(resumed) == 1 and resumed[0]["step"] == 2, resumed
-    assert resumed[0]["resume/samples_restored"] > 0 and resumed[0]["resume/tokens_restored"] > 0
-    assert resumed[0]["resume/partial_tokens_restored"] == 0
+    print(f"\nresumed: { {k: v for k, v in resumed[0].items() if k.startswith('resume/')} }")
+    kept = resumed[0]["resume/tokens_restored"] + resumed[0]["resume/partial_tokens_restored"]
+    assert kept > 0  # whole samples, or prefixes of a generation the save cut
     ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
     assert [r["step"] for r in ledger] == list(range(8))
     prompts = [uid for r in ledger for uid in r["prompts"]]

@@ -1,7 +1,8 @@
 """Stand-ins for the in-process pipeline tests (`test_async_pipeline.py`).
 
 - `TimedEngine`: `FakeEngine` whose generation takes time, token by token, so a weight update
-  can land mid-sequence (tokens after it carry the new version) and a pause holds generation.
+  can land mid-sequence (tokens after it carry the new version), a pause holds generation and
+  an abort cuts it (the responses come back as prefixes, "abort").
   Like SGLang it refuses `flush_cache` while a request is running, while paused, or during a
   weight update ("requests in flight"). Its real twin, SGLang, runs in tests/e2e and
   tests/distributed/test_sglang_engine.py.
@@ -58,30 +59,45 @@ class TimedEngine(FakeEngine):
         self.token_s = token_s
         self._cond = threading.Condition()
         self._running = 0
+        self._aborted = 0  # +1 per abort of everything in flight (generations compare)
 
     def generate(self, requests):
         self._enter("generate", rids=[r.rid for r in requests])
         self.sessions.check_whole()
         with self._cond:
             self._running += 1
+            aborted = self._aborted
         try:
             outputs = [([], []) for _ in requests]
+            cut = False
             for position in range(max(r.sampling.max_new_tokens for r in requests)):
                 time.sleep(self.token_s)
                 with self._cond:
                     self._cond.wait_for(lambda: self.paused is None)
                     version = self._version
+                    cut = self._aborted != aborted
+                if cut:
+                    break
                 for request, (ids, versions) in zip(requests, outputs):
                     if position < request.sampling.max_new_tokens:
                         ids.append(self.token(request.input_ids, position, version))
                         versions.append(version)
             return [
-                GenerateResult(r.rid, ids, [self.logprob(t) for t in ids], versions, "length")
+                GenerateResult(r.rid, ids, [self.logprob(t) for t in ids], versions,
+                               "abort" if len(ids) < r.sampling.max_new_tokens else "length")
                 for r, (ids, versions) in zip(requests, outputs)
-            ]
+            ]  # fmt: skip
         finally:
             with self._cond:
                 self._running -= 1
+
+    def abort(self, rid=None):
+        """Every request in flight comes back with what it has (as SGLang's abort-all)."""
+        assert rid is None, "TimedEngine aborts everything in flight only"
+        with self._cond:
+            super().abort(rid)
+            self._aborted += 1
+            self._cond.notify_all()
 
     def pause(self, mode):
         with self._cond:

@@ -22,7 +22,7 @@ import threading
 import pytest
 
 from megatron_async_rl.checkpoint.config import Preempted
-from megatron_async_rl.checkpoint.pending import GENERATED, LOADED, SCORED, PendingSteps
+from megatron_async_rl.checkpoint.pending import GENERATED, LOADED, PARTIAL, SCORED, PendingSteps
 from megatron_async_rl.jobs.async_checkpoint import Resumed
 from megatron_async_rl.jobs.exchange import LocalExchange
 from megatron_async_rl.jobs.grpo_async import run_generate_pipeline, run_learn_pipeline
@@ -42,23 +42,24 @@ def _work(step: int, tokens: int = 0) -> StepWork:
 
 def test_pending_steps_keep_what_is_untrained_with_its_stage():
     pending = PendingSteps()
-    for step, stage, tokens in ((3, SCORED, 2), (4, GENERATED, 5), (5, LOADED, 0)):
+    for step, stage, tokens in ((3, SCORED, 2), (4, GENERATED, 5), (5, PARTIAL, 4),
+                                (6, LOADED, 0)):  # fmt: skip
         pending.record(_work(step, tokens), stage)
     pending.record(_work(2, 1), SCORED)
     pending.drop_before(3)  # version 3 exists: step 2 is trained
     assert pending.first_cursor() == {"epoch": 0, "index": 3}
     state = pending.state_dict()
-    assert PendingSteps.counts(state) == {"samples": 2.0, "tokens": 7.0}
+    assert PendingSteps.counts(state) == {"samples": 2.0, "tokens": 7.0, "partial_tokens": 4.0}
     kept = PendingSteps.restore(state, 3)
     assert {stage: [w.step for w in works] for stage, works in kept.items()} == {
-        LOADED: [5], GENERATED: [4], SCORED: [3],
+        LOADED: [6], PARTIAL: [5], GENERATED: [4], SCORED: [3],
     }  # fmt: skip
     assert kept[GENERATED][0].samples[0].response_ids == [2] * 5
     assert [w.step for w in PendingSteps.restore(state, 4)[GENERATED]] == [4]
     with pytest.raises(RuntimeError, match="not consecutive"):
         PendingSteps.restore({"steps": state["steps"][::2]}, 3)
     with pytest.raises(ValueError, match="stage 'sent'"):
-        pending.record(_work(6), "sent")
+        pending.record(_work(7), "sent")
 
 
 class SyncCheckpoints:
@@ -96,8 +97,8 @@ class SyncCheckpoints:
 class LedgerLearner(FakeLearner):
     """Keeps each trained step's prompt uids and token versions."""
 
-    def __init__(self, trained: int = 0):
-        super().__init__()
+    def __init__(self, trained: int = 0, durations=lambda stage, step: 0.0):
+        super().__init__(durations)
         self.trained = self.logp_version = trained
         self.pending_metrics: dict = {}
         self.ledger: dict[int, tuple[list[str], list[int]]] = {}
@@ -194,7 +195,7 @@ def test_resumed_reads_the_saved_state_and_counts_it():
     }  # fmt: skip
     assert [w.step for w in resumed.steps(4)[SCORED]] == [4]
     assert Resumed.from_checkpoint(None, first_host=True).steps(0) == {
-        LOADED: [], GENERATED: [], SCORED: [],
+        LOADED: [], PARTIAL: [], GENERATED: [], SCORED: [],
     }  # fmt: skip
 
 
@@ -222,3 +223,54 @@ def test_a_restart_without_a_complete_checkpoint_drops_what_it_logged(tmp_path):
     learn.ledger.close()
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0]
     assert [r["step"] for r in read_ledger(tmp_path / "ledger.jsonl")] == [0]
+
+
+@pytest.mark.parametrize("mode", ["wait", "in_flight"])
+def test_a_save_cuts_the_generation_in_progress_and_the_prefixes_are_continued(tmp_path, mode):
+    """Generation slower than training: every save lands while a step is being generated.
+    The generation is cut, the step saved as partial (its prefixes, log-probs and versions),
+    then continued in the same run; the run preempted at version 3 resumes from those prefixes.
+    Every prompt is trained once, each token within the window, prefixes counted."""
+    steps, stop = 6, 3
+    cfg = make_cfg(tmp_path, steps=steps, ahead=1, mode=mode, prompts=2, max_new_tokens=12)
+    engine = lambda: TimedEngine(token_s=0.02)  # noqa: E731  (0.24 s a generation)
+    train_s = lambda stage, step: 0.1 if stage == "train" else 0.0  # noqa: E731
+    reference = LedgerLearner()
+    assert _run(cfg, reference, engine(), SyncCheckpoints(steps)) == {}
+
+    first = LedgerLearner(durations=train_s)
+    checkpoints = SyncCheckpoints(steps, due=(1, 2), stop_at=stop)
+    errors = _run(cfg, first, engine(), checkpoints)
+    assert all(isinstance(e, Preempted) for e in errors.values()) and len(errors) == 2, errors
+    partial = [
+        entry for version in (1, 2, stop)
+        for entry in checkpoints.saved[version]["gen"]["pending"]["steps"]
+        if entry["stage"] == PARTIAL
+    ]  # fmt: skip
+    assert partial, "no save found a generation in progress"
+    for entry in partial:
+        samples = entry["work"]["samples"]
+        assert all(s["finish_reason"] == "abort" for s in samples)
+        assert all(len(s["response_ids"]) == len(s["token_versions"]) for s in samples)
+    # the steps cut before the stop were continued in that run: their responses are whole
+    continued = [m for m in first.logged if m.get("rollout/prefix_tokens_kept", 0) > 0]
+    saved = checkpoints.saved[stop]["gen"]
+    restored = PendingSteps.counts(saved["pending"])["partial_tokens"]
+    assert continued and restored > 0
+
+    second = LedgerLearner(trained=stop, durations=train_s)
+    resumed_engine = engine()
+    LocalExchange(second.state).sync_weights(stop, resumed_engine)
+    resumed = Resumed(saved["pending"], saved["validated"], saved["validations"],
+                      {"resume/partial_tokens_restored": restored})  # fmt: skip
+    assert _run(cfg, second, resumed_engine, SyncCheckpoints(steps), stop, resumed,
+                saved["cursor"]) == {}  # fmt: skip
+    trained = {**first.ledger, **second.ledger}
+    assert sorted(trained) == list(range(steps))
+    for step in range(steps):
+        assert trained[step][0] == reference.ledger[step][0], step  # the same prompts, once
+        assert all(step - 1 <= v <= step for v in trained[step][1]), (step, trained[step][1])
+        assert len(trained[step][1]) == 2 * 2 * 12  # every response whole (12 tokens)
+    assert second.logged[0]["resume/partial_tokens_restored"] == restored
+    if restored:
+        assert second.logged[0]["rollout/prefix_tokens_kept"] == restored

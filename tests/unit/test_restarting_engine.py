@@ -312,9 +312,9 @@ def test_a_generation_cut_by_a_death_goes_on_from_each_request_s_prefix():
 def test_a_prefix_older_than_the_step_s_window_is_generated_again_and_counted():
     factory = Factory()
     engine = _engine(factory)
-    _sync(engine, 2, {"a": torch.ones(2)})  # the prefixes carry "v2": not a number, version 0
+    _sync(engine, 2, {"a": torch.ones(2)})  # the prefixes carry "v2"
     factory.engines[0].die_in_generate_after(2)
-    engine.set_step(3, oldest_version=1)
+    engine.set_step(4, oldest_version=3)
     results = engine.generate(_requests())
     new = factory.engines[1]
     assert [r.output_ids for r in results] == [r.output_ids for r in new.generate(_requests())]
