@@ -16,7 +16,8 @@ missing) with `yaml_configs/tiny-grpo-async-cpu.yaml` (one step ahead):
 Then it checks and prints: the launcher's exit code; every step in `metrics.jsonl` and
 `ledger.jsonl` exactly once; each step trained on exactly the prompts the reference trained
 at that step; every token within one version of its step; restarts equal to the faults
-injected; the restart times (median, split into process start and weight load); the mean
+injected; the restart times (median, split into process start and weight load), the tokens
+kept from the prefixes of cut requests and the requests other engines took over; the mean
 reward of the last 10 steps against the reference's; processes and `/dev/shm` entries left
 behind. Draws both reward curves in `<out>/reward.png`. Ends with a `RESULT` line. A script
 for the issue's note, not a test: about 8 minutes on 2 CPU cores with the defaults.
@@ -169,7 +170,11 @@ def main() -> int:
         "restart_s_median": statistics.median(t[0] for t in times) if times else None,
         "restart_start_s_median": statistics.median(t[1] for t in times) if times else None,
         "restart_load_s_median": statistics.median(t[2] for t in times) if times else None,
-        "requests_resubmitted": sum(r.get("engines/requests_resubmitted", 0) for r in rows),
+        **{key: sum(r.get(f"engines/{key}", 0) for r in rows) for key in (
+            "requests_resubmitted", "tokens_kept", "tokens_regenerated", "requests_reassigned",
+            "requests_taken_over")},
+        "restart_resubmit_s_total": round(sum(r.get("engines/restart_resubmit_s", 0)
+                                              for r in rows), 2),
         "run_s": round(elapsed, 1), "reward_last10": round(last(rows), 4),
         "reference_reward_last10": round(last(ref_rows), 4), "png": str(out / "reward.png"),
         "problems": problems,

@@ -63,8 +63,14 @@ class EngineConfig:
     its prefix on the restarted engine. 0: no reports; a cut request is generated again from
     its prompt. Only with `max_restarts` > 0."""
 
+    reassign: bool = True
+    """With more than one engine, a dead engine's requests are taken over by the others while
+    it restarts (`engines.reassign`); false: it carries them on itself once restarted."""
+
     def __post_init__(self) -> None:
         require_int("tp_size", self.tp_size, 1)
+        if not isinstance(self.reassign, bool):
+            raise ConfigError("reassign", self.reassign, "must be true or false")
         require_int("max_restarts", self.max_restarts, 0)
         require_int("restart_window_steps", self.restart_window_steps, 1)
         require_int("progress_every_tokens", self.progress_every_tokens, 0)

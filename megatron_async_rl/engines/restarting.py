@@ -26,6 +26,12 @@ does not answer (`EngineTimeoutError`), or the watchdog finds it hung, it:
    away as too stale; tokens decoded after the engine's last report are not known, so not
    counted).
 
+With several engines (`board`, `engines.reassign.HelpBoard`), the requests a dead engine still
+owes are posted for the others before it restarts: another engine host's helper thread takes
+them over when its engine serves a version inside their step's window, and the dead engine's
+host, once its engine is back, takes back what nobody claimed or waits for the helper's
+results (`engines/requests_reassigned`; the helper counts `engines/requests_taken_over`).
+
 The watchdog (a thread, every `engine.health_check_every_s`) asks the engine for one token
 within `engine.health_timeout_s / 2` (while it is paused or loading weights, when it answers
 no generate request, for a round trip to its schedulers): one failure makes it SUSPECT, a
@@ -56,12 +62,15 @@ from megatron_async_rl.engines.health import (
     transition,
 )
 from megatron_async_rl.engines.protocol import (
+    INITIAL_VERSION,
     EngineDiedError,
     EngineTimeoutError,
     GenerateRequest,
     GenerateResult,
     PauseMode,
+    version_number,
 )
+from megatron_async_rl.engines.reassign import HelpBoard
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +82,15 @@ class RestartingEngine:
 
     def __init__(self, start: Callable[[], object], reload: Callable, *, where: str,
                  max_restarts: int, window_steps: int, health_timeout_s: float,
-                 check_every_s: float, faults=None):  # fmt: skip
+                 check_every_s: float, faults=None, board: HelpBoard | None = None,
+                 help_every_s: float = 0.5, generate_timeout_s: float = 3600.0):  # fmt: skip
         """`start()` makes an engine; `reload(engine, tensors, label)` loads a version into
         one (`weight_sync.sinks.load_tensors`: in chunks, through shared memory); `faults`, an
-        `engines.faults.EngineFaults`, injects the recipe's faults (tests, soak runs)."""
+        `engines.faults.EngineFaults`, injects the recipe's faults (tests, soak runs);
+        `board` (with several engines) hands a dead engine's requests to the others and
+        takes theirs, polled every `help_every_s`."""
+        self.board, self.help_every_s = board, help_every_s
+        self.generate_timeout_s = generate_timeout_s
         self._start, self._reload, self.where = start, reload, where
         self._faults = faults
         self.inner = start()
@@ -97,9 +111,14 @@ class RestartingEngine:
         self._metrics = dict.fromkeys(
             ("engines/restarts", "engines/restart_s", "engines/restart_start_s",
              "engines/restart_load_s", "engines/restart_resubmit_s",
-             "engines/requests_resubmitted", "engines/tokens_kept", "engines/tokens_regenerated"),
+             "engines/requests_resubmitted", "engines/tokens_kept", "engines/tokens_regenerated",
+             "engines/requests_reassigned", "engines/requests_taken_over"),
             0.0,
         )  # fmt: skip
+        self._helper = None
+        if board is not None and self.keeps_weights:
+            self._helper = threading.Thread(target=self._help, daemon=True, name="engine-help")
+            self._helper.start()
         self._watchdog = None
         if self.keeps_weights and check_every_s > 0:
             self._watchdog = threading.Thread(target=self._watch, daemon=True,
@@ -135,14 +154,20 @@ class RestartingEngine:
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         kept: dict[str, GenerateResult] = {}  # rid -> what dead engines had generated
+        jobs: list[int] = []  # posted on the help board while this engine restarted
 
         def call(engine):
             self._inject("generate", engine)
             todo = [prefixes.continuation(r, kept.get(r.rid)) for r in requests]
             todo = [r for r in todo if r is not None]
             start = time.monotonic()
-            rest = {r.rid: r for r in engine.generate(todo)} if todo else {}
-            if kept:  # a carried-on call: the resubmitted requests' share of the recovery
+            rest = {}
+            while jobs:  # another engine may have taken them over meanwhile
+                helped = self._collect(jobs.pop())
+                rest.update({r.rid: r for r in helped})
+            todo = [r for r in todo if r.rid not in rest]
+            rest.update({r.rid: r for r in engine.generate(todo)} if todo else {})
+            if kept or rest:  # a carried-on call: the resubmitted requests' share
                 self._metrics["engines/restart_resubmit_s"] += time.monotonic() - start
             return [prefixes.joined(kept.get(r.rid), rest.get(r.rid)) for r in requests]
 
@@ -160,8 +185,51 @@ class RestartingEngine:
                 m["engines/tokens_regenerated"] += dropped
                 finished = request.rid in kept and prefixes.is_finished(kept[request.rid])
                 m["engines/requests_resubmitted"] += not finished
+            if self.board is not None:  # the other engines may take them while this restarts
+                todo = [prefixes.continuation(r, kept.get(r.rid)) for r in requests]
+                todo = [r for r in todo if r is not None]
+                if todo:
+                    jobs.append(self.board.post(todo, self.oldest_version))
 
         return self._carry_on("generate", call, on_retry)
+
+    def _collect(self, job: int) -> list[GenerateResult]:
+        """A posted job's results: none when this engine takes it back (nobody claimed it),
+        else the helper's."""
+        if self.board.take_back(job):
+            return []
+        helper = self.board.owner(job)
+        results = self.board.wait(job, self.generate_timeout_s)
+        if isinstance(results, BaseException):
+            raise RuntimeError(
+                f"[{self.where}] engine host {helper}, which took over requests of this "
+                f"engine, failed: {results}"
+            ) from results
+        self._metrics["engines/requests_reassigned"] += len(results)
+        return results
+
+    def _help(self) -> None:
+        """Helper thread: generate jobs other engine hosts posted while theirs restart."""
+        while not self._closed.wait(self.help_every_s):
+            if self.state != EngineHealth.HEALTHY:
+                continue
+            version = version_number(self._last_label or INITIAL_VERSION)
+            try:
+                claimed = self.board.claim_next(version)
+            except Exception as exc:  # noqa: BLE001 - the store is gone: the run is ending
+                logger.warning("[%s] help board: %r", self.where, exc)
+                return
+            if claimed is None:
+                continue
+            job, todo = claimed
+            logger.warning("[%s] taking over %d request(s) of another engine (job %d)",
+                           self.where, len(todo), job)  # fmt: skip
+            try:
+                results = self.generate(todo)
+                self._metrics["engines/requests_taken_over"] += len(todo)
+            except Exception as exc:  # noqa: BLE001 - the poster raises it
+                results = RuntimeError(f"{type(exc).__name__}: {exc}")
+            self.board.deliver(job, results)
 
     def begin_weight_update(self) -> None:
         def call(engine):
@@ -252,9 +320,10 @@ class RestartingEngine:
                         raise
                     if self._closed.is_set():  # shut down on purpose: nothing to restart
                         raise
-                    self._restart(epoch, f"{method}: {exc}")
-                if on_retry is not None:
+                if on_retry is not None:  # before the restart: what the dead engine had
                     on_retry(engine)
+                if not replaced:
+                    self._restart(epoch, f"{method}: {exc}")
                 logger.warning("[%s] %s carried on by the restarted engine", self.where, method)
 
     def _restart(self, epoch: int, cause: str) -> None:

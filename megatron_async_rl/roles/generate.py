@@ -186,6 +186,15 @@ def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None
         return engine
 
     e = cfg.engine
+    board = None
+    if num_engines > 1 and e.reassign and e.max_restarts > 0:
+        import torch.distributed as dist
+
+        from megatron_async_rl.engines.reassign import HelpBoard
+
+        # The world's own store (torchrun's): every engine host reaches it, no collective.
+        store = dist.PrefixStore("engine_help", dist.distributed_c10d._get_default_store())
+        board = HelpBoard(store, index, num_engines)
     engine = RestartingEngine(
         start, load_tensors, where=f"generate rank in role {rank_in_role}, global rank {rank}",
         max_restarts=e.max_restarts, window_steps=e.restart_window_steps,
@@ -194,5 +203,6 @@ def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None
             EngineFaults(cfg.faults, rank, index, num_engines)
             if cfg.faults.engine_faults() else None
         ),
+        board=board, generate_timeout_s=e.generate_timeout_s,
     )  # fmt: skip
     return GenerateSide(cfg, engine, tokenizer, dataset, reward, validator, index, num_engines)
