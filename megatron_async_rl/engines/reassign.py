@@ -74,8 +74,11 @@ class HelpBoard:
         return results
 
     # -- helpers ---------------------------------------------------------------------------
-    def claim_next(self, version: int) -> tuple[int, list[GenerateRequest]] | None:
-        """The first open job of another host whose window `version` is in, claimed."""
+    def claim_next(
+        self, version: int, claim: bool = True
+    ) -> tuple[int, list[GenerateRequest]] | None:
+        """The first open job of another host whose window `version` is in, claimed (with
+        `claim=False`: only looked at)."""
         count = int(self.store.add("count", 0))
         for job in range(self._seen + 1, count + 1):
             if not self.store.check([f"job/{job}"]):
@@ -88,7 +91,7 @@ class HelpBoard:
                 continue
             if oldest is not None and version < oldest:
                 continue  # this engine is too far behind for that step's window
-            if self._claim(job):
+            if not claim or self._claim(job):
                 return job, requests
         return None
 

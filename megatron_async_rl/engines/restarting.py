@@ -42,11 +42,13 @@ Metrics (`take_metrics`, summed over engines): `engines/healthy`, `engines/resta
 `engines/restart_s` split into `engines/restart_start_s` (new process) and
 `engines/restart_load_s` (weights), `engines/restart_resubmit_s` (the carried-on generate
 calls: the resubmitted requests generated from their prefixes), `engines/requests_resubmitted`,
-`engines/tokens_kept`, `engines/tokens_regenerated`.
+`engines/tokens_kept`, `engines/tokens_regenerated`, `engines/requests_reassigned`,
+`engines/requests_taken_over`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -90,6 +92,9 @@ class RestartingEngine:
         `board` (with several engines) hands a dead engine's requests to the others and
         takes theirs, polled every `help_every_s`."""
         self.board, self.help_every_s = board, help_every_s
+        self.help_gate: Callable = contextlib.nullcontext
+        """Entered around a job taken over from another engine: the asynchronous loop sets
+        its engine gate's `generating(stage=False)`."""
         self.generate_timeout_s = generate_timeout_s
         self._start, self._reload, self.where = start, reload, where
         self._faults = faults
@@ -209,27 +214,33 @@ class RestartingEngine:
         return results
 
     def _help(self) -> None:
-        """Helper thread: generate jobs other engine hosts posted while theirs restart."""
+        """Helper thread: generate jobs other engine hosts posted while theirs restart, as a
+        batch of this engine's own users (`help_gate`: not during its own generation, a
+        validation or a load that must land between batches; an in-flight load pauses it)."""
         while not self._closed.wait(self.help_every_s):
             if self.state != EngineHealth.HEALTHY:
                 continue
             version = version_number(self._last_label or INITIAL_VERSION)
             try:
-                claimed = self.board.claim_next(version)
+                if self.board.claim_next(version, claim=False) is None:
+                    continue
+                with self.help_gate():  # claimed only once this engine is free for it
+                    claimed = self.board.claim_next(version)
+                    if claimed is not None:
+                        self._take_over(*claimed)
             except Exception as exc:  # noqa: BLE001 - the store is gone: the run is ending
                 logger.warning("[%s] help board: %r", self.where, exc)
                 return
-            if claimed is None:
-                continue
-            job, todo = claimed
-            logger.warning("[%s] taking over %d request(s) of another engine (job %d)",
-                           self.where, len(todo), job)  # fmt: skip
-            try:
-                results = self.generate(todo)
-                self._metrics["engines/requests_taken_over"] += len(todo)
-            except Exception as exc:  # noqa: BLE001 - the poster raises it
-                results = RuntimeError(f"{type(exc).__name__}: {exc}")
-            self.board.deliver(job, results)
+
+    def _take_over(self, job: int, todo: list[GenerateRequest]) -> None:
+        logger.warning("[%s] taking over %d request(s) of another engine (job %d)",
+                       self.where, len(todo), job)  # fmt: skip
+        try:
+            results = self.generate(todo)
+            self._metrics["engines/requests_taken_over"] += len(todo)
+        except Exception as exc:  # noqa: BLE001 - the poster raises it
+            results = RuntimeError(f"{type(exc).__name__}: {exc}")
+        self.board.deliver(job, results)
 
     def begin_weight_update(self) -> None:
         def call(engine):

@@ -103,6 +103,8 @@ def run_generate_pipeline(
     validation_machine = clock.machine(Stage.VALIDATION)
     in_flight = sched.weight_update_mode == "in_flight"
     gate = EngineGate(gen.engine, generate_machine, in_flight, sched.in_flight_pause)
+    if getattr(gen.engine, "board", None) is not None:  # other engines' jobs: batches too
+        gen.engine.help_gate = lambda: gate.generating(stage=False)
     receiver = WeightReceiver(
         exchange, gate, clock.machine(Stage.PARAM_UPDATE), sched, steps,
         gen.validator is not None, rank, wake=lambda: scheduler.wake(), loaded=start,

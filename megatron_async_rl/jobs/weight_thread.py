@@ -39,7 +39,7 @@ class EngineGate:
         """How an in-flight load pauses a generating batch (`SchedulerConfig.in_flight_pause`)."""
         self.engine_lock = threading.Lock()
         self.load_lock = threading.Lock()
-        self._generating = False
+        self._generating = self._stage_generating = False
         self._needs_flush = False
 
     def _flush_if_stale(self) -> None:
@@ -49,12 +49,14 @@ class EngineGate:
             self._needs_flush = False
 
     @contextmanager
-    def generating(self):
-        """Around a batch of the generate stage."""
+    def generating(self, stage: bool = True):
+        """Around a batch of the generate stage (`stage=False`: a batch of requests taken
+        over from another engine, `engines.restarting`; loads treat it alike, but the
+        generate stage's machine is not this batch's)."""
         with self.engine_lock:
             with self.load_lock:
                 self._flush_if_stale()
-                self._generating = True
+                self._generating, self._stage_generating = True, stage
             try:
                 yield
             finally:
@@ -75,12 +77,13 @@ class EngineGate:
             started()
             start = time.perf_counter()
             paused = self._generating
-            if paused:
+            machine = paused and self._stage_generating
+            if machine:
                 self.generate_machine.transition(S.PAUSED, f"in-flight load of v{version}")
             try:
                 load_into_engine(self.engine, tensors, version, self.pause if paused else None)
             finally:
-                if paused:
+                if machine:
                     self.generate_machine.transition(S.RUNNING, f"v{version} loaded")
             self._needs_flush |= paused and self.pause == "in_place"
             return time.perf_counter() - start

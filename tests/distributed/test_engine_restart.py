@@ -64,10 +64,14 @@ def served(tiny_model):
     engines = [
         RestartingEngine(
             lambda index=index: SGLangEngine(config, rank_in_role=index, global_rank=3 + index),
-            load_tensors, where=f"generate rank in role {index}, global rank {3 + index}",
-            max_restarts=3, window_steps=10, health_timeout_s=HEALTH_TIMEOUT_S,
+            load_tensors,
+            where=f"generate rank in role {index}, global rank {3 + index}",
+            max_restarts=3,
+            window_steps=10,
+            health_timeout_s=HEALTH_TIMEOUT_S,
             check_every_s=CHECK_EVERY_S if index == 0 else 0,
-            board=HelpBoard(dist.PrefixStore("help", store), index, 2), help_every_s=0.2,
+            board=HelpBoard(dist.PrefixStore("help", store), index, 2),
+            help_every_s=0.2,
         )  # fmt: skip
         for index in range(2)
     ]

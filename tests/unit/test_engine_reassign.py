@@ -10,7 +10,10 @@ loopback; nothing of the store is faked) and fake engines (`FakeEngine`; the rea
 - engine A dies in the middle of a generate call; engine B's helper thread takes over A's
   unfinished requests (continued from A's prefixes) while A restarts: A's call returns B's
   tokens joined to its prefixes, counted on both sides; with no helper able to take them
-  (its version too old), A takes them back and generates them itself.
+  (its version too old, or its engine busy with its own batch the whole time: `help_gate`),
+  A takes them back and generates them itself;
+- the engine gate treats a taken-over batch as a batch (an in-flight load pauses it) without
+  moving the generate stage's machine (faked: the machine, a recorder).
 """
 
 from __future__ import annotations
@@ -133,3 +136,47 @@ def test_requests_nobody_can_take_are_taken_back_by_the_restarted_engine():
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_a_helper_busy_with_its_own_generation_claims_nothing():
+    """B's gate is held (its own batch runs) for the whole time A restarts: B never claims A's
+    job, so A takes it back instead of waiting for B."""
+    made = _pair(dist.HashStore(), slow_restart_s=0.5)
+    (a, a_made), (b, b_made) = made["A"], made["B"]
+    busy = threading.Lock()
+    b.help_gate = lambda: busy
+    try:
+        with busy:
+            a.set_step(3, oldest_version=2)
+            a_made.engines[0].die_in_generate_after(2)
+            results = a.generate(_requests())
+        assert all(len(r.output_ids) == 6 for r in results)
+        assert "generate" in a_made.engines[1].methods_called()
+        assert "generate" not in b_made.engines[0].methods_called()
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_a_load_pauses_a_taken_over_batch_without_touching_the_stage_machine():
+    """`EngineGate.generating(stage=False)`: an in-flight load pauses the engine for a batch
+    taken over from another engine, but the generate stage's machine (not running it) is left
+    alone; the stage's own batch moves it as before."""
+    from megatron_async_rl.jobs.weight_thread import EngineGate
+
+    class Machine:  # records transitions (the real StageMachine runs in test_async_pipeline)
+        def __init__(self):
+            self.moves = []
+
+        def transition(self, state, why):
+            self.moves.append(state.value)
+
+    engine, machine = FakeEngine(), Machine()
+    gate = EngineGate(engine, machine, in_flight=True)
+    tensors = {"w": torch.ones(2)}
+    with gate.generating(stage=False):
+        gate.load(tensors, 1, started=lambda: None)
+    assert machine.moves == [] and ("pause", {"mode": "retract"}) in engine.calls
+    with gate.generating():
+        gate.load(tensors, 2, started=lambda: None)
+    assert machine.moves == ["paused", "running"]
