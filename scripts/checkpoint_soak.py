@@ -200,12 +200,14 @@ def _check(mode, args, ref_dir, run_dir, faults, codes, final) -> dict:
         problems.append(f"the preempted launcher exited {codes[0]}, not 83")
     resumes = [r for r in rows if "resume/from_step" in r]
     restored = sum(r.get("resume/samples_restored", 0) for r in resumes)
+    partial = sum(r.get("resume/partial_tokens_restored", 0) for r in resumes)
     last = lambda rs: sum(r["reward/mean"] for r in rs[-10:]) / len(rs[-10:])  # noqa: E731
     ref_rows = _rows(ref_dir / "metrics.jsonl")
     summary = {
         "mode": mode, "faults": len(faults), "resumes": len(resumes),
         "resumed_from": [int(r["resume/from_step"]) for r in resumes],
-        "samples_restored": restored, "reward_last10": round(last(rows), 4),
+        "samples_restored": restored, "partial_tokens_restored": partial,
+        "reward_last10": round(last(rows), 4),
         "reference_reward_last10": round(last(ref_rows), 4), "problems": problems,
     }  # fmt: skip
     print(json.dumps(summary), flush=True)
