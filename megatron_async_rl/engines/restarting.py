@@ -160,6 +160,7 @@ class RestartingEngine:
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         kept: dict[str, GenerateResult] = {}  # rid -> what dead engines had generated
         jobs: list[int] = []  # posted on the help board while this engine restarted
+        retries = []  # one entry per failed call: the next is a carried-on one
 
         def call(engine):
             self._inject("generate", engine)
@@ -172,11 +173,12 @@ class RestartingEngine:
                 rest.update({r.rid: r for r in helped})
             todo = [r for r in todo if r.rid not in rest]
             rest.update({r.rid: r for r in engine.generate(todo)} if todo else {})
-            if kept or rest:  # a carried-on call: the resubmitted requests' share
+            if retries:  # a carried-on call: the resubmitted requests' share of the recovery
                 self._metrics["engines/restart_resubmit_s"] += time.monotonic() - start
             return [prefixes.joined(kept.get(r.rid), rest.get(r.rid)) for r in requests]
 
         def on_retry(failed):
+            retries.append(failed)
             partial = failed.partial_results([r.rid for r in requests])
             m = self._metrics
             for request in requests:

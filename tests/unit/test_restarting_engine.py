@@ -63,6 +63,8 @@ def test_a_dead_engine_is_restarted_with_the_newest_complete_weights_and_the_cal
     _sync(engine, 1, w1)
     first = factory.engines[0]
     expected = first.generate(_requests())  # what v1 generates
+    engine.generate(_requests())
+    assert "engines/restart_resubmit_s" not in engine.take_metrics()  # no restart: no share
     # An abandoned session (half loaded: the engine is torn) is not what a restart reloads.
     engine.begin_weight_update()
     engine.update_weights([("a", torch.full((3,), 7.0))], "v1")
