@@ -10,6 +10,8 @@ the dead engine reported (`Engine.partial_results`). No torch, no sglang.
   version for the step being generated) and the whole prefix is kept, or its first token is
   older and nothing is: a later token's context would change once the first ones are generated
   again. Tokens thrown away are counted by the caller as regenerated.
+- `settled`: a prefix that is in fact a whole response (cut as its last token came out) is
+  marked finished.
 - `continuation`: the request that goes on from a kept prefix: the prompt followed by the
   prefix as input, the token budget reduced by the prefix, the same id and seed (an engine
   that seeds by position, e.g. SGLang's deterministic inference, then samples what the
@@ -43,8 +45,24 @@ def kept_prefix(
     return partial, 0
 
 
+def settled(request: GenerateRequest, kept: GenerateResult | None) -> GenerateResult | None:
+    """`kept` as the whole response it may already be: a prefix cut ("abort") just as it
+    filled the token budget or emitted a stop token is finished ("length", "stop"), and is
+    never continued (found by the checkpoint soak: SGLang's abort can overtake the finish of
+    a request whose last token is out)."""
+    if kept is None or is_finished(kept) or not kept.output_ids:
+        return kept
+    reason = None
+    if kept.output_ids[-1] in request.sampling.stop_token_ids:
+        reason = "stop"
+    elif len(kept.output_ids) >= request.sampling.max_new_tokens:
+        reason = "length"
+    return kept if reason is None else dataclasses.replace(kept, finish_reason=reason)
+
+
 def continuation(request: GenerateRequest, kept: GenerateResult | None) -> GenerateRequest | None:
-    """The request that carries `request` on from `kept` (None: nothing left to generate)."""
+    """The request that carries `request` on from `kept` (None: nothing left to generate);
+    `kept` is `settled` first."""
     if kept is None:
         return request
     if is_finished(kept):

@@ -187,7 +187,7 @@ class RestartingEngine:
                     continue
                 new, dropped = prefixes.kept_prefix(partial.get(request.rid), self.oldest_version)
                 if new is not None:
-                    kept[request.rid] = prefixes.joined(before, new)
+                    kept[request.rid] = prefixes.settled(request, prefixes.joined(before, new))
                 m["engines/tokens_kept"] += len(new.output_ids) if new is not None else 0
                 m["engines/tokens_regenerated"] += dropped
                 finished = request.rid in kept and prefixes.is_finished(kept[request.rid])

@@ -89,10 +89,12 @@ def generate_samples(
             rid = request_id(step, index, k)
             requests.append(GenerateRequest(prompt_ids[index], sampling, rid))
             owners.append((index, k))
-    todo = [continuing.continuation(r, prefixes.get(r.rid)) for r in requests]
+    prefixes = {r.rid: continuing.settled(r, prefixes.get(r.rid)) for r in requests}
+    todo = [continuing.continuation(r, prefixes[r.rid]) for r in requests]
     todo = [r for r in todo if r is not None]
     rest = {r.rid: r for r in engine.generate(todo)} if todo else {}
-    results = [continuing.joined(prefixes.get(r.rid), rest.get(r.rid)) for r in requests]
+    results = [continuing.settled(r, continuing.joined(prefixes[r.rid], rest.get(r.rid)))
+               for r in requests]  # fmt: skip
     samples = []
     for (index, k), result in zip(owners, results, strict=True):
         record = records[index]

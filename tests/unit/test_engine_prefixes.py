@@ -96,3 +96,16 @@ def test_reports_travel_from_host_to_rank_and_are_handed_out_once():
     rank.update(sent[0][1])
     rank.forget(["a", "b"])
     assert rank.take(["a", "b"]) == {}
+
+
+def test_a_prefix_cut_as_its_last_token_came_out_is_a_whole_response():
+    """SGLang's abort can overtake the finish of a request whose last token is out (found by
+    the checkpoint soak): such a prefix is settled as finished and never continued."""
+    request = GenerateRequest([1], SamplingParams(max_new_tokens=2, stop_token_ids=(9,)), "r")
+    full = prefixes.settled(request, _result([5, 6], ["1", "1"]))
+    assert full.finish_reason == "length" and prefixes.continuation(request, full) is None
+    stopped = prefixes.settled(request, _result([9], ["1"]))
+    assert stopped.finish_reason == "stop" and prefixes.continuation(request, stopped) is None
+    short = _result([5], ["1"])
+    assert prefixes.settled(request, short) is short
+    assert prefixes.settled(request, None) is None

@@ -58,7 +58,7 @@ def test_a_response_aborted_by_nobody_is_continued_to_the_whole(tmp_path):
 
 
 def test_an_engine_that_keeps_aborting_stops_the_run_naming_the_step(tmp_path):
-    side = _side(tmp_path, CuttingEngine(cut_calls=10))
+    side = _side(tmp_path, CuttingEngine(cut_calls=10, keep=0))  # no progress at all
     with pytest.raises(RuntimeError, match="step 0: the engine aborted 4 response"):
         side.generate(side.load(0))
 
@@ -95,3 +95,11 @@ def test_cut_with_nothing_generating_does_nothing(tmp_path):
     engine = CuttingEngine(cut_calls=0)
     side = _side(tmp_path, engine)
     assert side.cut() is False and "abort" not in engine.methods_called()
+
+
+def test_a_response_aborted_as_it_filled_its_budget_is_whole(tmp_path):
+    engine = CuttingEngine(cut_calls=1, keep=5)  # "abort", but all 5 tokens are out
+    side = _side(tmp_path, engine)
+    work = side.generate(side.load(0))
+    assert not work.partial and len(engine.asked) == 1
+    assert all(s.finish_reason == "length" for s in work.samples)
