@@ -194,7 +194,7 @@ def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None
 
         # The world's own store (torchrun's): every engine host reaches it, no collective.
         store = dist.PrefixStore("engine_help", dist.distributed_c10d._get_default_store())
-        board = HelpBoard(store, index, num_engines)
+        board = HelpBoard(store, index)
     engine = RestartingEngine(
         start, load_tensors, where=f"generate rank in role {rank_in_role}, global rank {rank}",
         max_restarts=e.max_restarts, window_steps=e.restart_window_steps,

@@ -70,7 +70,7 @@ def served(tiny_model):
             window_steps=10,
             health_timeout_s=HEALTH_TIMEOUT_S,
             check_every_s=CHECK_EVERY_S if index == 0 else 0,
-            board=HelpBoard(dist.PrefixStore("help", store), index, 2),
+            board=HelpBoard(dist.PrefixStore("help", store), index),
             help_every_s=0.2,
         )  # fmt: skip
         for index in range(2)

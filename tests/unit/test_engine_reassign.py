@@ -38,7 +38,7 @@ def _requests(tag="r", n=3, max_new_tokens=6):
 
 def test_a_job_is_claimed_once_inside_its_window_and_delivered():
     store = dist.HashStore()
-    poster, helper, other = (HelpBoard(dist.PrefixStore("h", store), i, 3) for i in range(3))
+    poster, helper, other = (HelpBoard(dist.PrefixStore("h", store), i) for i in range(3))
     job = poster.post(_requests(), oldest_version=2)
     assert poster.claim_next(5) is None  # never its own
     assert helper.claim_next(1) is None  # version 1 is older than the window's 2
@@ -52,14 +52,15 @@ def test_a_job_is_claimed_once_inside_its_window_and_delivered():
     assert not store.check([f"h/job/{job}"]) and not store.check([f"h/result/{job}"])
     second = poster.post(_requests("s"), oldest_version=None)
     assert poster.take_back(second) and helper.claim_next(9) is None
+    assert helper._seen == second  # both taken: a later poll scans from the next job on
 
 
 def test_the_board_works_over_tcp_too():
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))
     client = dist.TCPStore("127.0.0.1", server.port, 1, False,
                            timeout=datetime.timedelta(seconds=10))  # fmt: skip
-    poster = HelpBoard(dist.PrefixStore("h", server), 0, 2)
-    helper = HelpBoard(dist.PrefixStore("h", client), 1, 2)
+    poster = HelpBoard(dist.PrefixStore("h", server), 0)
+    helper = HelpBoard(dist.PrefixStore("h", client), 1)
     job = poster.post(_requests(), oldest_version=0)
     assert helper.claim_next(0)[0] == job
     helper.deliver(job, [1, 2])
@@ -90,7 +91,7 @@ def _pair(store, slow_restart_s=0.0):
 
         engine = RestartingEngine(start, load_tensors, where=f"engine {name}", max_restarts=3,
                                   window_steps=10, health_timeout_s=5, check_every_s=0,
-                                  board=HelpBoard(dist.PrefixStore("h", store), index, 2),
+                                  board=HelpBoard(dist.PrefixStore("h", store), index),
                                   help_every_s=0.05)  # fmt: skip
         engine.begin_weight_update()
         engine.update_weights([("w", torch.ones(2))], "v3")
