@@ -31,7 +31,7 @@ from megatron_async_rl.checkpoint.config import Preempted
 from megatron_async_rl.checkpoint.manager import CheckpointManager
 from megatron_async_rl.checkpoint.pending import GENERATED, LOADED, PARTIAL, SCORED, PendingSteps
 from megatron_async_rl.distributed.collective_errors import name_failure
-from megatron_async_rl.engines.protocol import version_number
+from megatron_async_rl.engines import prefixes
 from megatron_async_rl.jobs.async_checkpoint import Boundaries, Resumed
 from megatron_async_rl.jobs.grpo_sync import boundary
 from megatron_async_rl.jobs.parts import build_parts
@@ -39,6 +39,7 @@ from megatron_async_rl.jobs.weight_thread import EngineGate, WeightReceiver
 from megatron_async_rl.observability.clock import RankClock
 from megatron_async_rl.observability.logs import leader_print
 from megatron_async_rl.roles.work import StepWork
+from megatron_async_rl.rollout.generation import as_result
 from megatron_async_rl.scheduler.queues import BoundedQueue
 from megatron_async_rl.scheduler.scheduler import Scheduler, StageTask
 from megatron_async_rl.scheduler.staleness import StalenessController
@@ -237,13 +238,11 @@ def run_generate_pipeline(
 def _stale_prefixes(works: list[StepWork], staleness: StalenessController) -> dict[str, float]:
     """`resume/tokens_regenerated`: tokens of restored prefixes now older than their step's
     window (the generate stage generates them again)."""
-    dropped = 0
-    for work in works:
-        low = staleness.window(work.step)[0]
-        for sample in work.samples or []:
-            versions = [version_number(v) for v in sample.token_versions]
-            if versions and versions[0] < low:
-                dropped += len(versions)
+    dropped = sum(
+        prefixes.kept_prefix(as_result(sample, work.step), staleness.window(work.step)[0])[1]
+        for work in works
+        for sample in work.samples or []
+    )
     return {"resume/tokens_regenerated": float(dropped)} if dropped else {}
 
 
