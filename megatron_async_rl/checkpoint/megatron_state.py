@@ -1,4 +1,5 @@
-"""The train role's model and optimizer in a checkpoint, with megatron-core's `dist_checkpointing`.
+"""The train role's model, optimizer and lr schedule in a checkpoint, with megatron-core's
+`dist_checkpointing`.
 
 Owned here: `save_train_state` and `load_train_state`. Called by `checkpoint.manager` on every
 rank of the world (dist_checkpointing's save and load are collectives over the default group;
@@ -7,7 +8,11 @@ global rank 0, which must hold the train role: `manager.check_can_save`).
 
 Format: the model's sharded state dict and the distributed optimizer's in its
 "fully_reshardable" form (every optimizer state tensor in model space, like the parameters),
-so a checkpoint saved with one TP/PP/EP/DP layout loads into another.
+so a checkpoint saved with one TP/PP/EP/DP layout loads into another. The lr schedule
+(`OptimizerParamScheduler.state_dict()`, `SCHEDULER`) is in the common part; a checkpoint
+without it (written before it was saved) loads with the schedule at step 0
+(`roles.lr_schedule.load_scheduler_state`, which also applies --override-opt-param-scheduler
+and --use-checkpoint-opt-param-scheduler).
 
 Two workarounds for megatron-core 0.16.1 with torch's own Adam (no Apex, no Transformer Engine:
 the CPU path), checked by `tests/distributed/test_checkpoint_megatron.py`:
@@ -33,9 +38,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_async_rl.roles.lr_schedule import load_scheduler_state
+
 logger = logging.getLogger(__name__)
 
 SHARDING = "fully_reshardable"
+SCHEDULER = "opt_param_scheduler"  # Megatron-LM's key for it
+# Common-part keys only train ranks hold: not a mismatch for the save's consistency check.
+_TRAIN_ONLY = ("optimizer", SCHEDULER)
 
 
 def _optimizers(role) -> list:
@@ -56,6 +66,8 @@ def _sharded(role, loading: bool) -> dict:
         out["optimizer"] = role.optimizer.sharded_state_dict(
             model, is_loading=loading, metadata=metadata
         )
+    if role.lr_scheduler is not None and not loading:
+        out[SCHEDULER] = role.lr_scheduler.state_dict()
     return out
 
 
@@ -70,21 +82,21 @@ def _create_optimizer_state(role) -> None:
 
 
 def save_train_state(train, path: Path, writer: AsyncWriter | None = None) -> None:
-    """Write the train role's model and optimizer under `path` (collective over the world;
-    `train` is None on ranks without the role). With `writer`, only the snapshot happens here:
-    a forked process writes the files (`AsyncWriter.finish` says when every rank is done)."""
+    """Write the train role's model, optimizer and lr schedule under `path` (collective over
+    the world; `train` is None on ranks without the role). With `writer`, only the snapshot
+    happens here: a forked process writes the files (`AsyncWriter.finish` says when every rank
+    is done)."""
     from megatron.core import dist_checkpointing
 
     path.mkdir(parents=True, exist_ok=True)
     state = _sharded(train, loading=False) if train is not None else {}
-    # The optimizer's common part exists only on train ranks: not a mismatch to warn about.
     if train is not None:  # ranks without the role have nothing to write
         start_write_queue()
     try:
         request = dist_checkpointing.save(
             state, str(path), async_sharded_save=writer is not None,
             preprocess_common_before_consistancy_check=lambda common: {
-                k: v for k, v in common.items() if k != "optimizer"
+                k: v for k, v in common.items() if k not in _TRAIN_ONLY
             },
         )  # fmt: skip
         if writer is not None:
@@ -194,8 +206,8 @@ def stop_write_queue() -> None:
 
 
 def load_train_state(train, path: Path) -> None:
-    """Load the train role's model and optimizer from `path` into `train` (collective over
-    the world, whatever layout saved it)."""
+    """Load the train role's model, optimizer and lr schedule from `path` into `train`
+    (collective over the world, whatever layout saved it)."""
     from megatron.core import dist_checkpointing
 
     state = _sharded(train, loading=True) if train is not None else {}
@@ -216,6 +228,9 @@ def load_train_state(train, path: Path) -> None:
             for param_state in opt.optimizer.state.values():
                 if "step" in param_state:  # one tensor per parameter (see the module doc)
                     param_state["step"] = param_state["step"].clone()
+    if train.lr_scheduler is not None:
+        # After the optimizer's load, which replaced its param groups with the checkpoint's.
+        load_scheduler_state(train.lr_scheduler, loaded.get(SCHEDULER), train.args, str(path))
 
 
 def _keep_step(opt):

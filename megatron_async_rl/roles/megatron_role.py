@@ -3,8 +3,9 @@
 Owned here: building a role's model from resolved Megatron args and its `RoleGroups`; loading a
 HuggingFace checkpoint shard by shard; computing per-token log-probs of a token batch through
 the role's pipeline (forward only). Called by the entry point for each Megatron role that lives
-on this rank. `train` gets `DistributedDataParallel` and Megatron's optimizer; `logp` and `ref`
-are forward-only, and `ref` is frozen (requires_grad False).
+on this rank. `train` gets `DistributedDataParallel`, Megatron's optimizer and its lr schedule
+(`roles.lr_schedule`); `logp` and `ref` are forward-only, and `ref` is frozen (requires_grad
+False).
 
 Batch tensors: tokens_BT (int64, right-padded), logp_BT / entropy_BT for positions 1..T-1
 (column t is the log-prob of tokens[:, t + 1]).
@@ -26,6 +27,7 @@ from megatron_async_rl.distributed.groups import MEGATRON_ROLES, RoleGroups, Wor
 from megatron_async_rl.distributed.layout import Parallelism
 from megatron_async_rl.distributed.platform import Platform
 from megatron_async_rl.models import builder, weights
+from megatron_async_rl.roles import lr_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,9 @@ def role_scoped_object_gather(group):
 class MegatronRole:
     """A role's model stage on this rank."""
 
+    lr_scheduler = None
+    """megatron-core's OptimizerParamScheduler (train only), one step per applied update."""
+
     def __init__(
         self,
         role: str,
@@ -66,7 +71,12 @@ class MegatronRole:
         groups: RoleGroups,
         platform: Platform,
         seed: int,
+        *,
+        total_optimizer_steps: int | None = None,
     ):
+        """`total_optimizer_steps`: the run's optimizer steps, the train role's lr decay horizon
+        when neither --lr-decay-iters nor --train-iters is set; None and neither set: the lr
+        stays constant after the warm-up (`lr_schedule`)."""
         if not groups.is_member:
             raise RuntimeError(f"role {role}: rank {dist.get_rank()} is not in its window")
         self.role, self.args, self.par, self.platform = role, args, par, platform
@@ -81,14 +91,14 @@ class MegatronRole:
         self.model = self.module
         self.optimizer = None
         if role == "train":
-            self._wrap_for_training()
+            self._wrap_for_training(total_optimizer_steps)
         else:
             self.module.eval()
             if role == "ref":
                 for param in self.module.parameters():
                     param.requires_grad_(False)
 
-    def _wrap_for_training(self) -> None:
+    def _wrap_for_training(self, total_optimizer_steps: int | None) -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -113,6 +123,9 @@ class MegatronRole:
                 use_gloo_process_groups=False,
                 pg_collection=self.pgc,
             )
+        self.lr_scheduler = lr_schedule.build_lr_scheduler(
+            self.optimizer, self.args, total_optimizer_steps
+        )
 
     # ------------------------------------------------------------------------------------------
     def load_hf_checkpoint(self, path: str) -> None:
@@ -213,8 +226,13 @@ class MegatronRole:
         counts), so that summing micro-batch losses over the step gives the step's loss.
         Megatron's schedule divides each micro-batch loss by the number of micro-batches and
         DDP averages gradients over data-parallel ranks; both are undone here so gradients are
-        those of that summed loss. Returns metrics: `actor/grad_norm`, `actor/update_ok` and
-        the loss_fn metrics averaged over micro-batches (on the last stage).
+        those of that summed loss. Returns metrics: `actor/grad_norm`, `actor/update_ok`,
+        `actor/lr` and `actor/wd` (the lr and weight decay THIS step's update used, read before
+        the schedule advances; the lr of the default param groups, the weight decay before each
+        group's wd_mult) and the loss_fn metrics averaged over micro-batches (on the last
+        stage). The lr schedule advances one step after an applied update; a skipped one
+        (update_ok False: the grad scaler found an inf or NaN) leaves it where it is, as
+        Megatron-LM does.
         """
         if self.optimizer is None:
             raise RuntimeError(f"role {self.role}: train_step needs the train role's optimizer")
@@ -245,6 +263,13 @@ class MegatronRole:
         outputs = self._run_schedule(forward_step, micro_batches, seq_len, mb_size, False)
         update_ok, grad_norm, _ = self.optimizer.step()
         metrics = {"actor/grad_norm": float(grad_norm or 0.0), "actor/update_ok": float(update_ok)}
+        if self.lr_scheduler is not None:  # None only in a role built without __init__ (fakes)
+            # Read before the schedule advances: the lr and weight decay this update used.
+            metrics["actor/lr"], metrics["actor/wd"] = lr_schedule.current_lr_and_wd(
+                self.lr_scheduler
+            )
+            if update_ok:
+                self.lr_scheduler.step(increment=1)
         if outputs:
             for key in outputs[0]:
                 metrics[key] = sum(o[key] for o in outputs) / len(outputs)
@@ -255,8 +280,11 @@ def _positions(batch: int, seq_len: int, device) -> torch.Tensor:
     return torch.arange(seq_len, device=device).unsqueeze(0).expand(batch, seq_len)
 
 
-def build_local_roles(cfg, groups: WorldGroups, platform: Platform) -> dict[str, MegatronRole]:
-    """Build every Megatron role placed on this rank, in a fixed order (train, logp, ref)."""
+def build_local_roles(
+    cfg, groups: WorldGroups, platform: Platform, total_optimizer_steps: int | None = None
+) -> dict[str, MegatronRole]:
+    """Build every Megatron role placed on this rank, in a fixed order (train, logp, ref);
+    `total_optimizer_steps` goes to the train role's lr schedule (`MegatronRole`)."""
     local = groups.local_roles()
     roles = {}
     for name in MEGATRON_ROLES:
@@ -268,5 +296,6 @@ def build_local_roles(cfg, groups: WorldGroups, platform: Platform) -> dict[str,
                 groups.roles[name],
                 platform,
                 seed=int(cfg.role_megatron_args[name].get("seed") or cfg.seed),
+                total_optimizer_steps=total_optimizer_steps,
             )
     return roles
