@@ -60,6 +60,12 @@ class GRPOConfig:
     """none, tis_token, tis_seq or decoupled (see `losses.policy_loss`)."""
     tis_cap: float = 2.0
     """Cap on the behaviour importance weight exp(old_logp - behaviour_logp)."""
+    ppo_epochs: int = 1
+    """Passes over the rollout batch per RL step, each in mini-batches of Megatron's
+    --global-batch-size samples (one optimizer step each; see `algorithms.minibatch`)."""
+    shuffle_minibatches: bool = True
+    """Shuffle the samples into mini-batches each epoch (seeded by the run's seed, the RL step and
+    the epoch, so every data-parallel rank and every rerun splits alike); false: in order."""
 
     def __post_init__(self) -> None:
         n = require_int("num_samples_per_prompt", self.num_samples_per_prompt, 1)
@@ -102,3 +108,5 @@ class GRPOConfig:
             ge=1,
             hint="a cap below 1 would shrink even on-policy tokens (weight 1)",
         )
+        require_int("ppo_epochs", self.ppo_epochs, 1)
+        require_bool("shuffle_minibatches", self.shuffle_minibatches)

@@ -1,0 +1,100 @@
+"""PPO mini-batches: which samples of a rollout batch each optimizer step trains on.
+
+Owned here: the plan of one RL step's optimizer steps (`plan_minibatches`), their count
+(`optimizer_steps_per_rl_step`) and Megatron's batch-size rules (`check_minibatches`). Megatron's
+`--global-batch-size` G is the number of samples per optimizer step: a rollout batch of B samples
+gives B / G optimizer steps per epoch, repeated `algorithm.ppo_epochs` times. G None: one step
+over the whole batch per epoch. `roles/learn.py:train_on_batch` runs the plan; config resolution
+calls `check_minibatches`. Pure: no torch, no collectives.
+
+Every data-parallel rank and every rerun must pick the same split, so the shuffle comes from
+`random.Random` seeded by (seed, RL step, epoch) alone (a string seed is hashed with SHA-512, the
+same in every process whatever PYTHONHASHSEED). An epoch of one mini-batch is never shuffled:
+the samples are the same, and the order would only change float summation (so G = B is today's
+single step bit for bit).
+"""
+
+from __future__ import annotations
+
+import random
+
+from megatron_async_rl.config.errors import ConfigError
+
+FLAG = "--global-batch-size"
+
+
+def _key(key_prefix: str) -> str:
+    return f"{key_prefix}.global_batch_size" if key_prefix else FLAG
+
+
+def _num_minibatches(num_samples: int, global_batch_size: int | None, key_prefix: str) -> int:
+    """Mini-batches per epoch; ConfigError when G does not divide the rollout batch."""
+    if global_batch_size is None:
+        return 1
+    if global_batch_size < 1 or num_samples % global_batch_size:
+        raise ConfigError(
+            _key(key_prefix),
+            global_batch_size,
+            f"{FLAG} (samples per optimizer step) must divide the rollout batch of "
+            f"{num_samples} samples (rollout.num_prompts_per_step x "
+            "algorithm.num_samples_per_prompt)",
+            f"use a divisor of {num_samples}, or leave {FLAG} unset for one optimizer step "
+            "per RL step",
+        )
+    return num_samples // global_batch_size
+
+
+def optimizer_steps_per_rl_step(
+    num_samples: int, global_batch_size: int | None, ppo_epochs: int
+) -> int:
+    """Optimizer steps one RL step takes: (B / G or 1) x ppo_epochs."""
+    return _num_minibatches(num_samples, global_batch_size, "") * ppo_epochs
+
+
+def plan_minibatches(
+    num_samples: int,
+    global_batch_size: int | None,
+    ppo_epochs: int,
+    shuffle: bool,
+    seed: int,
+    step: int,
+) -> list[list[int]]:
+    """The sample indices of each optimizer step of RL step `step`, in order.
+
+    Each epoch covers every index once: in order without `shuffle` (or with one mini-batch per
+    epoch), else a permutation seeded by (seed, step, epoch) cut into runs of G.
+    """
+    assert ppo_epochs >= 1, ppo_epochs  # GRPOConfig validates it
+    num_mini = _num_minibatches(num_samples, global_batch_size, "")
+    size = num_samples // num_mini
+    plan = []
+    for epoch in range(ppo_epochs):
+        order = list(range(num_samples))
+        if shuffle and num_mini > 1:
+            random.Random(f"minibatch:{seed}:{step}:{epoch}").shuffle(order)
+        plan += [order[i * size : (i + 1) * size] for i in range(num_mini)]
+    return plan
+
+
+def check_minibatches(
+    num_samples: int,
+    global_batch_size: int | None,
+    micro_batch_size: int,
+    dp_size: int,
+    key_prefix: str = "",
+) -> None:
+    """Megatron's rules for G: it divides the rollout batch and is a multiple of
+    micro_batch_size x dp_size (every data-parallel rank runs whole micro-batches). ConfigError
+    names `--global-batch-size` (or `<key_prefix>.global_batch_size`) and the values."""
+    _num_minibatches(num_samples, global_batch_size, key_prefix)
+    if global_batch_size is None:
+        return
+    per_step = micro_batch_size * dp_size
+    if global_batch_size % per_step:
+        raise ConfigError(
+            _key(key_prefix),
+            global_batch_size,
+            f"{FLAG} must be a multiple of the micro-batch size x data-parallel size = "
+            f"{micro_batch_size} x {dp_size} = {per_step}",
+            f"use a multiple of {per_step} that divides the rollout batch of {num_samples}",
+        )
