@@ -10,6 +10,7 @@ setup(
     # CPU-only import shims for SGLang's engine processes (see engines/cpu_shims/README.md);
     # plain folders on the engine's PYTHONPATH, not packages of ours.
     package_data={
+        "megatron_async_rl.config": ["megatron_lm_flags.json"],
         "megatron_async_rl.engines": [
             "cpu_shims/*",
             "cpu_shims/*/*",

@@ -10,7 +10,9 @@ Megatron-LM is kept. Run it again when moving to a newer Megatron-LM:
     python scripts/megatron_lm_flag_inventory.py --megatron-lm /path/to/Megatron-LM \
         --out megatron_async_rl/config/megatron_lm_flags.json
 
-The checkout's commit is recorded (`git rev-parse HEAD`, or `--commit` for an exported tree). Python 3.11 lacks
+Use the Megatron-LM release that matches the installed megatron-core (tag core_v0.16.1), and
+install `six` first (that tree imports it). The checkout's commit is recorded (`git rev-parse
+HEAD`, or `--commit` for an exported tree). Python 3.11 lacks
 `typing.override`, which that tree imports; an identity decorator stands in for it here only.
 """
 

@@ -46,8 +46,10 @@ class SignalFlag:
     """Set by the configured signals (main thread); every rank asks every other at a step
     boundary whether any got one (`any_rank`)."""
 
-    def __init__(self, names: list[str]):
+    def __init__(self, names: list[str], exit_after_s: float | None = None):
         self.raised: str | None = None
+        self.deadline = None if exit_after_s is None else time.monotonic() + exit_after_s
+        """Megatron's --exit-duration-in-mins: past it, the run saves and stops as on a signal."""
         for name in names:
             signal.signal(getattr(signal, name), self._on_signal)
 
@@ -56,6 +58,9 @@ class SignalFlag:
         logger.warning("%s received: saving at the next step boundary, then exiting", self.raised)
 
     def any_rank(self, group) -> bool:
+        if not self.raised and self.deadline is not None and time.monotonic() > self.deadline:
+            self.raised = "--exit-duration-in-mins"
+            logger.warning("%s passed: saving at this step boundary, then exiting", self.raised)
         flag = torch.tensor([1 if self.raised else 0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
@@ -68,7 +73,8 @@ class CheckpointManager:
         self.root = Path(self.config.path(cfg.run_dir))
         self.is_leader = groups.rank == 0
         self.keys = store.compatibility_keys(cfg)
-        self.signals = SignalFlag(self.config.save_on_signal)
+        minutes = cfg.role_megatron_args.get("train", {}).get("exit_duration_in_mins")
+        self.signals = SignalFlag(self.config.save_on_signal, minutes and minutes * 60.0)
         self.chosen: tuple = (None, None)
         self.writer = megatron_state.AsyncWriter() if self.config.async_save else None
         self.in_flight: tuple[int, float] | None = None

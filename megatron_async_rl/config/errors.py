@@ -73,6 +73,35 @@ class ConfigError(ValueError):
         return ConfigError(f"{prefix}{sep}{self.key}", self.value, self.rule, self.hint)
 
 
+class ConfigErrors(ConfigError):
+    """Several mistakes found in one pass (e.g. one command line of Megatron flags): reported
+    together, one line each, so a user fixes them all at once. Behaves as its first error."""
+
+    def __init__(self, errors: list[ConfigError]):
+        if not errors:
+            raise ValueError("ConfigErrors needs at least one error")
+        self.errors = list(errors)
+        first = self.errors[0]
+        super().__init__(first.key, first.value, first.rule, first.hint)
+
+    def _message(self) -> str:
+        lines = [str(e) for e in self.errors]
+        if len(lines) > 1:
+            lines[0] += f" ({len(lines)} errors, one per line)"
+        return "\n".join(lines)
+
+    def __reduce__(self):
+        return (ConfigErrors, (self.errors,))
+
+
+def raise_all(errors: list[ConfigError]) -> None:
+    """Raise the errors found (one as itself, several as `ConfigErrors`); nothing if none."""
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigErrors(errors)
+
+
 def suggest(name: str, candidates: list[str], prefix: str = "") -> str | None:
     """A "did you mean ...?" hint for a misspelt key, or the list of valid keys."""
     matches = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
@@ -103,6 +132,6 @@ def exit_on_config_error(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         message = str(yaml_error_to_config_error(err, "<yaml>"))
     # Under torchrun every rank resolves the same recipe: one message is enough.
     if os.environ.get("RANK", "0") == "0":
-        sys.stderr.write(f"error: {message}\n")
+        sys.stderr.write("".join(f"error: {line}\n" for line in message.splitlines()))
         sys.stderr.flush()
     sys.exit(2)

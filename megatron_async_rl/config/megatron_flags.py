@@ -30,6 +30,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megatron_async_rl.config.checks import require_bool
-from megatron_async_rl.config.errors import NO_VALUE, ConfigError, suggest
+from megatron_async_rl.config.errors import NO_VALUE, ConfigError, raise_all, suggest
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class ArgSpec:
     """One Megatron argument: its dest name, value type and default."""
 
     dest: str
-    type: Literal["int", "float", "str", "bool"]
+    type: Literal["int", "float", "str", "bool", "int_list", "str_list"]
     default: Any
     choices: tuple[str, ...] | None = None
     """Allowed values for a str argument (from a `Literal` annotation or Megatron-LM's choices)."""
@@ -92,7 +93,10 @@ _MEGATRON_LM_ARGS = (
     ArgSpec("untie_embeddings_and_output_weights", "bool", False),
     # GPTModel(position_embedding_type=...); Megatron-LM's default is learned_absolute.
     ArgSpec(
-        "position_embedding_type", "str", "learned_absolute", ("learned_absolute", "rope", "none")
+        "position_embedding_type",
+        "str",
+        "learned_absolute",
+        ("learned_absolute", "rope", "mrope", "none"),
     ),
     # GPTModel(rotary_base=...): RoPE theta.
     ArgSpec("rotary_base", "int", 10000),
@@ -132,6 +136,58 @@ _MEGATRON_LM_ARGS = (
     # Pad the vocabulary to a multiple of this times the TP size, as Megatron-LM does.
     ArgSpec("make_vocab_size_divisible_by", "int", 128),
 )
+
+# Megatron-LM arguments applied by this package that are no dataclass field; their type and
+# default come from Megatron-LM's own flag (`megatron_lm.inventory()`). Who applies each:
+APPLIED_HERE = {
+    # roles/lr_schedule.py (megatron-core's OptimizerParamScheduler), in optimizer steps
+    "schedule": (
+        "lr_decay_iters", "lr_decay_samples", "lr_warmup_fraction", "lr_warmup_samples",
+        "lr_warmup_init", "lr_wsd_decay_style", "lr_wsd_decay_iters", "lr_wsd_decay_samples",
+        "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler",
+        "start_weight_decay", "end_weight_decay", "weight_decay_incr_style",
+    ),
+    # config/recipe.py: the run's length and exits (RL steps from optimizer steps)
+    "loop": ("train_samples", "exit_duration_in_mins"),
+    # roles/megatron_role.py: garbage collection and the CUDA cache around train steps
+    "memory": ("manual_gc", "manual_gc_interval", "manual_gc_eval", "empty_unused_memory_level"),
+    # transformer_config_kwargs: activations, init, lists, the attention backend enum
+    "model": (
+        "attention_backend", "window_size", "hierarchical_context_parallel_sizes",
+        "recompute_modules", "mrope_section", "offload_modules", "squared_relu", "quick_geglu",
+        "init_method_xavier_uniform", "add_position_embedding",
+        "moe_layer_freq", "fp8_param_gather",
+    ),
+    # gpt_model_kwargs: GPTModel arguments
+    "gpt": ("rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor"),
+}  # fmt: skip
+
+_LIST_TYPES = {"int": "int_list", "str": "str_list"}
+
+
+def _specs_from_megatron_lm(known: dict[str, ArgSpec]) -> list[ArgSpec]:
+    """ArgSpecs of `APPLIED_HERE` from Megatron-LM's flags (type, default, choices)."""
+    from megatron_async_rl.config import megatron_lm
+
+    rows = megatron_lm.lm_dests()
+    out = []
+    for dest in (d for group in APPLIED_HERE.values() for d in group):
+        if dest in known and dest != "moe_layer_freq":  # a dataclass int; Megatron-LM's takes lists
+            continue
+        row = rows[dest]
+        if row.kind in ("true", "false", "bool_optional"):
+            out.append(ArgSpec(dest, "bool", bool(row.default)))
+            continue
+        kind = (row.type or "str").removeprefix("other:")
+        kind = kind if kind in ("int", "float", "str") else "str"
+        if dest in ("window_size", "moe_layer_freq"):
+            kind = "int"  # "(a, b)" / "[1]*3+[0]" expressions: parsed by _int_list_expr
+        if row.nargs in ("+", "*") or dest in ("window_size", "moe_layer_freq"):
+            kind = _LIST_TYPES[kind]
+        choices = row.choices  # typed as Megatron-LM's (ints for --empty-unused-memory-level)
+        out.append(ArgSpec(dest, kind, row.default, choices, True))
+    return out
+
 
 # Megatron-LM flags that write a dataclass field under a different (negated) name.
 _MEGATRON_LM_FLAGS = (
@@ -175,10 +231,16 @@ def _derive_specs() -> list[ArgSpec]:
     """Walk megatron-core's config dataclasses (imports megatron-core, ~5 s)."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     specs: dict[str, ArgSpec] = {}
-    for cls in (TransformerConfig, OptimizerConfig, DistributedDataParallelConfig):
+    configs = (
+        TransformerConfig,
+        MLATransformerConfig,
+        OptimizerConfig,
+        DistributedDataParallelConfig,
+    )
+    for cls in configs:
         hints = typing.get_type_hints(cls)
         for field in dataclasses.fields(cls):
             name = field.name
@@ -247,6 +309,7 @@ def flag_table() -> tuple[dict[str, ArgSpec], dict[str, FlagSpec]]:
     """(dest -> ArgSpec, flag -> FlagSpec) for every known Megatron argument."""
     specs = {s.dest: s for s in _load_derived_specs()}
     specs.update({s.dest: s for s in _MEGATRON_LM_ARGS})
+    specs.update({s.dest: s for s in _specs_from_megatron_lm(specs)})
     flags: dict[str, FlagSpec] = {}
     for spec in specs.values():
         stem = spec.dest.replace("_", "-")
@@ -279,6 +342,39 @@ def defaults() -> dict[str, Any]:
     return out
 
 
+_INT_EXPR = re.compile(r"^[\s\d\[\]\(\),+*]+$")
+
+
+def _int_list_expr(text: str, key: str) -> list[int] | int:
+    """Megatron-LM's list expressions: `[0]+[1]*26`, `(0, 128)`, `1,2,3` or a single int."""
+    if not _INT_EXPR.match(text):
+        raise ConfigError(key, text, "expected an int, a list of ints or a list expression")
+    try:
+        value = eval(text, {"__builtins__": {}}, {})  # digits, brackets, commas, + and * only
+    except (SyntaxError, TypeError, ValueError):
+        raise ConfigError(
+            key, text, "expected an int or a list expression like [0]+[1]*3"
+        ) from None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+        return list(value)
+    raise ConfigError(key, text, "expected an int or a list of ints")
+
+
+def _coerce_list(spec: ArgSpec, value: Any, key: str) -> Any:
+    if isinstance(value, str):
+        if spec.type == "int_list":
+            return _int_list_expr(value, key)
+        value = value.split(",") if "," in value else [value]
+    if isinstance(value, int) and spec.type == "int_list" and not isinstance(value, bool):
+        return value
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(key, value, f"expected a list ({spec.type.replace('_', ' ')})")
+    scalar = ArgSpec(spec.dest, spec.type.removesuffix("_list"), None, spec.choices)
+    return [_coerce(scalar, item, key) for item in value]
+
+
 def _coerce(spec: ArgSpec, value: Any, key: str) -> Any:
     """Check and convert one value; strings (CLI, or YAML's `1e-5`) are parsed."""
     expected = spec.type + (" or null" if spec.nullable else "")
@@ -286,6 +382,8 @@ def _coerce(spec: ArgSpec, value: Any, key: str) -> Any:
         if spec.nullable:
             return None
         raise ConfigError(key, value, f"must not be null (expected {spec.type})")
+    if spec.type.endswith("_list"):
+        return _coerce_list(spec, value, key)
     if spec.type == "bool":
         return require_bool(key, value)
     if isinstance(value, (bool, list, dict)):
@@ -320,37 +418,155 @@ def _unknown(
     return ConfigError(display, value, f"unknown Megatron {kind}", hint)
 
 
-def parse_megatron_flags(argv: list[str]) -> dict[str, Any]:
-    """Parse the Megatron flags given after `--` into dest -> typed value."""
-    specs, flags = flag_table()
-    parsed: dict[str, Any] = {}
+class ParsedFlags(dict):
+    """dest -> typed value, plus `recipe_sets`: recipe key -> (value, flag) for the flags whose
+    owner is a recipe key (`megatron_lm.RECIPE_ALIASES`), applied by `recipe.build_config`."""
+
+    def __init__(self):
+        super().__init__()
+        self.recipe_sets: dict[str, tuple[Any, str]] = {}
+
+
+class _Verdicts:
+    """Applies Megatron-LM's verdict on each dest given; collects ignored flags and errors."""
+
+    def __init__(self, last_wins: bool):
+        self.last_wins = last_wins
+        """argparse's rule on a command line (a flag given twice: the last counts); in a recipe
+        section, two keys that set one dest are an error."""
+        self.specs = flag_table()[0]
+        self.applied = frozenset(self.specs)
+        self.parsed = ParsedFlags()
+        self.origin: dict[str, str] = {}
+        self.ignored: dict[str, list[str]] = {}
+        self.errors: list[ConfigError] = []
+
+    def put(self, dest: str, value: Any, key: str, typed: bool = False) -> None:
+        """Set `dest` from `value` (given as `key`), following the dest's verdict."""
+        from megatron_async_rl.config import megatron_lm
+
+        verdict = megatron_lm.classify(dest, self.applied)
+        try:
+            if dest in megatron_lm.RECIPE_ALIASES:
+                path = megatron_lm.RECIPE_ALIASES[dest]
+                if not self.last_wins:
+                    raise ConfigError(key, value, "is a recipe key here", f"set {path} instead")
+                self.parsed.recipe_sets[path] = (value, key)
+            elif verdict.kind == "applied":
+                self._set(dest, value if typed else _coerce(self.specs[dest], value, key), key)
+            elif verdict.kind == "aliased":
+                for target, translated in megatron_lm.ALIASES[dest][1](value).items():
+                    self._set(target, _coerce(self.specs[target], translated, key), key)
+            elif verdict.kind == "ignored":
+                self.ignored.setdefault(verdict.reason, []).append(key)
+            elif verdict.kind == "refused":
+                raise ConfigError(key, value, verdict.reason, verdict.hint)
+            else:
+                raise ConfigError(key, value, "unknown Megatron argument")
+        except ConfigError as err:
+            self.errors.append(err)
+
+    def _set(self, dest: str, value: Any, key: str) -> None:
+        if dest in self.origin and not self.last_wins:
+            raise ConfigError(key, value, f"sets {dest} again (already set by {self.origin[dest]})")
+        self.origin[dest], self.parsed[dest] = key, value
+
+    def finish(self, where: str) -> dict[str, Any]:
+        raise_all(self.errors)
+        if self.ignored:
+            listed = "; ".join(
+                f"{', '.join(keys)}: {reason}" for reason, keys in self.ignored.items()
+            )
+            _warn_once(f"{where}: ignored, as they mean nothing for this RL trainer: {listed}")
+        return self.parsed
+
+
+def _values(spec, name: str, argv: list[str], index: int, expected: str) -> tuple[Any, int]:
+    """The value(s) of flag `name` at argv[index:] by its Megatron-LM arity; (value, next)."""
+    if spec.kind in ("true", "false", "const", "bool_optional"):
+        if spec.kind == "const":
+            return spec.const, index
+        if spec.kind == "bool_optional":
+            return not name.startswith("--no-"), index
+        return spec.kind == "true", index
+    taken = []
+    while index < len(argv) and not (argv[index].startswith("--") and len(argv[index]) > 2):
+        taken.append(argv[index])
+        index += 1
+        if spec.nargs in (None, "?") or (isinstance(spec.nargs, int) and len(taken) == spec.nargs):
+            break
+    if not taken and spec.nargs not in ("*", "?"):
+        raise ConfigError(name, NO_VALUE, f"missing value{expected}")
+    if spec.nargs in ("+", "*") or isinstance(spec.nargs, int):
+        return taken, index
+    return (taken[0] if taken else spec.const), index
+
+
+def parse_megatron_flags(argv: list[str]) -> ParsedFlags:
+    """Parse the Megatron flags given after `--` into dest -> typed value.
+
+    Every flag of Megatron-LM is known (`megatron_lm.inventory()`) and read with its own arity;
+    the verdict on its dest (applied, aliased, ignored, refused) decides what it does. Ignored
+    flags are listed in one warning line; every error of the command line is raised together.
+    """
+    from megatron_async_rl.config import megatron_lm
+
+    ours = flag_table()[1]
+    lm_flags = megatron_lm.inventory()[1]
+    verdicts = _Verdicts(last_wins=True)
     index = 0
     while index < len(argv):
         token = argv[index]
         index += 1
         if not token.startswith("--") or token == "--":
-            raise ConfigError(
+            verdicts.errors.append(ConfigError(
                 "megatron flags", token, "expected a --flag", "Megatron flags look like --lr 1e-6"
-            )
-        name, has_inline, inline = token.partition("=")
-        flag = flags.get(name)
-        if flag is None:
-            raise _unknown(name, list(flags), name, "flag")
-        spec = specs[flag.dest]
-        if flag.const is not None:
-            if has_inline:
-                raise ConfigError(name, inline, "this flag takes no value", f"write {name} alone")
-            parsed[flag.dest] = flag.const
+            ))  # fmt: skip
+            while index < len(argv) and not argv[index].startswith("--"):
+                index += 1  # one error for a run of stray words
             continue
-        if has_inline:
-            value = inline
-        elif index < len(argv) and not argv[index].startswith("--"):
-            value = argv[index]
-            index += 1
-        else:
-            raise ConfigError(name, NO_VALUE, f"missing value (expected {spec.type})")
-        parsed[flag.dest] = _coerce(spec, value, name)
-    return parsed
+        name, has_inline, inline = token.partition("=")
+        lm, flag = lm_flags.get(name), ours.get(name)
+        try:
+            if lm is not None and not (flag is not None and lm.dest not in verdicts.applied):
+                spec = verdicts.specs.get(lm.dest)
+                expected = f" (expected {spec.type})" if spec else ""
+                value, index = (
+                    (inline, index) if has_inline else _values(lm, name, argv, index, expected)
+                )
+                if has_inline and lm.kind != "value":
+                    raise ConfigError(
+                        name, inline, "this flag takes no value", f"write {name} alone"
+                    )
+                if isinstance(value, list) and lm.dest in verdicts.specs:
+                    if not verdicts.specs[lm.dest].type.endswith("_list"):
+                        if len(value) != 1:
+                            raise ConfigError(name, " ".join(value), "takes one value here")
+                        value = value[0]
+                verdicts.put(lm.dest, value, name)
+            elif flag is not None:
+                if flag.const is not None:
+                    if has_inline:
+                        raise ConfigError(
+                            name, inline, "this flag takes no value", f"write {name} alone"
+                        )
+                    verdicts.put(flag.dest, flag.const, name)
+                    continue
+                if has_inline:
+                    value = inline
+                elif index < len(argv) and not argv[index].startswith("--"):
+                    value, index = argv[index], index + 1
+                else:
+                    spec = verdicts.specs[flag.dest]
+                    raise ConfigError(name, NO_VALUE, f"missing value (expected {spec.type})")
+                verdicts.put(flag.dest, value, name)
+            else:
+                raise _unknown(name, sorted(set(lm_flags) | set(ours)), name, "flag")
+        except ConfigError as err:
+            verdicts.errors.append(err)
+            while index < len(argv) and not argv[index].startswith("--"):
+                index += 1  # skip the bad flag's values: report the next flag on its own
+    return verdicts.finish("Megatron flags")
 
 
 def normalize_megatron_section(section: dict | None, key_prefix: str) -> dict[str, Any]:
@@ -358,34 +574,42 @@ def normalize_megatron_section(section: dict | None, key_prefix: str) -> dict[st
 
     Keys may use dashes or underscores and may be a dest (`add_bias_linear: false`), a Megatron
     flag name (`disable_bias_linear: true`) or a `no_` negative of a bool (`no_bf16: true`).
+    Megatron-LM's other dests follow their verdict (aliased, ignored with a warning, refused).
     """
     if section is None:
         return {}
     if not isinstance(section, dict):
         raise ConfigError(key_prefix, section, "must be a mapping of Megatron argument -> value")
+    from megatron_async_rl.config import megatron_lm
+
     specs, flags = flag_table()
-    out: dict[str, Any] = {}
-    origin: dict[str, str] = {}
+    lm_flags = megatron_lm.inventory()[1]
+    verdicts = _Verdicts(last_wins=False)
     for raw_key, value in section.items():
         key = f"{key_prefix}.{raw_key}"
         name = str(raw_key).lstrip("-").replace("-", "_")
         flag = flags.get("--" + name.replace("_", "-"))
-        if name in specs:
-            dest, typed = name, _coerce(specs[name], value, key)
-        elif flag is not None and flag.const is not None:
-            require_bool(key, value)
-            dest, typed = flag.dest, flag.const if value else not flag.const
-        elif name.startswith("no_") and getattr(specs.get(name[3:]), "type", None) == "bool":
-            require_bool(key, value)
-            dest, typed = name[3:], not value
-        else:
-            names = list(specs) + [f.flag[2:].replace("-", "_") for f in flags.values()]
-            raise _unknown(name, names, key, "argument", value)
-        if dest in origin:
-            raise ConfigError(key, value, f"sets {dest} again (already set by {origin[dest]})")
-        origin[dest] = key
-        out[dest] = typed
-    return out
+        lm = lm_flags.get("--" + name.replace("_", "-"))
+        try:
+            if name in specs:
+                verdicts.put(name, value, key)
+            elif flag is not None and flag.const is not None:
+                require_bool(key, value)
+                verdicts.put(flag.dest, flag.const if value else not flag.const, key)
+            elif name.startswith("no_") and getattr(specs.get(name[3:]), "type", None) == "bool":
+                verdicts.put(name[3:], not require_bool(key, value), key)
+            elif name in megatron_lm.lm_dests():
+                verdicts.put(name, value, key)
+            elif lm is not None and lm.kind in ("true", "false"):
+                require_bool(key, value)
+                stored = (lm.kind == "true") == bool(value)
+                verdicts.put(lm.dest, stored, key)
+            else:
+                names = list(specs) + [f.flag[2:].replace("-", "_") for f in flags.values()]
+                raise _unknown(name, names + list(megatron_lm.lm_dests()), key, "argument", value)
+        except ConfigError as err:
+            verdicts.errors.append(err)
+    return verdicts.finish(key_prefix)
 
 
 def _with_defaults(args: dict[str, Any]) -> dict[str, Any]:
@@ -410,21 +634,49 @@ def _params_dtype(args: dict[str, Any]) -> Any:
     return torch.bfloat16 if args["bf16"] else torch.float16 if args["fp16"] else torch.float32
 
 
+def transformer_config_class(args: dict[str, Any]) -> type:
+    """`MLATransformerConfig` with --multi-latent-attention, else `TransformerConfig`."""
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    return MLATransformerConfig if args.get("multi_latent_attention") else TransformerConfig
+
+
 def transformer_config_kwargs(args: dict[str, Any]) -> dict[str, Any]:
-    """kwargs for `megatron.core.transformer.TransformerConfig`, aliases translated."""
+    """kwargs for the role's transformer config class, aliases translated as Megatron-LM's
+    `core_transformer_config_from_args` does (activations, init, enums, tuples)."""
     import torch
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.activations import quick_gelu, squared_relu
+    from megatron.core.transformer.enums import AttnBackend
 
     args = _with_defaults(args)
-    kwargs = _accepted(TransformerConfig, args)
+    kwargs = _accepted(transformer_config_class(args), args)
     kwargs["layernorm_epsilon"] = args["norm_epsilon"]
     if args["num_experts"] is not None:
         kwargs["num_moe_experts"] = args["num_experts"]
     if args["swiglu"]:
         kwargs["gated_linear_unit"] = True
         kwargs["activation_func"] = torch.nn.functional.silu
+    elif args["squared_relu"]:
+        kwargs["activation_func"] = squared_relu
+    elif args["quick_geglu"]:
+        kwargs["gated_linear_unit"] = True
+        kwargs["activation_func"] = quick_gelu
+    if args["init_method_xavier_uniform"]:
+        kwargs["init_method"] = torch.nn.init.xavier_uniform_
+        kwargs["output_layer_init_method"] = torch.nn.init.xavier_uniform_
     if not args["group_query_attention"]:
         kwargs["num_query_groups"] = None  # Megatron-LM ignores --num-query-groups without GQA
+    kwargs["attention_backend"] = AttnBackend[args["attention_backend"]]
+    for name in ("window_size",):
+        if args[name] is not None:
+            kwargs[name] = tuple(args[name])
+    for name in ("hierarchical_context_parallel_sizes", "recompute_modules", "mrope_section",
+                 "offload_modules"):  # fmt: skip
+        if args[name] is not None:
+            kwargs[name] = list(args[name])
+    kwargs["moe_layer_freq"] = args["moe_layer_freq"]
+    if args["fp8_param_gather"]:
+        kwargs["fp8_param"] = True
     kwargs["params_dtype"] = kwargs["pipeline_dtype"] = _params_dtype(args)
     return kwargs
 
@@ -455,6 +707,9 @@ def gpt_model_kwargs(args: dict[str, Any]) -> dict[str, Any]:
         "rotary_percent": args["rotary_percent"],
         "share_embeddings_and_output_weights": not args["untie_embeddings_and_output_weights"],
         "max_sequence_length": args["max_position_embeddings"] or args["seq_length"],
+        "rope_scaling": args["use_rope_scaling"],
+        "rope_scaling_factor": args["rope_scaling_factor"],
+        "seq_len_interpolation_factor": args["rotary_seq_len_interpolation_factor"],
         "vocab_size": args["vocab_size"],
     }
 
@@ -577,6 +832,15 @@ def check_args(args: dict[str, Any], role: str | None = None) -> None:
             min_lr,
             f"must be <= --lr = {lr}",
             None,
+        ),
+    )
+    rules += (
+        (
+            not a["add_position_embedding"] and a["position_embedding_type"] != "rope",
+            "--no-position-embedding",
+            True,
+            "is deprecated in Megatron-LM (refused there without RoPE)",
+            "use --position-embedding-type none (or rope)",
         ),
     )
     where = f" (resolved for role {role})" if role else ""

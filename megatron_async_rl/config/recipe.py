@@ -31,6 +31,7 @@ does not set `ARCHITECTURE_KEYS` itself (it relies on the checkpoint's config.js
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -46,6 +47,7 @@ from megatron_async_rl.config import megatron_flags
 from megatron_async_rl.config.errors import (
     NO_VALUE,
     ConfigError,
+    raise_all,
     suggest,
     yaml_error_to_config_error,
 )
@@ -300,8 +302,9 @@ def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True)
     `roles.<role>.megatron:` < flags. `check_paths=False` (dry run): checkpoint paths missing
     on this machine are skipped with a warning instead of raising.
     """
-    run = _build(RunConfig, tree, "")
     flags = megatron_flags.parse_megatron_flags(list(megatron_argv))
+    tree = _with_flag_owned_keys(tree, flags)
+    run = _build(RunConfig, tree, "")
     overrides = {
         role: {**run.roles.megatron.get(role, {}), **flags}
         for role in MEGATRON_ROLES
@@ -339,6 +342,7 @@ def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True)
             **overrides.get(role, {}),
         }
         megatron_flags.check_args(args, role)
+        _megatron_lm_derived(args)
         # --load names the weights a role starts from: a HuggingFace directory for now
         # (Megatron distributed checkpoints arrive with resumable checkpointing).
         load = args.get("load")
@@ -348,9 +352,113 @@ def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True)
         resolved[role] = args
     fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(RunConfig)}
     fields["roles"] = RolesConfig(groups=run.roles.groups, megatron=overrides)
+    fields["trainer"] = dataclasses.replace(
+        run.trainer, num_steps=_num_steps(tree, run, resolved["train"])
+    )
     resolved_config = ResolvedConfig(**fields, role_megatron_args=resolved)
     resolved_config.collective_timeout_s()  # the keys that set it agree
     return resolved_config
+
+
+def _megatron_lm_derived(args: dict[str, Any]) -> None:
+    """Fill what Megatron-LM derives when a flag is absent: --ffn-hidden-size from the hidden
+    size (4h, or the SwiGLU 2/3 of it rounded down to a multiple of 64) and --moe-ffn-hidden-size
+    from it."""
+    if args.get("ffn_hidden_size") is None:
+        hidden = args["hidden_size"]
+        args["ffn_hidden_size"] = (
+            int(4 * hidden * 2 / 3 / 64) * 64 if args["swiglu"] else 4 * hidden
+        )
+    if args.get("num_experts") is not None and args.get("moe_ffn_hidden_size") is None:
+        args["moe_ffn_hidden_size"] = args["ffn_hidden_size"]
+
+
+def _given(tree: dict, path: str) -> Any:
+    node: Any = tree
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return NO_VALUE
+        node = node[part]
+    return node
+
+
+def _put(tree: dict, path: str, value: Any) -> None:
+    *parents, last = path.split(".")
+    node = tree
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[last] = value
+
+
+def _with_flag_owned_keys(tree: dict, flags: megatron_flags.ParsedFlags) -> dict:
+    """The recipe tree with the keys that Megatron flags own or alias set from them.
+
+    One owner per knob: a recipe key and the Megatron argument that mean the same thing must
+    agree when both are given (`--grpo-group-size` / `algorithm.num_samples_per_prompt`,
+    `--seed` / `seed`, `--micro-batch-size` / `trainer.micro_batch_size`, `--save` /
+    `checkpoint.directory`). Our own seeds (`seed`, `data.seed`) follow Megatron's `--seed`
+    unless the recipe sets them.
+    """
+    tree = copy.deepcopy(tree)
+    shared = megatron_flags.normalize_megatron_section(tree.get("megatron"), "megatron")
+    megatron_args = {**shared, **flags}
+    sets = dict(flags.recipe_sets)
+    for dest, path in (("seed", "seed"), ("micro_batch_size", "trainer.micro_batch_size"),
+                       ("save", "checkpoint.directory")):  # fmt: skip
+        if megatron_args.get(dest) is not None:
+            origin = f"--{dest.replace('_', '-')}" if dest in flags else f"megatron.{dest}"
+            sets[path] = (megatron_args[dest], origin)
+    errors = []
+    for path, (value, origin) in sets.items():
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        given = _given(tree, path)
+        if given is not NO_VALUE and given is not None and given != value:
+            errors.append(ConfigError(
+                path, given, f"disagrees with {origin} = {value} (the same knob)",
+                "set one of them (or both to the same value)",
+            ))  # fmt: skip
+        _put(tree, path, value)
+    raise_all(errors)
+    seed = tree.get("seed", megatron_flags.defaults()["seed"])
+    for section in ("data", "validation.data"):
+        data = _given(tree, section)
+        if isinstance(data, dict) and data.get("seed") is None:
+            data["seed"] = seed
+    return tree
+
+
+def _num_steps(tree: dict, run: RunConfig, train_args: dict[str, Any]) -> int:
+    """RL steps of the run: `trainer.num_steps`, or from `--train-iters` / `--train-samples`
+    (Megatron-LM counts optimizer steps; one RL step runs `optimizer_steps_per_rl_step`)."""
+    from megatron_async_rl.algorithms.minibatch import optimizer_steps_per_rl_step
+
+    iters, samples = train_args.get("train_iters"), train_args.get("train_samples")
+    batch = run.rollout.num_prompts_per_step * run.algorithm.num_samples_per_prompt
+    gbs = train_args.get("global_batch_size")
+    if run.trainer.job == "grpo":  # --global-batch-size must split the rollout batch
+        optimizer_steps_per_rl_step(batch, gbs, run.algorithm.ppo_epochs)
+    if iters is None and samples is None:
+        return run.trainer.num_steps
+    if iters is not None and samples is not None:
+        raise ConfigError("--train-samples", samples, "cannot be combined with --train-iters")
+    if samples is not None:
+        flag, iters = "--train-samples", -(-samples // (gbs or batch))
+    else:
+        flag = "--train-iters"
+    per_step = optimizer_steps_per_rl_step(batch, gbs, run.algorithm.ppo_epochs)
+    num_steps = -(-iters // per_step)
+    given = _given(tree, "trainer.num_steps")
+    if given is not NO_VALUE and given != num_steps:
+        raise ConfigError(
+            "trainer.num_steps", given,
+            f"disagrees with {flag} = {samples or iters}: {num_steps} RL steps of "
+            f"{per_step} optimizer step(s) each",
+            "set one of them",
+        )  # fmt: skip
+    return num_steps
 
 
 def resolve(

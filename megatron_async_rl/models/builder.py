@@ -66,8 +66,6 @@ def te_available(platform: Platform) -> bool:
 
 
 def build_transformer_config(args: dict[str, Any], par: Parallelism, platform: Platform):
-    from megatron.core.transformer import TransformerConfig
-
     kwargs = megatron_flags.transformer_config_kwargs(args)
     kwargs.update(
         tensor_model_parallel_size=par.tp,
@@ -94,7 +92,7 @@ def build_transformer_config(args: dict[str, Any], par: Parallelism, platform: P
                 "Transformer Engine is not importable: %s off (their kernels come from it)",
                 ", ".join(off),
             )
-    return TransformerConfig(**kwargs)
+    return megatron_flags.transformer_config_class(args)(**kwargs)
 
 
 def model_spec(args: dict[str, Any], par: Parallelism, platform: Platform) -> ModelSpec:

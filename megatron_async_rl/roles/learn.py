@@ -1,5 +1,5 @@
-"""The learn side on the Megatron ranks: a step's samples to log-probs, advantages, one
-optimizer step, and the step's metrics.
+"""The learn side on the Megatron ranks: a step's samples to log-probs, advantages, its
+optimizer steps (PPO mini-batches), and the step's metrics.
 
 Owned here: `LearnSide`, its stages as methods `StepWork -> StepWork` (`logp`, `ref`, `train`),
 its guard `logp_waits_for`, and `log` (the leader writes `metrics.jsonl`). Results cross the
@@ -9,12 +9,13 @@ ahead. Called by both loops in `jobs/`; weights leave through the loops' exchang
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from megatron_async_rl.algorithms import grpo, losses
+from megatron_async_rl.algorithms import grpo, losses, minibatch
 from megatron_async_rl.distributed import devices
 from megatron_async_rl.observability.ledger import PromptLedger
 from megatron_async_rl.observability.metrics import MetricsWriter, summarize
@@ -33,16 +34,40 @@ def _reports(role) -> bool:
 
 
 def train_on_batch(role, work: StepWork, cfg) -> dict:
-    """The train role's step on its data-parallel share of the batch."""
-    algo, batch, mask = cfg.algorithm, work.batch, work.loss_mask_BT
-    dp_rank, dp_size = dist.get_rank(role.pgc.dp), dist.get_world_size(role.pgc.dp)
-    rows = torch.arange(batch["tokens"].shape[0]).chunk(dp_size)[dp_rank]
+    """The train role's optimizer steps of one RL step, each on its data-parallel share of a
+    mini-batch.
+
+    Advantages and old/ref log-probs come computed over the whole batch; `algorithms.minibatch`
+    plans the optimizer steps (B / --global-batch-size per epoch, `algorithm.ppo_epochs` epochs;
+    unset: one step over the whole batch). Each step's loss is normalised over its own
+    mini-batch's tokens or sequences on every data-parallel rank, so a plan of one whole-batch
+    step is exactly the single step. Metrics: each step's as `train_step` reports them, averaged
+    over the steps, except `actor/lr*` and `actor/wd*` (the last step's); `actor/grad_norm_max`
+    and `actor/optimizer_steps` (the count).
+    """
+    algo, batch = cfg.algorithm, work.batch
+    dp_size = dist.get_world_size(role.pgc.dp)
     mbs = cfg.trainer.micro_batch_size or int(role.args.get("micro_batch_size") or 1)
-    num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
+    num_samples, global_batch_size = batch["tokens"].shape[0], role.args.get("global_batch_size")
+    if global_batch_size is not None:
+        minibatch.check_minibatches(num_samples, global_batch_size, mbs, dp_size)
+    plan = minibatch.plan_minibatches(num_samples, global_batch_size, algo.ppo_epochs,
+                                      algo.shuffle_minibatches, cfg.seed, work.step)  # fmt: skip
     fields = {
-        "tokens": batch["tokens"], "mask": mask, "adv": work.adv_B, "old_logp": work.logp_BT,
-        "ref_logp": work.ref_logp_BT, "behaviour_logp": batch["behaviour_logp"],
+        "tokens": batch["tokens"], "mask": work.loss_mask_BT, "adv": work.adv_B,
+        "old_logp": work.logp_BT, "ref_logp": work.ref_logp_BT,
+        "behaviour_logp": batch["behaviour_logp"],
     }  # fmt: skip
+    steps = [_optimizer_step(role, fields, torch.tensor(samples), mbs, algo) for samples in plan]
+    return _merge_steps(steps)
+
+
+def _optimizer_step(role, fields: dict, samples: torch.Tensor, mbs: int, algo) -> dict:
+    """One optimizer step on the mini-batch `samples` (row indices of the whole batch)."""
+    dp_rank, dp_size = dist.get_rank(role.pgc.dp), dist.get_world_size(role.pgc.dp)
+    mask = fields["mask"][samples]
+    num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
+    rows = samples.chunk(dp_size)[dp_rank]
     micro = [{k: v[chunk] for k, v in fields.items()} for chunk in rows.split(mbs)]
 
     def loss_fn(logp, entropy, mb):
@@ -57,6 +82,32 @@ def train_on_batch(role, work: StepWork, cfg) -> dict:
         if key in metrics:
             metrics[key] *= len(micro)
     return metrics
+
+
+def memory_hygiene(args: dict, step: int, after: str) -> None:
+    """Megatron-LM's --manual-gc and --empty-unused-memory-level around our stages: with
+    --manual-gc the automatic collector is off (`LearnSide`) and `gc.collect()` runs after the
+    train stage every --manual-gc-interval RL steps (Megatron-LM counts iterations); level >= 1
+    empties the CUDA cache after the train stage, level 2 after the logp/ref forwards too."""
+    if after == "train" and args.get("manual_gc"):
+        interval = args.get("manual_gc_interval") or 0
+        if interval and step % interval == 0:
+            gc.collect()
+    level = args.get("empty_unused_memory_level") or 0
+    if torch.cuda.is_available() and level >= (1 if after == "train" else 2):
+        torch.cuda.empty_cache()
+
+
+def _merge_steps(steps: list[dict]) -> dict:
+    """One RL step's metrics from its optimizer steps' (see `train_on_batch`)."""
+    merged = {}
+    for key in dict.fromkeys(k for metrics in steps for k in metrics):
+        values = [metrics[key] for metrics in steps if key in metrics]
+        last = key.startswith(("actor/lr", "actor/wd"))  # where the schedule leaves the RL step
+        merged[key] = values[-1] if last else sum(values) / len(values)
+    merged["actor/grad_norm_max"] = max(metrics["actor/grad_norm"] for metrics in steps)
+    merged["actor/optimizer_steps"] = float(len(steps))
+    return merged
 
 
 class LearnSide:
@@ -74,6 +125,9 @@ class LearnSide:
         self.steps_logged = 0
         self.pending_metrics: dict[str, float] = {}
         """Metrics to add to the next step logged (e.g. `resume/*`, `checkpoint/*`)."""
+        if any(role.args.get("manual_gc") for role in roles.values()):
+            gc.disable()  # Megatron-LM's --manual-gc: collections at step ends only
+            gc.collect()
 
     # -- guards ----------------------------------------------------------------------------
     def logp_waits_for(self, work: StepWork) -> str | None:
@@ -104,12 +158,13 @@ class LearnSide:
             return None
         size = self.cfg.trainer.micro_batch_size or len(work.samples)
         out = role.logprobs(work.batch["tokens"], size)
+        memory_hygiene(role.args, work.step, after=name)
         if out is not None and _reports(role) and dist.get_rank(role.pgc.dp) == 0:
             return out[0]
         return None
 
     def train(self, work: StepWork) -> StepWork:
-        """train: advantages and the optimizer step (collective over the Megatron ranks)."""
+        """train: advantages and the optimizer steps (collective over the Megatron ranks)."""
         algo, batch = self.cfg.algorithm, work.batch
         mine = {
             k: v for k, v in (("logp", work.logp_BT), ("ref", work.ref_logp_BT)) if v is not None
@@ -134,6 +189,7 @@ class LearnSide:
         train = self.roles.get("train")
         if train is not None:
             metrics = train_on_batch(train, work, self.cfg)
+            memory_hygiene(train.args, work.step, after="train")
             if _reports(train):
                 work.report.add_sums({k: v for k, v in metrics.items() if k in LOSS_KEYS})
                 work.report.add_means({k: v for k, v in metrics.items() if k not in LOSS_KEYS})

@@ -77,6 +77,15 @@ def plan_memory(cfg, layout) -> list[RankMemory]:
     """One `RankMemory` per placed role (Megatron roles and generate)."""
     out = []
     train_args = cfg.role_megatron_args.get("train") or next(iter(cfg.role_megatron_args.values()))
+    if train_args.get("vocab_size") is None:
+        from megatron_async_rl.config.errors import ConfigError
+
+        raise ConfigError(
+            "--vocab-size", None,
+            "is unknown, so memory cannot be planned: Megatron-LM reads it from its tokenizer; "
+            "this trainer from model.hf_path's config.json",
+            "set model.hf_path, or --vocab-size / megatron.vocab_size",
+        )  # fmt: skip
     dims = nm.ModelDims.from_megatron_args(train_args)
     whole = model_numel(dims)
     for role, args in cfg.role_megatron_args.items():

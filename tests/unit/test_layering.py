@@ -16,7 +16,9 @@ Layers (checked on the source): every import inside the package, at module level
 function or under `TYPE_CHECKING`, goes to a module of the same or a lower layer of `LAYERS`,
 bottom first:
 
-    config          config/errors, config/checks, config/roles, config/megatron_flags and
+    config          config/errors, config/checks, config/roles, config/megatron_flags,
+                    config/megatron_lm (Megatron-LM's flag inventory and verdicts),
+                    algorithms/minibatch (batch arithmetic the recipe checks) and
                     every <package>/config.py: the recipe's sections, pure and validated
     layout          distributed/layout (pure rank arithmetic), distributed/collective_errors
     groups          distributed/groups, distributed/platform, compat (torch.distributed)
@@ -87,7 +89,12 @@ PURITY: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("torch",),
     ),
     "config.recipe": (
-        (f"{PACKAGE}.config.recipe", f"{PACKAGE}.config.megatron_flags"),
+        (
+            f"{PACKAGE}.config.recipe",
+            f"{PACKAGE}.config.megatron_flags",
+            f"{PACKAGE}.config.megatron_lm",
+            f"{PACKAGE}.algorithms.minibatch",
+        ),
         ("megatron.", "torch"),
     ),
     "config.checks": (
@@ -118,7 +125,8 @@ PURE = (
     "distributed.layout", "weight_sync.plan", "models.name_map", "algorithms.grpo",
     "algorithms.losses", "scheduler.states", "scheduler.machine", "scheduler.queues",
     "scheduler.staleness", "scheduler.scheduler", "checkpoint.config", "checkpoint.store",
-    "distributed.collective_errors", "scheduler.watchdog",
+    "distributed.collective_errors", "scheduler.watchdog", "algorithms.minibatch",
+    "config.megatron_lm",
 )  # fmt: skip
 IMPURE = ("torch.distributed", "megatron", "sglang")
 
@@ -126,7 +134,7 @@ IMPURE = ("torch.distributed", "megatron", "sglang")
 # submodules; "*.config" matches every <package>.config. The longest matching pattern wins.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("config.errors", "config.checks", "config.roles", "config.megatron_flags",
-                "*.config")),
+                "config.megatron_lm", "algorithms.minibatch", "*.config")),
     ("layout", ("distributed.layout", "distributed.collective_errors")),
     ("groups", ("distributed.groups", "distributed.platform", "distributed.devices", "compat")),
     ("models", ("models",)),

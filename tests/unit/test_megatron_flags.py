@@ -289,6 +289,9 @@ def test_optimizer_ddp_and_gpt_kwargs():
         "rotary_percent": 1.0,
         "share_embeddings_and_output_weights": False,
         "max_sequence_length": 64,
+        "rope_scaling": False,
+        "rope_scaling_factor": 8.0,
+        "seq_len_interpolation_factor": None,
         "vocab_size": None,
     }
     assert (

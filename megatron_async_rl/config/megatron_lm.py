@@ -1,0 +1,342 @@
+"""Every flag of Megatron-LM, and what each one does here: applied, aliased, ignored or refused.
+
+Owned here: the inventory of Megatron-LM's flags (`megatron_lm_flags.json`, written by
+`scripts/megatron_lm_flag_inventory.py` from Megatron-LM tag core_v0.16.1, commit
+55ac7082517c3878ae653c07c09c534b8aed49f6, the release of the megatron-core this package pins)
+and the verdict on each flag's dest:
+
+- **applied**: the dest is a Megatron argument we build from (`megatron_flags.flag_table()`: a
+  megatron-core config field, a GPTModel argument, or a knob of our loop: LR schedule, batches,
+  seed, steps, timeouts);
+- **aliased**: a Megatron-LM spelling of an applied dest (`ALIASES`, value translated);
+- **ignored**: means nothing for an RL trainer (pretraining data, tokenizer types, logging
+  destinations, ...): accepted, and listed with its reason in one warning line;
+- **refused**: asks for something this trainer does not do (legacy spellings Megatron-LM itself
+  rejects, Megatron-LM's own RL loop, virtual pipelines, ...): an error with the reason and a fix.
+
+Callers: `megatron_flags.parse_megatron_flags` and `normalize_megatron_section` (the verdicts),
+`tests/unit/test_megatron_lm_flags.py` (the classification of every flag, and its coverage).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+INVENTORY_PATH = Path(__file__).with_name("megatron_lm_flags.json")
+
+
+@dataclass(frozen=True)
+class LMFlag:
+    """One argparse action of Megatron-LM: its option strings and how it reads its value."""
+
+    flags: tuple[str, ...]
+    dest: str
+    kind: Literal["value", "true", "false", "const", "append", "bool_optional"]
+    const: Any
+    nargs: Any
+    """None: one value; "+", "*", "?" or an int as argparse means them (kind value/append)."""
+    type: str | None
+    choices: tuple | None
+    default: Any
+    group: str
+
+
+@functools.cache
+def inventory() -> tuple[str, dict[str, LMFlag]]:
+    """(Megatron-LM commit, option string -> LMFlag) for every flag of Megatron-LM."""
+    table = json.loads(INVENTORY_PATH.read_text())
+    flags: dict[str, LMFlag] = {}
+    for row in table["flags"]:
+        spec = LMFlag(
+            tuple(row["flags"]), row["dest"], row["kind"], row["const"], row["nargs"],
+            row["type"], tuple(row["choices"]) if row["choices"] else None, row["default"],
+            row["group"],
+        )  # fmt: skip
+        for flag in spec.flags:
+            flags[flag] = spec
+    return table["commit"], flags
+
+
+def lm_dests() -> dict[str, LMFlag]:
+    """dest -> one of its actions, for every dest of Megatron-LM."""
+    return {spec.dest: spec for spec in inventory()[1].values()}
+
+
+# --- aliases: Megatron-LM dest -> (what it sets here, translation of its value) --------------
+Alias = tuple[str, Callable[[Any], dict[str, Any]]]
+
+
+def _when(condition: Callable[[Any], bool], values: dict[str, Any]) -> Callable:
+    return lambda value: dict(values) if condition(value) else {}
+
+
+ALIASES: dict[str, Alias] = {
+    "layernorm_epsilon": ("--norm-epsilon", lambda v: {"norm_epsilon": v}),
+    "encoder_num_layers": ("--num-layers", lambda v: {"num_layers": v}),
+    "recompute_activations": (
+        "--recompute-granularity selective",
+        _when(bool, {"recompute_granularity": "selective"}),
+    ),
+    "bias_gelu_fusion": ("bias_activation_fusion", lambda v: {"bias_activation_fusion": v}),
+    "bias_swiglu_fusion": ("bias_activation_fusion", lambda v: {"bias_activation_fusion": v}),
+    "no_persist_layer_norm": ("persist_layer_norm", lambda v: {"persist_layer_norm": not v}),
+    "use_flash_attn": ("--attention-backend flash", _when(bool, {"attention_backend": "flash"})),
+    "use_rotary_position_embeddings": (
+        "--position-embedding-type rope",
+        _when(bool, {"position_embedding_type": "rope"}),
+    ),
+    "decoder_first_pipeline_num_layers": (
+        "num_layers_in_first_pipeline_stage",
+        lambda v: {"num_layers_in_first_pipeline_stage": v},
+    ),
+    "decoder_last_pipeline_num_layers": (
+        "num_layers_in_last_pipeline_stage",
+        lambda v: {"num_layers_in_last_pipeline_stage": v},
+    ),
+    "ddp_bucket_size": ("DDP bucket_size", lambda v: {"bucket_size": v}),
+    "ddp_pad_buckets_for_high_nccl_busbw": (
+        "DDP pad_buckets_for_high_nccl_busbw",
+        lambda v: {"pad_buckets_for_high_nccl_busbw": v},
+    ),
+    "ddp_reduce_scatter_with_fp32_accumulation": (
+        "DDP reduce_scatter_with_fp32_accumulation",
+        lambda v: {"reduce_scatter_with_fp32_accumulation": v},
+    ),
+    "ddp_average_in_collective": (
+        "DDP average_in_collective",
+        lambda v: {"average_in_collective": v},
+    ),
+    "accumulate_allreduce_grads_in_fp32": (
+        "DDP grad_reduce_in_fp32",
+        lambda v: {"grad_reduce_in_fp32": v},
+    ),
+    "grad_reduce_in_bf16": (
+        "DDP grad_reduce_in_fp32 false",
+        _when(bool, {"grad_reduce_in_fp32": False}),
+    ),
+    "check_for_nan_in_loss_and_grad": (
+        "DDP check_for_nan_in_grad",
+        lambda v: {"check_for_nan_in_grad": v},
+    ),
+    "te_rng_tracker": ("use_te_rng_tracker", lambda v: {"use_te_rng_tracker": v}),
+    "no_weight_decay_cond_type": (
+        "--apply-wd-to-qk-layernorm",
+        lambda v: {"apply_wd_to_qk_layernorm": v == "apply_wd_to_qk_layernorm"},
+    ),
+    "deprecated_use_mcore_models": (
+        "megatron-core models (the only kind built here)",
+        lambda v: {},
+    ),
+}
+
+# --- ignored: accepted, reported in one warning line with the reason --------------------------
+_DATA = "pretraining data (prompts come from the recipe's data: section)"
+_TOKENIZER = "tokenizer (the HF tokenizer of model.hf_path is used)"
+_LOGGING = "logging destinations (metrics go to <run_dir>/metrics.jsonl and the plots)"
+_PROFILING = "profiling (the run writes timeline.png and trace.json)"
+_VALIDATION = "pretraining validation (the recipe's validation: section sets evaluation)"
+_CHECKPOINT = (
+    "checkpoint format and cadence (the recipe's checkpoint: section: megatron-core "
+    "dist_checkpointing, fully reshardable, saved at policy-version boundaries)"
+)
+_INFERENCE = "Megatron-LM's inference engine (generation runs in SGLang: the engine: section)"
+_BATCH_RAMP = "batch ramp-up (the rollout batch is fixed by rollout.num_prompts_per_step)"
+_MONITORING = "cluster-service integrations and debug monitors of Megatron-LM's training loop"
+_OTHER_MODELS = "other model families (BERT, T5, vision, retrieval); this trainer builds GPT models"
+_SIGNALS = "signals (SIGTERM/SIGUSR1 always save and stop: checkpoint.save_on_signal)"
+_PERF_SYNC = "a CPU-GPU sync / memory knob of Megatron-LM's training loop"
+
+IGNORED_GROUPS = {
+    "data and dataloader": _DATA,
+    "tokenizer": _TOKENIZER,
+    "logging": _LOGGING,
+    "profiling": _PROFILING,
+    "validation": _VALIDATION,
+    "checkpointing": _CHECKPOINT,
+    "inference": _INFERENCE,
+    "straggler": _MONITORING,
+    "workload inspector": _MONITORING,
+    "one logger": _MONITORING,
+    "In-process restart": _MONITORING,
+    "ft_package": _MONITORING,
+    "rerun engine": _MONITORING,
+    "msc": _MONITORING,
+    "autoresume": _MONITORING,
+    "biencoder": _OTHER_MODELS,
+    "vision": _OTHER_MODELS,
+}
+
+IGNORED: dict[str, str] = {
+    "rampup_batch_size": _BATCH_RAMP,
+    "decrease_batch_size_if_needed": _BATCH_RAMP,
+    "decoder_num_layers": _OTHER_MODELS,
+    "relative_attention_num_buckets": _OTHER_MODELS,
+    "relative_attention_max_distance": _OTHER_MODELS,
+    "bert_binary_head": _OTHER_MODELS,
+    "onnx_safe": "ONNX export",
+    "openai_gelu": "unused by Megatron-LM's megatron-core models too",
+    "enable_gloo_process_groups": (
+        "Megatron's global gloo groups (the distributed optimizer uses the role's own groups)"
+    ),
+    "high_priority_stream_groups": "CUDA stream priorities of Megatron-LM's global groups",
+    "disable_jit_fuser": "TorchScript fusers (megatron-core's defaults are kept)",
+    "moe_pad_experts_for_cuda_graph_inference": _INFERENCE,
+    "enable_experimental": "Megatron-LM's gate for its experimental paths (none exist here)",
+    "data_parallel_random_init": "random init per data-parallel rank (weights load from HF)",
+    "exit_signal_handler_for_dataloader": _DATA,
+    "check_weight_hash_across_dp_replicas_interval": _MONITORING,
+    "result_rejected_tracker_filename": _MONITORING,
+    "dump_param_to_param_group_map": _MONITORING,
+    "train_sync_interval": _PERF_SYNC,
+    "dataloader_type": _DATA,
+    "exit_signal_handler": _SIGNALS,
+    "exit_signal": _SIGNALS,
+    "local_rank": "the local rank (torchrun's LOCAL_RANK is used)",
+    "scatter_gather_tensors_in_pipeline": "a no-op in megatron-core models",
+    "distributed_backend": "the backend (nccl on GPUs, gloo on CPU: platform.device)",
+    "fp16_lm_cross_entropy": "the output loss (log-probs are computed from the logits in fp32)",
+    "use_legacy_tokenizer": _TOKENIZER,
+    "eval_iters": _VALIDATION,
+    "sft": "supervised fine-tuning data (RL prompts come from the data: section)",
+    "sft_tokenizer_prompt_format": _TOKENIZER,
+    "padded_vocab_size": _TOKENIZER,
+}
+
+# --- recipe aliases: Megatron-LM dests whose owner is a key of this trainer's recipe ----------
+# A flag sets the key (flags have the highest precedence); a recipe that sets the key to another
+# value is an error (one owner per knob). Inside a recipe's megatron: section they are refused
+# with the key to write instead.
+RECIPE_ALIASES = {
+    "grpo_group_size": "algorithm.num_samples_per_prompt",
+    "grpo_prompts_per_step": "rollout.num_prompts_per_step",
+    "grpo_iterations": "algorithm.ppo_epochs",
+    "grpo_kl_beta": "algorithm.kl_coef",
+    "grpo_clamp_eps_lower": "algorithm.clip_ratio_low",
+    "grpo_clamp_eps_upper": "algorithm.clip_ratio_high",
+    "grpo_entropy_term_weight": "algorithm.entropy_coef",
+    "grpo_filter_groups_with_same_reward": "algorithm.dynamic_filtering",
+    "rl_default_temperature": "rollout.temperature",
+    "rl_default_top_p": "rollout.top_p",
+    "rl_default_top_k": "rollout.top_k",
+    "rl_inference_tensor_model_parallel_size": "engine.tp_size",
+    "rl_importance_sampling_truncation_coef": "algorithm.tis_cap",
+}
+
+# --- refused: an error with the reason and what to write instead -------------------------------
+
+REFUSED: dict[str, tuple[str, str]] = {
+    "batch_size": ("is no longer valid in Megatron-LM either", "use --micro-batch-size"),
+    "warmup": ("is no longer valid in Megatron-LM either", "use --lr-warmup-iters"),
+    "model_parallel_size": (
+        "is no longer valid in Megatron-LM either",
+        "use --tensor-model-parallel-size",
+    ),
+    "checkpoint_activations": (
+        "is no longer valid in Megatron-LM either",
+        "use --recompute-activations or --recompute-granularity",
+    ),
+    "use_legacy_models": ("legacy (non-core) models are not built here", "drop the flag"),
+    "num_layers_per_virtual_pipeline_stage": (
+        "virtual (interleaved) pipeline stages are not scheduled by this trainer",
+        "use --pipeline-model-parallel-size alone",
+    ),
+    "num_virtual_stages_per_pipeline_rank": (
+        "virtual (interleaved) pipeline stages are not scheduled by this trainer",
+        "use --pipeline-model-parallel-size alone",
+    ),
+    "pipeline_model_parallel_layout": (
+        "custom pipeline layouts are not mapped by the weight resharder",
+        "use --decoder-first/last-pipeline-num-layers for uneven stages",
+    ),
+    "ddp_num_buckets": ("is not applied here", "set --ddp-bucket-size"),
+    "use_torch_fsdp2": ("FSDP2 is not supported (DDP + distributed optimizer)", "drop the flag"),
+    "torch_fsdp2_reshard_after_forward": ("FSDP2 is not supported", "drop the flag"),
+    "lazy_mpu_init": ("lazy model-parallel init is not supported", "drop the flag"),
+    "use_sharp": ("SHARP groups are not built here", "drop the flag"),
+    "sharp_enabled_group": ("SHARP groups are not built here", "drop the flag"),
+    "nccl_communicator_config_path": (
+        "per-group NCCL configs are not applied to the role groups",
+        "drop the flag",
+    ),
+    "use_tp_pp_dp_mapping": (
+        "rank order inside a role window is fixed by distributed/layout.py",
+        "drop the flag",
+    ),
+    "create_all_gather_group": ("is not applied here", "drop the flag"),
+    "enable_full_sharding_in_hsdp": ("HSDP is not supported", "drop the flag"),
+    "fake_process_group": ("fake process groups are for benchmarking Megatron-LM", "drop it"),
+    "align_grad_reduce": ("is not applied here", "drop the flag"),
+    "distributed_timeout_seconds_after_init": (
+        "is not applied here",
+        "use --distributed-timeout-minutes (every group) or platform.timeout_s",
+    ),
+    "heterogeneous_layers_config_path": ("heterogeneous layer configs are not built", "drop it"),
+    "heterogeneous_layers_config_encoded_json": (
+        "heterogeneous layer configs are not built",
+        "drop it",
+    ),
+    "moe_use_upcycling": ("MoE upcycling from a dense checkpoint is not supported", "drop it"),
+    "moe_upcycling_granularity": ("MoE upcycling is not supported", "drop it"),
+    "exit_interval": (
+        "is not applied here",
+        "stop with --train-iters / trainer.num_steps, or a signal (checkpoint.save_on_signal)",
+    ),
+    "iterations_to_skip": ("skipping iterations is not supported", "drop the flag"),
+    "tp_comm_overlap_cfg": (
+        "Transformer Engine userbuffers are not initialised by this trainer",
+        "drop the flag",
+    ),
+    "te_precision_config_file": ("per-module TE precision configs are not applied", "drop it"),
+    "spec": ("custom layer specs are not loaded here", "drop the flag"),
+    **{
+        name: ("precision-aware optimizer dtypes are not applied here", "drop the flag")
+        for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+    },
+    "yaml_cfg": ("Megatron-LM's YAML configs are not read", "use this trainer's recipe file"),
+    "hybrid_attention_ratio": ("hybrid Mamba models are not built here", "drop the flag"),
+    "hybrid_mlp_ratio": ("hybrid Mamba models are not built here", "drop the flag"),
+    "hybrid_override_pattern": ("hybrid Mamba models are not built here", "drop the flag"),
+}
+
+IGNORED_GROUPS["rl"] = (
+    "Megatron-LM's own RL loop (its environments, inference engine, sequence packing, CUDA "
+    "graphs); the recipe's data:, reward:, engine: and algorithm: sections replace it"
+)
+
+REFUSED_GROUPS = {
+    "Logits Distillation": ("distillation is not supported", "drop the flag"),
+}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: Literal["applied", "aliased", "ignored", "refused", "unknown"]
+    reason: str = ""
+    hint: str | None = None
+
+
+def classify(dest: str, applied: set[str] | frozenset[str]) -> Verdict:
+    """What this trainer does with Megatron-LM's `dest` (`applied`: the dests we build from)."""
+    spec = lm_dests().get(dest)
+    if dest in applied:
+        return Verdict("applied")
+    if dest in ALIASES:
+        return Verdict("aliased", ALIASES[dest][0])
+    if dest in RECIPE_ALIASES:
+        return Verdict("aliased", f"recipe key {RECIPE_ALIASES[dest]}")
+    if dest in REFUSED:
+        return Verdict("refused", *REFUSED[dest])
+    if dest in IGNORED:
+        return Verdict("ignored", IGNORED[dest])
+    if spec is None:
+        return Verdict("unknown")
+    if spec.group in REFUSED_GROUPS:
+        return Verdict("refused", *REFUSED_GROUPS[spec.group])
+    if spec.group in IGNORED_GROUPS:
+        return Verdict("ignored", IGNORED_GROUPS[spec.group])
+    return Verdict("unknown")

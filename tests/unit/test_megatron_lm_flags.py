@@ -1,0 +1,303 @@
+"""Every flag of Megatron-LM (core_v0.16.1's `arguments.py`) has a verdict here, and applied
+flags reach megatron-core's config objects.
+
+Contract: (1) each dest of the flag inventory is applied, aliased, ignored with a reason or
+refused with a reason and a hint; none is unknown; the coverage of the model, parallelism,
+training, learning-rate, optimizer and precision groups is printed (`-s`) and bounded below.
+(2) For each applied flag that is a field of TransformerConfig, MLATransformerConfig,
+OptimizerConfig or DistributedDataParallelConfig, a non-default value given on the command line
+reaches that class's constructor kwargs (the effect on what is built). (3) Ignored flags are
+listed in one warning line; refused and unknown flags of one command line are reported together.
+Nothing is faked; megatron-core's dataclasses are the reference.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+
+import pytest
+
+from megatron_async_rl.config import megatron_flags as mf
+from megatron_async_rl.config import megatron_lm as ml
+from megatron_async_rl.config.errors import ConfigError, ConfigErrors
+
+CORE_GROUPS = {
+    "model": ("transformer configuration", "network size", "moe", "mla",
+              "experimental_attention_variant", "heterogeneous architecture"),
+    "parallelism": ("distributed",),
+    "training": ("training",),
+    "learning rate": ("learning rate and weight decay",),
+    "optimizer": ("regularization",),
+    "precision": ("mixed precision", "Transformer-Engine"),
+}  # fmt: skip
+
+
+def _verdicts():
+    applied = frozenset(mf.flag_table()[0])
+    return {dest: (row, ml.classify(dest, applied)) for dest, row in ml.lm_dests().items()}
+
+
+def test_every_megatron_lm_flag_has_a_verdict():
+    verdicts = _verdicts()
+    assert len(verdicts) > 600  # the whole inventory, not a sample
+    unknown = sorted(d for d, (_, v) in verdicts.items() if v.kind == "unknown")
+    assert not unknown, f"flags of Megatron-LM without a verdict: {unknown}"
+    for dest, (_, verdict) in verdicts.items():
+        if verdict.kind in ("ignored", "refused", "aliased"):
+            assert verdict.reason, dest
+        if verdict.kind == "refused":
+            assert verdict.hint, dest
+
+
+def test_coverage_of_the_core_groups(capsys):
+    verdicts = _verdicts()
+    counts = collections.Counter()
+    total = collections.Counter()
+    lines = []
+    for name, groups in CORE_GROUPS.items():
+        rows = [(d, v) for d, (row, v) in verdicts.items() if row.group in groups]
+        used = [d for d, v in rows if v.kind in ("applied", "aliased")]
+        counts[name], total[name] = len(used), len(rows)
+        rest = sorted(f"{d} ({v.kind})" for d, v in rows if v.kind not in ("applied", "aliased"))
+        lines.append(f"{name}: {len(used)}/{len(rows)} applied or aliased; not: {', '.join(rest)}")
+    share = sum(counts.values()) / sum(total.values())
+    with capsys.disabled():
+        print("\n" + "\n".join(lines) + f"\nall core groups: {share:.1%} applied or aliased")
+    assert share >= 0.84
+
+
+def _other_value(spec: mf.ArgSpec):
+    if spec.type == "bool":
+        return not spec.default
+    if spec.choices:
+        others = [c for c in spec.choices if c != spec.default]
+        return others[0] if others else None
+    if spec.type == "int":
+        return (spec.default or 0) + 3
+    if spec.type == "float":
+        return (spec.default or 0.0) + 0.25
+    if spec.type == "str":
+        return None  # free-form strings (paths, names): no safe generic value
+    return None
+
+
+# Fields whose kwargs are derived from other flags, as Megatron-LM derives them.
+_DERIVED = {
+    "num_query_groups": "applied only with --group-query-attention",
+    "params_dtype": "from --bf16/--fp16",
+    "pipeline_dtype": "from --bf16/--fp16",
+    "layernorm_epsilon": "from --norm-epsilon",
+    "moe_layer_freq": "a list expression (test_list_and_enum_flags)",
+    "attention_backend": "an enum (test_list_and_enum_flags)",
+}
+
+
+def _config_fields():
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    return {
+        mf.transformer_config_kwargs: {f.name for f in dataclasses.fields(TransformerConfig)},
+        mf.optimizer_config_kwargs: {f.name for f in dataclasses.fields(OptimizerConfig)},
+        mf.ddp_config_kwargs: {f.name for f in dataclasses.fields(DistributedDataParallelConfig)},
+        "mla": {f.name for f in dataclasses.fields(MLATransformerConfig)},
+    }
+
+
+def test_applied_dataclass_flags_reach_their_config():
+    specs = mf.flag_table()[0]
+    fields = _config_fields()
+    checked = 0
+    for dest, spec in sorted(specs.items()):
+        value = _other_value(spec)
+        if value is None or dest in _DERIVED:
+            continue
+        for build, names in fields.items():
+            if dest not in names:
+                continue
+            if build == "mla":
+                kwargs = mf.transformer_config_kwargs({"multi_latent_attention": True, dest: value})
+            else:
+                kwargs = build({dest: value})
+            assert kwargs.get(dest) == value, (dest, value, build)
+            checked += 1
+    assert checked > 250
+
+
+def test_list_and_enum_flags():
+    from megatron.core.transformer.enums import AttnBackend
+
+    args = mf.parse_megatron_flags([
+        "--moe-layer-freq", "([0]+[1]*3)", "--recompute-modules", "mlp", "moe",
+        "--attention-backend", "local", "--window-size", "(128, 0)", "--squared-relu",
+        "--init-method-xavier-uniform", "--use-rope-scaling", "--rope-scaling-factor", "4",
+        "--fp8-param-gather", "--empty-unused-memory-level", "1",
+    ])  # fmt: skip
+    kwargs = mf.transformer_config_kwargs(args)
+    assert kwargs["moe_layer_freq"] == [0, 1, 1, 1]
+    assert kwargs["recompute_modules"] == ["mlp", "moe"]
+    assert kwargs["attention_backend"] is AttnBackend.local
+    assert kwargs["window_size"] == (128, 0)
+    assert kwargs["activation_func"].__name__ == "squared_relu"
+    assert kwargs["init_method"].__name__ == "xavier_uniform_"
+    assert kwargs["fp8_param"] is True
+    gpt = mf.gpt_model_kwargs(args)
+    assert gpt["rope_scaling"] is True and gpt["rope_scaling_factor"] == 4.0
+    assert args["empty_unused_memory_level"] == 1
+
+
+def test_aliases_translate_as_megatron_lm_does():
+    args = mf.parse_megatron_flags([
+        "--recompute-activations", "--no-bias-swiglu-fusion", "--no-persist-layer-norm",
+        "--use-flash-attn", "--use-rotary-position-embeddings", "--norm-epsilon", "1e-6",
+        "--decoder-first-pipeline-num-layers", "3", "--ddp-bucket-size", "1000",
+        "--grad-reduce-in-bf16", "--no-check-for-nan-in-loss-and-grad", "--te-rng-tracker",
+    ])  # fmt: skip
+    assert args["recompute_granularity"] == "selective"
+    assert args["bias_activation_fusion"] is False and args["persist_layer_norm"] is False
+    assert args["attention_backend"] == "flash" and args["position_embedding_type"] == "rope"
+    assert args["norm_epsilon"] == 1e-6 and args["num_layers_in_first_pipeline_stage"] == 3
+    assert args["bucket_size"] == 1000 and args["grad_reduce_in_fp32"] is False
+    assert args["check_for_nan_in_grad"] is False and args["use_te_rng_tracker"] is True
+
+
+def test_recipe_aliases_of_megatron_lm_rl_flags():
+    args = mf.parse_megatron_flags(["--grpo-group-size", "4", "--rl-default-temperature", "0.7"])
+    assert args.recipe_sets == {
+        "algorithm.num_samples_per_prompt": ("4", "--grpo-group-size"),
+        "rollout.temperature": ("0.7", "--rl-default-temperature"),
+    }
+    with pytest.raises(ConfigError, match="grpo_group_size = 4: is a recipe key here; hint: set "
+                       "algorithm.num_samples_per_prompt instead"):  # fmt: skip
+        mf.normalize_megatron_section({"grpo_group_size": 4}, "megatron")
+
+
+def test_ignored_flags_in_one_warning_line(caplog):
+    caplog.set_level(logging.WARNING)
+    mf._warn_once.cache_clear()
+    args = mf.parse_megatron_flags([
+        "--data-path", "/data/a", "--split", "99,1,0", "--tokenizer-type", "HF",
+        "--log-interval", "1", "--use-mcore-models", "--lr", "1e-6",
+    ])  # fmt: skip
+    assert dict(args) == {"lr": 1e-6}
+    lines = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert len(lines) == 1
+    for flag in ("--data-path", "--split", "--tokenizer-type", "--log-interval"):
+        assert flag in lines[0]
+    assert "pretraining data" in lines[0] and "tokenizer" in lines[0]
+
+
+def test_every_error_of_a_command_line_together():
+    with pytest.raises(ConfigErrors) as info:
+        mf.parse_megatron_flags([
+            "--lr", "fast", "--batch-size", "4", "--use-legacy-models",
+            "--hiden-size", "64", "--seq-length", "128", "--num-layers-per-virtual-pipeline-stage",
+            "2",
+        ])  # fmt: skip
+    keys = [e.key for e in info.value.errors]
+    assert keys == [
+        "--lr", "--batch-size", "--use-legacy-models", "--hiden-size",
+        "--num-layers-per-virtual-pipeline-stage",
+    ]  # fmt: skip
+    text = str(info.value)
+    assert "use --micro-batch-size" in text and "did you mean --hidden-size?" in text
+    assert "5 errors, one per line" in text and text.count("\n") == 4
+
+
+def test_refused_flag_names_reason_and_fix():
+    with pytest.raises(ConfigError, match=r"--spec = \['a', 'b'\]: custom layer specs are not "
+                       r"loaded here; hint: drop the flag"):  # fmt: skip
+        mf.parse_megatron_flags(["--spec", "a", "b"])
+
+
+def test_flag_arity_follows_megatron_lm():
+    args = mf.parse_megatron_flags(["--moe-aux-loss-coeff", "0.01", "--lr=2e-6", "--seed", "7"])
+    assert args == {"moe_aux_loss_coeff": 0.01, "lr": 2e-6, "seed": 7}
+    with pytest.raises(ConfigError, match="--moe-aux-loss-coeff = '0.1 0.2': takes one value"):
+        mf.parse_megatron_flags(["--moe-aux-loss-coeff", "0.1", "0.2"])
+
+
+# --- flags applied to our loop and recipe (one owner per knob) ---------------------------------
+def _tree(**extra):
+    tree = {
+        "roles": {"groups": [{"roles": ["train", "logp", "ref"], "num_ranks": 1}]},
+        "megatron": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                     "vocab_size": 128, "lr": 1e-5},
+    }  # fmt: skip
+    tree.update(extra)
+    return tree
+
+
+def test_train_iters_and_samples_set_the_rl_steps():
+    from megatron_async_rl.config.recipe import build_config
+
+    tree = _tree(rollout={"num_prompts_per_step": 4}, algorithm={"num_samples_per_prompt": 4})
+    # 16 samples per RL step, 4 per optimizer step: 4 optimizer steps per RL step
+    cfg = build_config(tree, ["--global-batch-size", "4", "--train-iters", "20"])
+    assert cfg.trainer.num_steps == 5
+    cfg = build_config(tree, ["--global-batch-size", "4", "--train-samples", "64"])
+    assert cfg.trainer.num_steps == 4
+    with pytest.raises(ConfigError, match=r"trainer.num_steps = 3: disagrees with --train-iters "
+                       r"= 20: 5 RL steps of 4 optimizer step\(s\) each"):  # fmt: skip
+        build_config(
+            {**tree, "trainer": {"num_steps": 3}},
+            ["--global-batch-size", "4", "--train-iters", "20"],
+        )
+
+
+def test_seed_and_micro_batch_have_one_owner():
+    from megatron_async_rl.config.recipe import build_config
+
+    cfg = build_config(_tree(data=None), ["--seed", "7", "--micro-batch-size", "2"])
+    assert cfg.seed == 7 and cfg.trainer.micro_batch_size == 2
+    assert cfg.role_megatron_args["train"]["seed"] == 7
+    with pytest.raises(ConfigErrors, match=r"seed = 3: disagrees with --seed = 7"):
+        build_config(_tree(seed=3, trainer={"micro_batch_size": 4}),
+                     ["--seed", "7", "--micro-batch-size", "2"])  # fmt: skip
+    cfg = build_config(_tree(seed=5), [])  # the recipe's seed alone: fine
+    assert cfg.seed == 5
+
+
+def test_megatron_lm_rl_flags_set_recipe_keys():
+    from megatron_async_rl.config.recipe import build_config
+
+    cfg = build_config(_tree(), ["--grpo-group-size", "4", "--rl-default-temperature", "0.7"])
+    assert cfg.algorithm.num_samples_per_prompt == 4 and cfg.rollout.temperature == 0.7
+    with pytest.raises(ConfigError, match="algorithm.num_samples_per_prompt = 8: disagrees with "
+                       "--grpo-group-size = 4"):  # fmt: skip
+        build_config(_tree(algorithm={"num_samples_per_prompt": 8}), ["--grpo-group-size", "4"])
+
+
+def test_exit_duration_stops_at_a_boundary(tmp_path):
+    import torch.distributed as dist
+
+    from megatron_async_rl.checkpoint.manager import SignalFlag
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        assert not SignalFlag([], exit_after_s=3600.0).any_rank(None)
+        assert SignalFlag([], exit_after_s=0.0).any_rank(None)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_manual_gc_and_empty_cache(monkeypatch):
+    import torch
+
+    from megatron_async_rl.roles import learn
+
+    calls = []
+    monkeypatch.setattr(learn.gc, "collect", lambda: calls.append("gc"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("cache"))
+    args = {"manual_gc": True, "manual_gc_interval": 2, "empty_unused_memory_level": 1}
+    for step in (1, 2, 3, 4):
+        learn.memory_hygiene(args, step, after="train")
+    learn.memory_hygiene(args, 4, after="logp")  # level 1: not after forwards
+    assert calls == ["cache", "gc", "cache", "cache", "gc", "cache"]
+    learn.memory_hygiene({"empty_unused_memory_level": 2}, 1, after="ref")
+    assert calls[-1] == "cache" and len(calls) == 7
