@@ -51,6 +51,16 @@ def optimizer_steps_per_rl_step(
     return _num_minibatches(num_samples, global_batch_size, "") * ppo_epochs
 
 
+def run_optimizer_steps_per_rl_step(cfg) -> int:
+    """`optimizer_steps_per_rl_step` of a resolved run config (its rollout batch, the train
+    role's --global-batch-size and `algorithm.ppo_epochs`)."""
+    return optimizer_steps_per_rl_step(
+        cfg.rollout.num_prompts_per_step * cfg.algorithm.num_samples_per_prompt,
+        cfg.role_megatron_args["train"].get("global_batch_size"),
+        cfg.algorithm.ppo_epochs,
+    )
+
+
 def plan_minibatches(
     num_samples: int,
     global_batch_size: int | None,

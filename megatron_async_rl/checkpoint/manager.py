@@ -122,11 +122,26 @@ class CheckpointManager:
         """Whether any rank got a save-and-exit signal (collective)."""
         return self.signals.any_rank(self.groups.control)
 
+    def exit_interval_reached(self, version: int) -> bool:
+        """Megatron-LM's --exit-interval N: save and stop once the optimizer-step count
+        (version x optimizer steps per RL step) reaches a multiple of N (the same on every
+        rank: a function of the version)."""
+        interval = self.cfg.role_megatron_args.get("train", {}).get("exit_interval")
+        if not interval or version < 1:
+            return False
+        from megatron_async_rl.algorithms.minibatch import run_optimizer_steps_per_rl_step
+
+        per_step = run_optimizer_steps_per_rl_step(self.cfg)
+        if version * per_step // interval <= (version - 1) * per_step // interval:
+            return False
+        logger.warning("--exit-interval %d reached at v%d: saving, then exiting", interval, version)
+        return True
+
     def boundary(self, version: int) -> tuple[bool, bool]:
         """At the boundary after version `version` (collective): (save now, then stop). A
         background write that has ended everywhere is published here (at the last version or
         on a signal: waited for); its metrics wait in `take_metrics`."""
-        preempted = self.preempted()
+        preempted = self.preempted() | self.exit_interval_reached(version)
         last = version == self.cfg.trainer.num_steps
         self.final = preempted or last  # the run stops here: nothing is left in the background
         if self.in_flight is not None:

@@ -148,9 +148,18 @@ APPLIED_HERE = {
         "start_weight_decay", "end_weight_decay", "weight_decay_incr_style",
     ),
     # config/recipe.py: the run's length and exits (RL steps from optimizer steps)
-    "loop": ("train_samples", "exit_duration_in_mins"),
+    "loop": (
+        "train_samples", "exit_duration_in_mins", "exit_interval", "exit_signal_handler",
+        "exit_signal",
+    ),
+    # roles/megatron_role.py: DDP buckets from a bucket count
+    "ddp": ("ddp_num_buckets",),
     # roles/megatron_role.py: garbage collection and the CUDA cache around train steps
-    "memory": ("manual_gc", "manual_gc_interval", "manual_gc_eval", "empty_unused_memory_level"),
+    # roles/learn.py: around the train stage (memory_hygiene, check_replicas_agree)
+    "memory": (
+        "manual_gc", "manual_gc_interval", "manual_gc_eval", "empty_unused_memory_level",
+        "train_sync_interval", "check_weight_hash_across_dp_replicas_interval",
+    ),
     # transformer_config_kwargs: activations, init, lists, the attention backend enum
     "model": (
         "attention_backend", "window_size", "hierarchical_context_parallel_sizes",

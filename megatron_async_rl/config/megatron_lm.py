@@ -148,8 +148,6 @@ _INFERENCE = "Megatron-LM's inference engine (generation runs in SGLang: the eng
 _BATCH_RAMP = "batch ramp-up (the rollout batch is fixed by rollout.num_prompts_per_step)"
 _MONITORING = "cluster-service integrations and debug monitors of Megatron-LM's training loop"
 _OTHER_MODELS = "other model families (BERT, T5, vision, retrieval); this trainer builds GPT models"
-_SIGNALS = "signals (SIGTERM/SIGUSR1 always save and stop: checkpoint.save_on_signal)"
-_PERF_SYNC = "a CPU-GPU sync / memory knob of Megatron-LM's training loop"
 
 IGNORED_GROUPS = {
     "data and dataloader": _DATA,
@@ -189,13 +187,9 @@ IGNORED: dict[str, str] = {
     "enable_experimental": "Megatron-LM's gate for its experimental paths (none exist here)",
     "data_parallel_random_init": "random init per data-parallel rank (weights load from HF)",
     "exit_signal_handler_for_dataloader": _DATA,
-    "check_weight_hash_across_dp_replicas_interval": _MONITORING,
     "result_rejected_tracker_filename": _MONITORING,
     "dump_param_to_param_group_map": _MONITORING,
-    "train_sync_interval": _PERF_SYNC,
     "dataloader_type": _DATA,
-    "exit_signal_handler": _SIGNALS,
-    "exit_signal": _SIGNALS,
     "local_rank": "the local rank (torchrun's LOCAL_RANK is used)",
     "scatter_gather_tensors_in_pipeline": "a no-op in megatron-core models",
     "distributed_backend": "the backend (nccl on GPUs, gloo on CPU: platform.device)",
@@ -212,6 +206,7 @@ IGNORED: dict[str, str] = {
 # value is an error (one owner per knob). Inside a recipe's megatron: section they are refused
 # with the key to write instead.
 RECIPE_ALIASES = {
+    "distributed_backend": "platform.backend",
     "grpo_group_size": "algorithm.num_samples_per_prompt",
     "grpo_prompts_per_step": "rollout.num_prompts_per_step",
     "grpo_iterations": "algorithm.ppo_epochs",
@@ -253,7 +248,6 @@ REFUSED: dict[str, tuple[str, str]] = {
         "custom pipeline layouts are not mapped by the weight resharder",
         "use --decoder-first/last-pipeline-num-layers for uneven stages",
     ),
-    "ddp_num_buckets": ("is not applied here", "set --ddp-bucket-size"),
     "use_torch_fsdp2": ("FSDP2 is not supported (DDP + distributed optimizer)", "drop the flag"),
     "torch_fsdp2_reshard_after_forward": ("FSDP2 is not supported", "drop the flag"),
     "lazy_mpu_init": ("lazy model-parallel init is not supported", "drop the flag"),
@@ -282,10 +276,6 @@ REFUSED: dict[str, tuple[str, str]] = {
     ),
     "moe_use_upcycling": ("MoE upcycling from a dense checkpoint is not supported", "drop it"),
     "moe_upcycling_granularity": ("MoE upcycling is not supported", "drop it"),
-    "exit_interval": (
-        "is not applied here",
-        "stop with --train-iters / trainer.num_steps, or a signal (checkpoint.save_on_signal)",
-    ),
     "iterations_to_skip": ("skipping iterations is not supported", "drop the flag"),
     "tp_comm_overlap_cfg": (
         "Transformer Engine userbuffers are not initialised by this trainer",

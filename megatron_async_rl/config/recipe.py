@@ -421,6 +421,7 @@ def _with_flag_owned_keys(tree: dict, flags: megatron_flags.ParsedFlags) -> dict
                 "set one of them (or both to the same value)",
             ))  # fmt: skip
         _put(tree, path, value)
+    _exit_signal(tree, megatron_args, errors)
     raise_all(errors)
     seed = tree.get("seed", megatron_flags.defaults()["seed"])
     for section in ("data", "validation.data"):
@@ -428,6 +429,29 @@ def _with_flag_owned_keys(tree: dict, flags: megatron_flags.ParsedFlags) -> dict
         if isinstance(data, dict) and data.get("seed") is None:
             data["seed"] = seed
     return tree
+
+
+def _exit_signal(tree: dict, megatron_args: dict, errors: list) -> None:
+    """Megatron-LM's --exit-signal-handler [--exit-signal S] (default SIGTERM): S must be one
+    of the signals the run saves and stops on (`checkpoint.save_on_signal`)."""
+    from megatron_async_rl.checkpoint.config import SIGNALS
+
+    name = megatron_args.get("exit_signal")
+    if not megatron_args.get("exit_signal_handler") and name in (None, "SIGTERM"):
+        return
+    name = name or "SIGTERM"
+    if name not in SIGNALS:
+        errors.append(ConfigError("--exit-signal", name, f"must be one of {', '.join(SIGNALS)}",
+                                  "the signals checkpoint.save_on_signal can catch"))  # fmt: skip
+        return
+    given = _given(tree, "checkpoint.save_on_signal")
+    if given is NO_VALUE or given is None:
+        _put(tree, "checkpoint.save_on_signal", sorted({*SIGNALS, name}))
+    elif isinstance(given, list) and name not in given:
+        errors.append(ConfigError(
+            "checkpoint.save_on_signal", given, f"does not catch --exit-signal {name}",
+            f"add {name} to the list",
+        ))  # fmt: skip
 
 
 def _num_steps(tree: dict, run: RunConfig, train_args: dict[str, Any]) -> int:

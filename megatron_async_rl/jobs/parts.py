@@ -68,13 +68,9 @@ def build_parts(cfg, groups, platform) -> RankParts:
     """This rank's roles (checkpoint loaded), engine, sides and exchange."""
     from transformers import AutoTokenizer
 
-    from megatron_async_rl.algorithms.minibatch import optimizer_steps_per_rl_step
+    from megatron_async_rl.algorithms.minibatch import run_optimizer_steps_per_rl_step
 
-    per_step = optimizer_steps_per_rl_step(
-        cfg.rollout.num_prompts_per_step * cfg.algorithm.num_samples_per_prompt,
-        cfg.role_megatron_args["train"].get("global_batch_size"),
-        cfg.algorithm.ppo_epochs,
-    )
+    per_step = run_optimizer_steps_per_rl_step(cfg)
     # the lr schedule's horizon when neither --lr-decay-iters nor --train-iters sets it
     roles = build_local_roles(cfg, groups, platform, cfg.trainer.num_steps * per_step)
     for role in roles.values():

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import xxhash
 
 from megatron_async_rl.algorithms import grpo, losses, minibatch
 from megatron_async_rl.distributed import devices
@@ -85,10 +86,15 @@ def _optimizer_step(role, fields: dict, samples: torch.Tensor, mbs: int, algo) -
 
 
 def memory_hygiene(args: dict, step: int, after: str) -> None:
-    """Megatron-LM's --manual-gc and --empty-unused-memory-level around our stages: with
-    --manual-gc the automatic collector is off (`LearnSide`) and `gc.collect()` runs after the
-    train stage every --manual-gc-interval RL steps (Megatron-LM counts iterations); level >= 1
-    empties the CUDA cache after the train stage, level 2 after the logp/ref forwards too."""
+    """Megatron-LM's --manual-gc, --empty-unused-memory-level and --train-sync-interval around
+    our stages: with --manual-gc the automatic collector is off (`LearnSide`) and `gc.collect()`
+    runs after the train stage every --manual-gc-interval RL steps (Megatron-LM counts
+    iterations); level >= 1 empties the CUDA cache after the train stage, level 2 after the
+    logp/ref forwards too; the device is synchronised after the train stage every
+    --train-sync-interval RL steps."""
+    sync = args.get("train_sync_interval")
+    if after == "train" and sync and step % sync == 0 and torch.cuda.is_available():
+        torch.cuda.synchronize()
     if after == "train" and args.get("manual_gc"):
         interval = args.get("manual_gc_interval") or 0
         if interval and step % interval == 0:
@@ -96,6 +102,26 @@ def memory_hygiene(args: dict, step: int, after: str) -> None:
     level = args.get("empty_unused_memory_level") or 0
     if torch.cuda.is_available() and level >= (1 if after == "train" else 2):
         torch.cuda.empty_cache()
+
+
+def check_replicas_agree(role, step: int) -> None:
+    """Megatron-LM's --check-weight-hash-across-dp-replicas-interval: every that many RL steps,
+    the train role's data-parallel replicas compare a hash of their parameters (collective over
+    the role's DP group) and the run stops if one differs."""
+    interval = role.args.get("check_weight_hash_across_dp_replicas_interval")
+    if not interval or step % interval:
+        return
+    digest = xxhash.xxh3_64()
+    for name, param in sorted(role.module.named_parameters()):
+        digest.update(name.encode())
+        digest.update(param.detach().float().cpu().numpy().tobytes())
+    hashes = [None] * dist.get_world_size(role.pgc.dp)
+    dist.all_gather_object(hashes, digest.hexdigest(), group=role.pgc.dp)
+    if len(set(hashes)) > 1:
+        raise RuntimeError(
+            f"role train, step {step}: the data-parallel replicas' weights differ (hashes "
+            f"{hashes}; --check-weight-hash-across-dp-replicas-interval {interval})"
+        )
 
 
 def _merge_steps(steps: list[dict]) -> dict:
@@ -190,6 +216,7 @@ class LearnSide:
         if train is not None:
             metrics = train_on_batch(train, work, self.cfg)
             memory_hygiene(train.args, work.step, after="train")
+            check_replicas_agree(train, work.step)
             if _reports(train):
                 work.report.add_sums({k: v for k, v in metrics.items() if k in LOSS_KEYS})
                 work.report.add_means({k: v for k, v in metrics.items() if k not in LOSS_KEYS})

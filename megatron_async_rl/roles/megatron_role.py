@@ -106,7 +106,13 @@ class MegatronRole:
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        ddp_config = DistributedDataParallelConfig(**megatron_flags.ddp_config_kwargs(self.args))
+        ddp_kwargs = megatron_flags.ddp_config_kwargs(self.args)
+        if self.args.get("ddp_num_buckets"):  # as Megatron-LM: the role's parameters / N
+            if self.args.get("bucket_size") is not None:
+                raise ValueError("--ddp-num-buckets cannot be combined with --ddp-bucket-size")
+            numel = sum(p.numel() for p in self.module.parameters())
+            ddp_kwargs["bucket_size"] = max(numel // self.args["ddp_num_buckets"], 1)
+        ddp_config = DistributedDataParallelConfig(**ddp_kwargs)
         self.model = DistributedDataParallel(
             self.config, ddp_config, self.module, pg_collection=self.pgc
         )

@@ -6,7 +6,8 @@ reports as `actor/lr` and `actor/wd` the lr and weight decay that megatron-core'
 `OptimizerParamScheduler`, driven alone over a dummy optimizer with the same arguments, gives
 for that step (before it advances), and afterwards every param group of the role's optimizer
 has the scheduler's lr for the next step and its weight decay times the group's wd_mult.
-Nothing is faked in the role; the reference scheduler's optimizer is a plain `torch.optim.SGD`.
+With --ddp-num-buckets 3 the DDP bucket size is the role's parameter count over 3, as in
+Megatron-LM. Nothing is faked in the role; the reference scheduler's optimizer is a plain `torch.optim.SGD`.
 """
 
 import pytest
@@ -30,6 +31,8 @@ def _worker(rank, world_size, tmp_dir, path):
     args = _role_args(path)
     args.update(lr=1e-3, clip_grad=0.0, use_distributed_optimizer=True, weight_decay=0.1)
     args.update(SCHEDULE)
+    # Megatron-LM's bucket count: bucket_size = params / 3 (DDP keeps it with overlap only)
+    args.update(ddp_num_buckets=3, overlap_grad_reduce=True)
     par = Parallelism.from_megatron_args(args)
     layout = plan_layout(world_size, [RoleGroupSpec(["train"], num_ranks=world_size)],
                          {"train": par})  # fmt: skip
@@ -54,6 +57,8 @@ def _worker(rank, world_size, tmp_dir, path):
         "reported": [(m["actor/lr"], m["actor/wd"], m["actor/update_ok"]) for m in reported],
         "param_groups": param_groups,
         "num_steps": role.lr_scheduler.num_steps,
+        "bucket_size": role.model.ddp_config.bucket_size,
+        "numel": sum(p.numel() for p in role.module.parameters()),
     }
 
 
@@ -81,6 +86,7 @@ def test_train_steps_follow_the_schedule_driven_alone(tiny_path, tmp_path):
     for rank, result in enumerate(results):
         assert result["reported"] == expected, rank
         assert result["num_steps"] == 2
+        assert result["bucket_size"] == result["numel"] // 3
         assert len(result["param_groups"]) >= 2  # with and without weight decay
         for lr, weight_decay, wd_mult in result["param_groups"]:
             assert lr == next_lr and weight_decay == next_wd * wd_mult, (rank, lr, weight_decay)

@@ -11,8 +11,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "yaml_configs" / "tiny-grpo-cpu.yaml"
-SYNC_SETS = ("trainer.num_steps=4", "scheduler.validation_every=2")
-"""The shared synchronous run: 4 steps, validation of versions 0 and 2."""
+SYNC_SETS = (
+    "trainer.num_steps=4",
+    "scheduler.validation_every=2",
+    "megatron.global_batch_size=32",
+    "megatron.lr_warmup_iters=2",
+    "megatron.lr_decay_style=cosine",
+    "megatron.min_lr=1.0e-4",
+)
+"""The shared synchronous run: 4 steps, validation of versions 0 and 2, 4 optimizer steps of 32
+samples per RL step (rollout batch 128) under a warm-up of 2 and a cosine decay to 1e-4."""
 
 
 @dataclasses.dataclass(frozen=True)

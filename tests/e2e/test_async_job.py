@@ -2,7 +2,8 @@
 
 Contracts checked:
 - at `generate_ahead_steps: 0` the asynchronous loop (`scheduler.loop: async`) reproduces the
-  synchronous loop (the tests' shared run, `sync_run` in tests/conftest.py) exactly: same seed
+  synchronous loop (the tests' shared run, `sync_run` in tests/conftest.py, which runs 4
+  optimizer mini-batch steps per RL step under an lr schedule) exactly: same seed
   and data give identical metrics (every key but timings, throughput, scheduler and
   utilization seconds) at every step, validation results included;
 - at `generate_ahead_steps: 1` with `weight_update_mode: in_flight` over 10 steps, no token is

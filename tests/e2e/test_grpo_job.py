@@ -3,7 +3,9 @@
 Contracts checked:
 - 4 steps on 2 CPU ranks (train+logp+ref | a real SGLang engine) finish (the run the tests
   share, `sync_run` in tests/conftest.py); `metrics.jsonl` has one object per step with the
-  documented keys; `reward.png` and `config.resolved.yaml` are written;
+  documented keys; `reward.png` and `config.resolved.yaml` are written; each RL step runs 4
+  optimizer steps (--global-batch-size 32 of 128 samples) and `actor/lr` follows the warm-up
+  and cosine decay;
   at step 0 the engine's log-probs of its own tokens match the trainer's within 1e-3 (fp32);
   malformed dataset rows are reported with file and line and counted in the metrics.
 - with restarts off (`engine.max_restarts: 0`), an engine that dies mid-run stops the run
@@ -37,12 +39,16 @@ REQUIRED_KEYS = {
 
 
 def test_the_shared_synchronous_run(sync_run):
+    """The shared run's own contract (mini-batches and lr schedule included)."""
     rows = sync_run.rows
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     for row in rows:
         missing = REQUIRED_KEYS - row.keys()
         assert not missing, missing
         assert row["policy_lag/max"] == 0  # synchronous: every token from the current policy
+        assert row["actor/optimizer_steps"] == 4  # 128 samples / --global-batch-size 32
+    lrs = [row["actor/lr"] for row in rows]  # the last optimizer step's of each RL step
+    assert lrs[0] > 0 and lrs[1] < lrs[0]  # warm-up ends inside step 0, cosine decay after
     assert rows[0]["logprob/engine_vs_train_abs_diff"] <= 1e-3
     assert rows[0]["data/bad_rows/missing_answer"] == 1
     assert rows[0]["data/bad_rows/malformed_json"] == 1

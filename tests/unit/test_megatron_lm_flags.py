@@ -301,3 +301,77 @@ def test_manual_gc_and_empty_cache(monkeypatch):
     assert calls == ["cache", "gc", "cache", "cache", "gc", "cache"]
     learn.memory_hygiene({"empty_unused_memory_level": 2}, 1, after="ref")
     assert calls[-1] == "cache" and len(calls) == 7
+
+
+def test_exit_interval_counts_optimizer_steps():
+    from types import SimpleNamespace
+
+    from megatron_async_rl.checkpoint.manager import CheckpointManager
+
+    def reached(interval, gbs, versions):
+        cfg = SimpleNamespace(
+            role_megatron_args={"train": {"exit_interval": interval, "global_batch_size": gbs}},
+            rollout=SimpleNamespace(num_prompts_per_step=4),
+            algorithm=SimpleNamespace(num_samples_per_prompt=4, ppo_epochs=1),
+        )
+        manager = SimpleNamespace(cfg=cfg)
+        return [v for v in versions if CheckpointManager.exit_interval_reached(manager, v)]
+
+    assert reached(3, None, range(1, 10)) == [3, 6, 9]  # one optimizer step per RL step
+    assert reached(6, 4, range(1, 7)) == [2, 3, 5, 6]  # 4 per RL step: 8 >= 6, 12, 20 >= 18, 24
+    assert reached(None, None, range(1, 5)) == []
+
+
+def test_exit_signal_handler_joins_save_on_signal():
+    from megatron_async_rl.config.recipe import build_config
+
+    cfg = build_config(_tree(), ["--exit-signal-handler", "--exit-signal", "SIGUSR1"])
+    assert "SIGUSR1" in cfg.checkpoint.save_on_signal
+    with pytest.raises(ConfigError, match="--exit-signal = 'SIGINT': must be one of SIGTERM, "
+                       "SIGUSR1"):  # fmt: skip
+        build_config(_tree(), ["--exit-signal-handler", "--exit-signal", "SIGINT"])
+    with pytest.raises(ConfigError, match=r"checkpoint.save_on_signal = \['SIGTERM'\]: does not "
+                       "catch --exit-signal SIGUSR1"):  # fmt: skip
+        build_config(_tree(checkpoint={"save_on_signal": ["SIGTERM"]}),
+                     ["--exit-signal-handler", "--exit-signal", "SIGUSR1"])  # fmt: skip
+
+
+def test_distributed_backend_owns_platform_backend():
+    from megatron_async_rl.config.recipe import build_config
+
+    with pytest.raises(ConfigError, match="nccl needs device cuda"):
+        build_config(_tree(platform={"device": "cpu"}), ["--distributed-backend", "nccl"])
+    cfg = build_config(_tree(platform={"device": "cpu"}), ["--distributed-backend", "gloo"])
+    assert cfg.platform.backend == "gloo"
+
+
+def test_replica_weight_hash_check(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_async_rl.roles import learn
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        role = SimpleNamespace(
+            args={"check_weight_hash_across_dp_replicas_interval": 2},
+            module=torch.nn.Linear(3, 2), pgc=SimpleNamespace(dp=None),
+        )  # fmt: skip
+        learn.check_replicas_agree(role, 2)  # one replica: agrees with itself
+        gathered = []
+
+        def two_replicas(out, obj, group=None):
+            gathered.append(obj)
+            out[:] = [obj, "another"]
+
+        monkeypatch.setattr(learn.dist, "get_world_size", lambda group=None: 2)
+        monkeypatch.setattr(learn.dist, "all_gather_object", two_replicas)
+        learn.check_replicas_agree(role, 3)  # not a multiple of the interval: no check
+        assert gathered == []
+        with pytest.raises(RuntimeError, match="data-parallel replicas' weights differ"):
+            learn.check_replicas_agree(role, 4)
+    finally:
+        dist.destroy_process_group()
