@@ -116,7 +116,7 @@ def check_replicas_agree(role, step: int) -> None:
         digest.update(name.encode())
         digest.update(param.detach().float().cpu().numpy().tobytes())
     hashes = [None] * dist.get_world_size(role.pgc.dp)
-    dist.all_gather_object(hashes, digest.hexdigest(), group=role.pgc.dp)
+    devices.all_gather_object(hashes, digest.hexdigest(), group=role.pgc.dp)
     if len(set(hashes)) > 1:
         raise RuntimeError(
             f"role train, step {step}: the data-parallel replicas' weights differ (hashes "

@@ -7,7 +7,8 @@ reports as `actor/lr` and `actor/wd` the lr and weight decay that megatron-core'
 for that step (before it advances), and afterwards every param group of the role's optimizer
 has the scheduler's lr for the next step and its weight decay times the group's wd_mult.
 With --ddp-num-buckets 3 the DDP bucket size is the role's parameter count over 3, as in
-Megatron-LM. Nothing is faked in the role; the reference scheduler's optimizer is a plain `torch.optim.SGD`.
+Megatron-LM. Nothing is faked in the role; the reference scheduler's optimizer is a plain
+`torch.optim.SGD`.
 """
 
 import pytest

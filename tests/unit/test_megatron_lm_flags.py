@@ -368,7 +368,7 @@ def test_replica_weight_hash_check(tmp_path, monkeypatch):
             out[:] = [obj, "another"]
 
         monkeypatch.setattr(learn.dist, "get_world_size", lambda group=None: 2)
-        monkeypatch.setattr(learn.dist, "all_gather_object", two_replicas)
+        monkeypatch.setattr(learn.devices, "all_gather_object", two_replicas)
         learn.check_replicas_agree(role, 3)  # not a multiple of the interval: no check
         assert gathered == []
         with pytest.raises(RuntimeError, match="data-parallel replicas' weights differ"):
