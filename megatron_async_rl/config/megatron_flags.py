@@ -153,7 +153,7 @@ APPLIED_HERE = {
         "exit_signal",
     ),
     # roles/megatron_role.py: DDP buckets from a bucket count
-    "ddp": ("ddp_num_buckets",),
+    "ddp": ("ddp_num_buckets", "align_grad_reduce"),
     # roles/megatron_role.py: garbage collection and the CUDA cache around train steps
     # roles/learn.py: around the train stage (memory_hygiene, check_replicas_agree)
     "memory": (

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from megatron_async_rl.config.errors import ConfigError
+
 INVENTORY_PATH = Path(__file__).with_name("megatron_lm_flags.json")
 
 
@@ -73,6 +75,17 @@ Alias = tuple[str, Callable[[Any], dict[str, Any]]]
 
 def _when(condition: Callable[[Any], bool], values: dict[str, Any]) -> Callable:
     return lambda value: dict(values) if condition(value) else {}
+
+
+def _no_gloo_groups(value: Any) -> dict[str, Any]:
+    """--disable-gloo-process-groups is how roles build their distributed optimizer already."""
+    if value:
+        raise ConfigError(
+            "enable_gloo_process_groups", value,
+            "the distributed optimizer here uses the role's own groups, never gloo copies",
+            "drop it (Megatron-LM's --disable-gloo-process-groups is the behaviour)",
+        )  # fmt: skip
+    return {}
 
 
 ALIASES: dict[str, Alias] = {
@@ -123,6 +136,7 @@ ALIASES: dict[str, Alias] = {
         "DDP check_for_nan_in_grad",
         lambda v: {"check_for_nan_in_grad": v},
     ),
+    "enable_gloo_process_groups": ("gloo groups off, the only mode here", _no_gloo_groups),
     "te_rng_tracker": ("use_te_rng_tracker", lambda v: {"use_te_rng_tracker": v}),
     "no_weight_decay_cond_type": (
         "--apply-wd-to-qk-layernorm",
@@ -178,11 +192,7 @@ IGNORED: dict[str, str] = {
     "bert_binary_head": _OTHER_MODELS,
     "onnx_safe": "ONNX export",
     "openai_gelu": "unused by Megatron-LM's megatron-core models too",
-    "enable_gloo_process_groups": (
-        "Megatron's global gloo groups (the distributed optimizer uses the role's own groups)"
-    ),
     "high_priority_stream_groups": "CUDA stream priorities of Megatron-LM's global groups",
-    "disable_jit_fuser": "TorchScript fusers (megatron-core's defaults are kept)",
     "moe_pad_experts_for_cuda_graph_inference": _INFERENCE,
     "enable_experimental": "Megatron-LM's gate for its experimental paths (none exist here)",
     "data_parallel_random_init": "random init per data-parallel rank (weights load from HF)",
@@ -264,7 +274,6 @@ REFUSED: dict[str, tuple[str, str]] = {
     "create_all_gather_group": ("is not applied here", "drop the flag"),
     "enable_full_sharding_in_hsdp": ("HSDP is not supported", "drop the flag"),
     "fake_process_group": ("fake process groups are for benchmarking Megatron-LM", "drop it"),
-    "align_grad_reduce": ("is not applied here", "drop the flag"),
     "distributed_timeout_seconds_after_init": (
         "is not applied here",
         "use --distributed-timeout-minutes (every group) or platform.timeout_s",
@@ -276,6 +285,10 @@ REFUSED: dict[str, tuple[str, str]] = {
     ),
     "moe_use_upcycling": ("MoE upcycling from a dense checkpoint is not supported", "drop it"),
     "moe_upcycling_granularity": ("MoE upcycling is not supported", "drop it"),
+    "disable_jit_fuser": (
+        "is not applied: megatron-core fixes its fusers when its modules are imported",
+        "drop the flag",
+    ),
     "iterations_to_skip": ("skipping iterations is not supported", "drop the flag"),
     "tp_comm_overlap_cfg": (
         "Transformer Engine userbuffers are not initialised by this trainer",

@@ -132,6 +132,16 @@ class MegatronRole:
         self.lr_scheduler = lr_schedule.build_lr_scheduler(
             self.optimizer, self.args, total_optimizer_steps
         )
+        # As Megatron-LM's training loop wires them: the schedule multiplies each micro-batch
+        # loss by the optimizer's loss scale (fp16; 1 otherwise), and with an overlapped grad
+        # reduce / param gather it drives DDP's sync hooks across micro-batches.
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        if ddp_config.overlap_grad_reduce:
+            self.config.no_sync_func = self.model.no_sync
+            if self.args.get("align_grad_reduce", True):
+                self.config.grad_sync_func = self.model.start_grad_sync
+        if ddp_config.overlap_param_gather and ddp_config.align_param_gather:
+            self.config.param_sync_func = self.model.start_param_sync
 
     # ------------------------------------------------------------------------------------------
     def load_hf_checkpoint(self, path: str) -> None:

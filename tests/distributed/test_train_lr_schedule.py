@@ -6,9 +6,10 @@ reports as `actor/lr` and `actor/wd` the lr and weight decay that megatron-core'
 `OptimizerParamScheduler`, driven alone over a dummy optimizer with the same arguments, gives
 for that step (before it advances), and afterwards every param group of the role's optimizer
 has the scheduler's lr for the next step and its weight decay times the group's wd_mult.
-With --ddp-num-buckets 3 the DDP bucket size is the role's parameter count over 3, as in
-Megatron-LM. Nothing is faked in the role; the reference scheduler's optimizer is a plain
-`torch.optim.SGD`.
+With --ddp-num-buckets 3 the DDP bucket size is the role's parameter count over 3, and the
+schedule gets the optimizer's loss scale and (with --overlap-grad-reduce) DDP's no_sync and
+grad-sync hooks, as in Megatron-LM. Nothing is faked in the role; the reference scheduler's
+optimizer is a plain `torch.optim.SGD`.
 """
 
 import pytest
@@ -60,6 +61,11 @@ def _worker(rank, world_size, tmp_dir, path):
         "num_steps": role.lr_scheduler.num_steps,
         "bucket_size": role.model.ddp_config.bucket_size,
         "numel": sum(p.numel() for p in role.module.parameters()),
+        "wired": (  # as Megatron-LM's train(): loss scale and DDP sync hooks in the schedule
+            role.config.grad_scale_func == role.optimizer.scale_loss,
+            role.config.no_sync_func == role.model.no_sync,
+            role.config.grad_sync_func == role.model.start_grad_sync,
+        ),
     }
 
 
@@ -88,6 +94,7 @@ def test_train_steps_follow_the_schedule_driven_alone(tiny_path, tmp_path):
         assert result["reported"] == expected, rank
         assert result["num_steps"] == 2
         assert result["bucket_size"] == result["numel"] // 3
+        assert result["wired"] == (True, True, True)
         assert len(result["param_groups"]) >= 2  # with and without weight decay
         for lr, weight_decay, wd_mult in result["param_groups"]:
             assert lr == next_lr and weight_decay == next_wd * wd_mult, (rank, lr, weight_decay)

@@ -375,3 +375,10 @@ def test_replica_weight_hash_check(tmp_path, monkeypatch):
             learn.check_replicas_agree(role, 4)
     finally:
         dist.destroy_process_group()
+
+
+def test_gloo_groups_flag_matches_the_only_mode():
+    assert dict(mf.parse_megatron_flags(["--disable-gloo-process-groups"])) == {}
+    with pytest.raises(ConfigError, match="enable_gloo_process_groups = True: the distributed "
+                       "optimizer here uses the role's own groups"):  # fmt: skip
+        mf.normalize_megatron_section({"enable_gloo_process_groups": True}, "megatron")
