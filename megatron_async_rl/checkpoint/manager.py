@@ -94,8 +94,10 @@ class CheckpointManager:
 
     # -- when ------------------------------------------------------------------------------
     def due(self, version: int) -> bool:
+        """`checkpoint.every_steps` (versions), or Megatron-LM's --save-interval N (the
+        optimizer-step count reaches a multiple of N at this version)."""
         every = self.config.every_steps
-        return every > 0 and version % every == 0
+        return (every > 0 and version % every == 0) or self._crossed("save_interval", version)
 
     def export_due(self, version: int) -> bool:
         every = self.config.hf_export_every
@@ -122,19 +124,24 @@ class CheckpointManager:
         """Whether any rank got a save-and-exit signal (collective)."""
         return self.signals.any_rank(self.groups.control)
 
-    def exit_interval_reached(self, version: int) -> bool:
-        """Megatron-LM's --exit-interval N: save and stop once the optimizer-step count
-        (version x optimizer steps per RL step) reaches a multiple of N (the same on every
+    def _crossed(self, dest: str, version: int) -> bool:
+        """Whether the optimizer-step count (version x optimizer steps per RL step) reaches a
+        multiple of the train role's Megatron arg `dest` at `version` (the same on every
         rank: a function of the version)."""
-        interval = self.cfg.role_megatron_args.get("train", {}).get("exit_interval")
+        interval = self.cfg.role_megatron_args.get("train", {}).get(dest)
         if not interval or version < 1:
             return False
         from megatron_async_rl.algorithms.minibatch import run_optimizer_steps_per_rl_step
 
         per_step = run_optimizer_steps_per_rl_step(self.cfg)
-        if version * per_step // interval <= (version - 1) * per_step // interval:
+        return version * per_step // interval > (version - 1) * per_step // interval
+
+    def exit_interval_reached(self, version: int) -> bool:
+        """Megatron-LM's --exit-interval N: save and stop once the optimizer-step count
+        reaches a multiple of N."""
+        if not self._crossed("exit_interval", version):
             return False
-        logger.warning("--exit-interval %d reached at v%d: saving, then exiting", interval, version)
+        logger.warning("--exit-interval reached at v%d: saving, then exiting", version)
         return True
 
     def boundary(self, version: int) -> tuple[bool, bool]:

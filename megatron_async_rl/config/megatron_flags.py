@@ -150,7 +150,7 @@ APPLIED_HERE = {
     # config/recipe.py: the run's length and exits (RL steps from optimizer steps)
     "loop": (
         "train_samples", "exit_duration_in_mins", "exit_interval", "exit_signal_handler",
-        "exit_signal",
+        "exit_signal", "save_interval",
     ),
     # roles/megatron_role.py: DDP buckets from a bucket count
     "ddp": ("ddp_num_buckets", "align_grad_reduce"),

@@ -88,7 +88,26 @@ def _no_gloo_groups(value: Any) -> dict[str, Any]:
     return {}
 
 
+def _torch_dist_only(value: Any) -> dict[str, Any]:
+    if value != "torch_dist":
+        raise ConfigError(
+            "--ckpt-format", value,
+            "checkpoints here are megatron-core dist_checkpointing in torch_dist format",
+            "drop it, or write --ckpt-format torch_dist",
+        )  # fmt: skip
+    return {}
+
+
 ALIASES: dict[str, Alias] = {
+    "ckpt_format": ("torch_dist, the only format here", _torch_dist_only),
+    "finetune": (
+        "weights only from --load / model.hf_path, how every run starts (resume: checkpoint:)",
+        lambda v: {},
+    ),
+    "use_checkpoint_args": (
+        "the architecture from model.hf_path's config.json, how every run reads it",
+        lambda v: {},
+    ),
     "layernorm_epsilon": ("--norm-epsilon", lambda v: {"norm_epsilon": v}),
     "encoder_num_layers": ("--num-layers", lambda v: {"num_layers": v}),
     "recompute_activations": (
@@ -216,6 +235,7 @@ IGNORED: dict[str, str] = {
 # value is an error (one owner per knob). Inside a recipe's megatron: section they are refused
 # with the key to write instead.
 RECIPE_ALIASES = {
+    "async_save": "checkpoint.async_save",
     "distributed_backend": "platform.backend",
     "grpo_group_size": "algorithm.num_samples_per_prompt",
     "grpo_prompts_per_step": "rollout.num_prompts_per_step",

@@ -422,6 +422,13 @@ def _with_flag_owned_keys(tree: dict, flags: megatron_flags.ParsedFlags) -> dict
             ))  # fmt: skip
         _put(tree, path, value)
     _exit_signal(tree, megatron_args, errors)
+    every = _given(tree, "checkpoint.every_steps")
+    if megatron_args.get("save_interval") and every not in (NO_VALUE, None, 0):
+        errors.append(ConfigError(
+            "checkpoint.every_steps", every,
+            f"and --save-interval = {megatron_args['save_interval']} both set the checkpoint "
+            "cadence (versions vs optimizer steps)", "set one of them",
+        ))  # fmt: skip
     raise_all(errors)
     seed = tree.get("seed", megatron_flags.defaults()["seed"])
     for section in ("data", "validation.data"):

@@ -315,6 +315,7 @@ def test_exit_interval_counts_optimizer_steps():
             algorithm=SimpleNamespace(num_samples_per_prompt=4, ppo_epochs=1),
         )
         manager = SimpleNamespace(cfg=cfg)
+        manager._crossed = lambda dest, v: CheckpointManager._crossed(manager, dest, v)
         return [v for v in versions if CheckpointManager.exit_interval_reached(manager, v)]
 
     assert reached(3, None, range(1, 10)) == [3, 6, 9]  # one optimizer step per RL step
@@ -382,3 +383,26 @@ def test_gloo_groups_flag_matches_the_only_mode():
     with pytest.raises(ConfigError, match="enable_gloo_process_groups = True: the distributed "
                        "optimizer here uses the role's own groups"):  # fmt: skip
         mf.normalize_megatron_section({"enable_gloo_process_groups": True}, "megatron")
+
+
+def test_checkpoint_flags():
+    from types import SimpleNamespace
+
+    from megatron_async_rl.checkpoint.manager import CheckpointManager
+    from megatron_async_rl.config.recipe import build_config
+
+    tree = _tree(rollout={"num_prompts_per_step": 4}, algorithm={"num_samples_per_prompt": 4})
+    flags = ["--save-interval", "6", "--global-batch-size", "4", "--async-save",
+             "--ckpt-format", "torch_dist", "--finetune"]  # fmt: skip
+    cfg = build_config(tree, flags)
+    assert cfg.checkpoint.async_save is True
+    manager = SimpleNamespace(cfg=cfg, config=cfg.checkpoint)
+    manager._crossed = lambda dest, v: CheckpointManager._crossed(manager, dest, v)
+    # 4 optimizer steps per RL step: 8 >= 6 at v2, 12 at v3, 20 >= 18 at v5, 24 at v6
+    assert [v for v in range(1, 7) if CheckpointManager.due(manager, v)] == [2, 3, 5, 6]
+    with pytest.raises(ConfigError, match="--ckpt-format = 'torch': checkpoints here are "
+                       "megatron-core dist_checkpointing in torch_dist format"):  # fmt: skip
+        build_config(tree, ["--ckpt-format", "torch"])
+    with pytest.raises(ConfigError, match="checkpoint.every_steps = 5: and --save-interval = 6 "
+                       "both set the checkpoint cadence"):  # fmt: skip
+        build_config({**tree, "checkpoint": {"every_steps": 5}}, ["--save-interval", "6"])
