@@ -149,12 +149,13 @@ APPLIED_HERE = {
     ),
     # config/recipe.py: the run's length and exits (RL steps from optimizer steps)
     "loop": (
+        "iterations_to_skip",  # roles/learn.py: no optimizer update at those iterations
         "train_samples", "exit_duration_in_mins", "exit_interval", "exit_signal_handler",
         "exit_signal", "save_interval",
     ),
     # roles/megatron_role.py: DDP buckets from a bucket count
     "ddp": ("ddp_num_buckets", "align_grad_reduce"),
-    # roles/megatron_role.py: garbage collection and the CUDA cache around train steps
+    # roles/learn.py: garbage collection, the CUDA cache and checks around the train stage
     # roles/learn.py: around the train stage (memory_hygiene, check_replicas_agree)
     "memory": (
         "manual_gc", "manual_gc_interval", "manual_gc_eval", "empty_unused_memory_level",

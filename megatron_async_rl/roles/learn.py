@@ -10,6 +10,7 @@ ahead. Called by both loops in `jobs/`; weights leave through the loops' exchang
 from __future__ import annotations
 
 import gc
+import logging
 from pathlib import Path
 
 import torch
@@ -24,6 +25,8 @@ from megatron_async_rl.observability.plots import plot_reward_curve
 from megatron_async_rl.observability.progress import Progress
 from megatron_async_rl.roles.work import StepReport, StepWork
 from megatron_async_rl.rollout.batch import build_batch
+
+logger = logging.getLogger(__name__)
 
 LOSS_KEYS = ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy_loss")
 """Each data-parallel replica reports its share of these: the leader adds them up."""
@@ -59,7 +62,18 @@ def train_on_batch(role, work: StepWork, cfg) -> dict:
         "old_logp": work.logp_BT, "ref_logp": work.ref_logp_BT,
         "behaviour_logp": batch["behaviour_logp"],
     }  # fmt: skip
-    steps = [_optimizer_step(role, fields, torch.tensor(samples), mbs, algo) for samples in plan]
+    skip = set(role.args.get("iterations_to_skip") or ())
+    first = work.step * len(plan)  # Megatron-LM's 0-based iteration of this RL step's first
+    steps = [
+        _optimizer_step(role, fields, torch.tensor(samples), mbs, algo)
+        for i, samples in enumerate(plan)
+        if first + i not in skip  # --iterations-to-skip: no update there, the schedule waits
+    ]
+    if len(steps) < len(plan):
+        logger.warning("step %d: skipped optimizer iterations %s (--iterations-to-skip)", work.step,
+                       sorted(i for i in range(first, first + len(plan)) if i in skip))  # fmt: skip
+    if not steps:
+        return {"actor/optimizer_steps": 0.0}
     return _merge_steps(steps)
 
 
