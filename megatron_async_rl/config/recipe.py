@@ -421,6 +421,10 @@ def _with_flag_owned_keys(tree: dict, flags: megatron_flags.ParsedFlags) -> dict
                 "set one of them (or both to the same value)",
             ))  # fmt: skip
         _put(tree, path, value)
+    mbs = _given(tree, "trainer.micro_batch_size")
+    if mbs not in (NO_VALUE, None) and megatron_args.get("micro_batch_size") is None:
+        # the shared Megatron value every role inherits; roles.<role>.megatron may override it
+        tree["megatron"] = {**(tree.get("megatron") or {}), "micro_batch_size": mbs}
     _exit_signal(tree, megatron_args, errors)
     every = _given(tree, "checkpoint.every_steps")
     if megatron_args.get("save_interval") and every not in (NO_VALUE, None, 0):

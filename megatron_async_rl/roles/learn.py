@@ -51,7 +51,7 @@ def train_on_batch(role, work: StepWork, cfg) -> dict:
     """
     algo, batch = cfg.algorithm, work.batch
     dp_size = dist.get_world_size(role.pgc.dp)
-    mbs = cfg.trainer.micro_batch_size or int(role.args.get("micro_batch_size") or 1)
+    mbs = int(role.args.get("micro_batch_size") or 1)  # trainer.micro_batch_size is folded in
     num_samples, global_batch_size = batch["tokens"].shape[0], role.args.get("global_batch_size")
     if global_batch_size is not None:
         minibatch.check_minibatches(num_samples, global_batch_size, mbs, dp_size)
@@ -196,7 +196,7 @@ class LearnSide:
         role = self.roles.get(name)
         if role is None:
             return None
-        size = self.cfg.trainer.micro_batch_size or len(work.samples)
+        size = role.args.get("micro_batch_size") or len(work.samples)
         out = role.logprobs(work.batch["tokens"], size)
         memory_hygiene(role.args, work.step, after=name)
         if out is not None and _reports(role) and dist.get_rank(role.pgc.dp) == 0:

@@ -429,7 +429,8 @@ def test_iterations_to_skip(tmp_path):
     }
     calls = []
     role = SimpleNamespace(
-        args={"global_batch_size": 2, "iterations_to_skip": [5, 6]}, pgc=SimpleNamespace(dp=None),
+        args={"global_batch_size": 2, "micro_batch_size": 2, "iterations_to_skip": [5, 6]},
+        pgc=SimpleNamespace(dp=None),
         train_step=lambda micro, loss_fn: calls.append(len(micro)) or {"actor/grad_norm": 1.0},
     )  # fmt: skip
     work = SimpleNamespace(
@@ -448,3 +449,13 @@ def test_iterations_to_skip(tmp_path):
         assert learn.train_on_batch(role, work, cfg)["actor/optimizer_steps"] == 4
     finally:
         dist.destroy_process_group()
+
+
+def test_trainer_micro_batch_size_is_the_shared_megatron_value():
+    from megatron_async_rl.config.recipe import build_config
+
+    tree = _tree(trainer={"micro_batch_size": 4})
+    tree["roles"]["logp"] = {"megatron": {"micro_batch_size": 2}}
+    cfg = build_config(tree, [])
+    assert cfg.role_megatron_args["train"]["micro_batch_size"] == 4
+    assert cfg.role_megatron_args["logp"]["micro_batch_size"] == 2  # a role's own value wins
