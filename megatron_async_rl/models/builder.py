@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 from typing import Any
 
+import numpy as np
 import torch
 
 from megatron_async_rl.config import megatron_flags
@@ -126,6 +128,17 @@ def layer_spec(config, spec: ModelSpec):
     return gpt_layer_specs.get_gpt_layer_local_spec(**common, normalization=config.normalization)
 
 
+def seed_generators(seed: int, pp_rank: int) -> None:
+    """--seed seeds what Megatron-LM's `_set_random_seed` seeds: Python's and NumPy's
+    generators (seed + 100 x pipeline rank, as there) and torch's. torch.cuda.manual_seed is a
+    no-op on CPU torch: the CPU generator gets the seed itself, the same on every rank of the
+    role, so use_cpu_initialization splits one master weight consistently. (The CUDA and
+    tensor-parallel generators: `model_parallel_cuda_manual_seed`, by the caller.)"""
+    random.seed(seed + 100 * pp_rank)
+    np.random.seed(seed + 100 * pp_rank)
+    torch.manual_seed(seed)
+
+
 def build_gpt_model(config, spec: ModelSpec, pg_collection, seed: int, device=None):
     """The GPTModel stage held by this rank (pre/post process from the PP rank), moved whole to
     `device` (the rank's; as Megatron-LM's `get_model` does): modules that megatron-core builds
@@ -135,9 +148,7 @@ def build_gpt_model(config, spec: ModelSpec, pg_collection, seed: int, device=No
 
     pp_rank = torch.distributed.get_rank(pg_collection.pp)
     pp_size = torch.distributed.get_world_size(pg_collection.pp)
-    # torch.cuda.manual_seed is a no-op on CPU torch: seed the CPU generator as well, the same on
-    # every rank of the role, so use_cpu_initialization splits one master weight consistently.
-    torch.manual_seed(seed)
+    seed_generators(seed, pp_rank)
     model_parallel_cuda_manual_seed(
         seed,
         tp_rank=torch.distributed.get_rank(pg_collection.tp),

@@ -459,3 +459,22 @@ def test_trainer_micro_batch_size_is_the_shared_megatron_value():
     cfg = build_config(tree, [])
     assert cfg.role_megatron_args["train"]["micro_batch_size"] == 4
     assert cfg.role_megatron_args["logp"]["micro_batch_size"] == 2  # a role's own value wins
+
+
+def test_seed_seeds_python_numpy_and_torch():
+    import random
+
+    import numpy as np
+    import torch
+
+    from megatron_async_rl.models import builder
+
+    draws = []
+    for _ in range(2):
+        builder.seed_generators(7, pp_rank=1)
+        draws.append((random.random(), float(np.random.rand()), float(torch.rand(()))))
+    assert draws[0] == draws[1]
+    random.seed(107)  # seed + 100 x pipeline rank, as Megatron-LM
+    np.random.seed(107)
+    torch.manual_seed(7)
+    assert draws[0] == (random.random(), float(np.random.rand()), float(torch.rand(())))
