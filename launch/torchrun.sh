@@ -108,6 +108,7 @@ if [[ ${SKIP_VALIDATE:-0} != 1 ]]; then
     "$python" -m megatron_async_rl.train --config "$recipe" "${run_dir_args[@]}" \
         --dry-run --world-size "$nproc_per_node" --ranks-per-node "$nproc_per_node" \
         "$@" >/dev/null || exit $?
+    export MEGATRON_ASYNC_RL_VALIDATED=1  # the ranks need not repeat what the check printed
 fi
 # Not exec: a SIGTERM (or SIGUSR1) to this script is passed to torchrun as SIGTERM, which passes
 # it to the ranks; they save at the next step boundary and the leader leaves a marker file.

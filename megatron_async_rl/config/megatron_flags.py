@@ -437,6 +437,19 @@ class ParsedFlags(dict):
         self.recipe_sets: dict[str, tuple[Any, str]] = {}
 
 
+VALIDATED_ENV = "MEGATRON_ASYNC_RL_VALIDATED"
+"""Set by the launchers once their dry run has checked the recipe (and said what it ignores)."""
+
+
+def reports_config_notes() -> bool:
+    """Who prints what resolving the config noted (ignored flags, overridden recipe keys): a
+    process outside torchrun (the launchers' dry run, a direct dry run), or rank 0 when no
+    launcher checked the recipe first; so each note is printed once per run."""
+    if "RANK" not in os.environ:
+        return True
+    return os.environ["RANK"] == "0" and os.environ.get(VALIDATED_ENV) != "1"
+
+
 class _Verdicts:
     """Applies Megatron-LM's verdict on each dest given; collects ignored flags and errors."""
 
@@ -483,7 +496,7 @@ class _Verdicts:
 
     def finish(self, where: str) -> dict[str, Any]:
         raise_all(self.errors)
-        if self.ignored:
+        if self.ignored and reports_config_notes():
             listed = "; ".join(
                 f"{', '.join(keys)}: {reason}" for reason, keys in self.ignored.items()
             )

@@ -353,7 +353,7 @@ def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True)
     fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(RunConfig)}
     fields["roles"] = RolesConfig(groups=run.roles.groups, megatron=overrides)
     fields["trainer"] = dataclasses.replace(
-        run.trainer, num_steps=_num_steps(tree, run, resolved["train"])
+        run.trainer, num_steps=_num_steps(tree, run, resolved["train"], flags)
     )
     resolved_config = ResolvedConfig(**fields, role_megatron_args=resolved)
     resolved_config.collective_timeout_s()  # the keys that set it agree
@@ -371,6 +371,12 @@ def _megatron_lm_derived(args: dict[str, Any]) -> None:
         )
     if args.get("num_experts") is not None and args.get("moe_ffn_hidden_size") is None:
         args["moe_ffn_hidden_size"] = args["ffn_hidden_size"]
+
+
+def _note(message: str, *args: Any) -> None:
+    """An INFO line about how the config resolved, printed once per run."""
+    if megatron_flags.reports_config_notes():
+        logger.info(message, *args)
 
 
 def _given(tree: dict, path: str) -> Any:
@@ -416,10 +422,14 @@ def _with_flag_owned_keys(tree: dict, flags: megatron_flags.ParsedFlags) -> dict
             value = yaml.safe_load(value)
         given = _given(tree, path)
         if given is not NO_VALUE and given is not None and given != value:
-            errors.append(ConfigError(
-                path, given, f"disagrees with {origin} = {value} (the same knob)",
-                "set one of them (or both to the same value)",
-            ))  # fmt: skip
+            if origin.startswith("--"):  # a flag after --: the highest precedence
+                _note("%s = %s sets %s (the recipe's %s is overridden)", origin, value,
+                            path, given)  # fmt: skip
+            else:  # two spellings of one knob in the same recipe
+                errors.append(ConfigError(
+                    path, given, f"disagrees with {origin} = {value} (the same knob)",
+                    "set one of them (or both to the same value)",
+                ))  # fmt: skip
         _put(tree, path, value)
     mbs = _given(tree, "trainer.micro_batch_size")
     if mbs not in (NO_VALUE, None) and megatron_args.get("micro_batch_size") is None:
@@ -465,9 +475,11 @@ def _exit_signal(tree: dict, megatron_args: dict, errors: list) -> None:
         ))  # fmt: skip
 
 
-def _num_steps(tree: dict, run: RunConfig, train_args: dict[str, Any]) -> int:
+def _num_steps(tree: dict, run: RunConfig, train_args: dict[str, Any], flags: dict) -> int:
     """RL steps of the run: `trainer.num_steps`, or from `--train-iters` / `--train-samples`
-    (Megatron-LM counts optimizer steps; one RL step runs `optimizer_steps_per_rl_step`)."""
+    (Megatron-LM counts optimizer steps; one RL step runs `optimizer_steps_per_rl_step`). Given
+    as flags after `--` they override the recipe's `trainer.num_steps`; in the recipe's
+    `megatron:` sections they must agree with it."""
     from megatron_async_rl.algorithms.minibatch import optimizer_steps_per_rl_step
 
     iters, samples = train_args.get("train_iters"), train_args.get("train_samples")
@@ -486,7 +498,11 @@ def _num_steps(tree: dict, run: RunConfig, train_args: dict[str, Any]) -> int:
     per_step = optimizer_steps_per_rl_step(batch, gbs, run.algorithm.ppo_epochs)
     num_steps = -(-iters // per_step)
     given = _given(tree, "trainer.num_steps")
-    if given is not NO_VALUE and given != num_steps:
+    from_flag = flag.lstrip("-").replace("-", "_") in flags
+    if given is not NO_VALUE and given != num_steps and from_flag:
+        _note("%s = %s sets trainer.num_steps = %d (the recipe's %s is overridden)", flag,
+                    samples or iters, num_steps, given)  # fmt: skip
+    elif given is not NO_VALUE and given != num_steps:
         raise ConfigError(
             "trainer.num_steps", given,
             f"disagrees with {flag} = {samples or iters}: {num_steps} RL steps of "

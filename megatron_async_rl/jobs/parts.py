@@ -55,7 +55,10 @@ class RankParts:
         run_dir = Path(self.cfg.run_dir)
         write_trace(run_dir / "trace.json", merge_traces([events for events, _ in parts]))
         spans = [span for _, rank_spans in parts for span in rank_spans]
-        plot_stage_timeline(spans, run_dir / "timeline.png", title="stages per rank (trace.json)")
+        if spans:  # none when a resumed run had nothing left to train
+            plot_stage_timeline(
+                spans, run_dir / "timeline.png", title="stages per rank (trace.json)"
+            )
 
     def close(self) -> None:
         if self.gen is not None:

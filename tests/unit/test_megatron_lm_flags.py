@@ -247,23 +247,33 @@ def test_train_iters_and_samples_set_the_rl_steps():
     assert cfg.trainer.num_steps == 5
     cfg = build_config(tree, ["--global-batch-size", "4", "--train-samples", "64"])
     assert cfg.trainer.num_steps == 4
+    # a flag after -- overrides the recipe's key (the highest precedence) ...
+    cfg = build_config(
+        {**tree, "trainer": {"num_steps": 3}}, ["--global-batch-size", "4", "--train-iters", "20"]
+    )
+    assert cfg.trainer.num_steps == 5
+    # ... two spellings in the same recipe must agree
+    same_file = {**tree, "trainer": {"num_steps": 3}}
+    same_file["megatron"] = {**tree["megatron"], "global_batch_size": 4, "train_iters": 20}
     with pytest.raises(ConfigError, match=r"trainer.num_steps = 3: disagrees with --train-iters "
                        r"= 20: 5 RL steps of 4 optimizer step\(s\) each"):  # fmt: skip
-        build_config(
-            {**tree, "trainer": {"num_steps": 3}},
-            ["--global-batch-size", "4", "--train-iters", "20"],
-        )
+        build_config(same_file, [])
 
 
 def test_seed_and_micro_batch_have_one_owner():
+    """Flags after -- override the recipe's key; two spellings in one recipe must agree."""
     from megatron_async_rl.config.recipe import build_config
 
     cfg = build_config(_tree(data=None), ["--seed", "7", "--micro-batch-size", "2"])
     assert cfg.seed == 7 and cfg.trainer.micro_batch_size == 2
     assert cfg.role_megatron_args["train"]["seed"] == 7
-    with pytest.raises(ConfigErrors, match=r"seed = 3: disagrees with --seed = 7"):
-        build_config(_tree(seed=3, trainer={"micro_batch_size": 4}),
-                     ["--seed", "7", "--micro-batch-size", "2"])  # fmt: skip
+    cfg = build_config(_tree(seed=3, trainer={"micro_batch_size": 4}),
+                       ["--seed", "7", "--micro-batch-size", "2"])  # fmt: skip
+    assert cfg.seed == 7 and cfg.trainer.micro_batch_size == 2  # flags after --: precedence
+    same_file = _tree(seed=3, trainer={"micro_batch_size": 4})
+    same_file["megatron"].update(seed=7, micro_batch_size=2)
+    with pytest.raises(ConfigErrors, match=r"seed = 3: disagrees with megatron.seed = 7"):
+        build_config(same_file, [])  # two spellings of a knob in one recipe
     cfg = build_config(_tree(seed=5), [])  # the recipe's seed alone: fine
     assert cfg.seed == 5
 
@@ -273,9 +283,8 @@ def test_megatron_lm_rl_flags_set_recipe_keys():
 
     cfg = build_config(_tree(), ["--grpo-group-size", "4", "--rl-default-temperature", "0.7"])
     assert cfg.algorithm.num_samples_per_prompt == 4 and cfg.rollout.temperature == 0.7
-    with pytest.raises(ConfigError, match="algorithm.num_samples_per_prompt = 8: disagrees with "
-                       "--grpo-group-size = 4"):  # fmt: skip
-        build_config(_tree(algorithm={"num_samples_per_prompt": 8}), ["--grpo-group-size", "4"])
+    cfg = build_config(_tree(algorithm={"num_samples_per_prompt": 8}), ["--grpo-group-size", "4"])
+    assert cfg.algorithm.num_samples_per_prompt == 4  # the flag after -- wins
 
 
 def test_exit_duration_stops_at_a_boundary(tmp_path):
@@ -478,3 +487,20 @@ def test_seed_seeds_python_numpy_and_torch():
     np.random.seed(107)
     torch.manual_seed(7)
     assert draws[0] == (random.random(), float(np.random.rand()), float(torch.rand(())))
+
+
+@pytest.mark.parametrize(
+    "env, reports",
+    [
+        ({}, True),  # a dry run or a single process
+        ({"RANK": "0"}, True),  # plain torchrun: rank 0 says it
+        ({"RANK": "1"}, False),
+        ({"RANK": "0", "MEGATRON_ASYNC_RL_VALIDATED": "1"}, False),  # the launcher's check did
+    ],
+)
+def test_config_notes_are_printed_once_per_run(env, reports, monkeypatch):
+    for name in ("RANK", "MEGATRON_ASYNC_RL_VALIDATED"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert mf.reports_config_notes() is reports
