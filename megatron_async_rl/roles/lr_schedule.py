@@ -244,6 +244,11 @@ def current_lr_and_wd(scheduler) -> tuple[float, float]:
     return float(scheduler.get_lr({}) if lr is None else lr), float(scheduler.get_wd())
 
 
+def _flat(state: dict) -> bool:
+    """Whether a saved or current schedule keeps one lr after its warm-up."""
+    return state.get("lr_decay_style") == "constant" or state.get("max_lr") == state.get("min_lr")
+
+
 def load_scheduler_state(scheduler, state: dict | None, args: dict[str, Any], source: str) -> None:
     """Restore a saved schedule into a scheduler built from the flags `args`, after the
     optimizer's own load (which gave its param groups the checkpoint's lr and lr bounds).
@@ -268,6 +273,10 @@ def load_scheduler_state(scheduler, state: dict | None, args: dict[str, Any], so
     if not (override or scheduler.use_checkpoint_opt_param_scheduler):
         now = scheduler.state_dict()
         keys = _CHECKED + (_CHECKED_WD if "start_wd" in state else ())
+        if _flat(state) and _flat(now):  # a longer run of a constant lr changes nothing
+            keys = tuple(k for k in keys if k not in ("lr_decay_steps", "lr_decay_style"))
+        if state.get("start_wd") == state.get("end_wd") and now["start_wd"] == now["end_wd"]:
+            keys = tuple(k for k in keys if k != "wd_incr_steps")  # nor of a constant wd
         changed = [f"{k} {state[k]!r} -> {now[k]!r}" for k in keys if state.get(k) != now[k]]
         if changed:
             raise ConfigError(
@@ -276,5 +285,7 @@ def load_scheduler_state(scheduler, state: dict | None, args: dict[str, Any], so
                 "pass --override-opt-param-scheduler to keep the flags' schedule, or "
                 "--use-checkpoint-opt-param-scheduler to keep the checkpoint's",
             )  # fmt: skip
+        unchecked = [k for k in _CHECKED + _CHECKED_WD if k not in keys and k in state]
+        state = {**state, **{k: now[k] for k in unchecked}}  # megatron-core would assert on them
     scheduler.num_steps = 0  # load_state_dict adds the saved count to the current one
     scheduler.load_state_dict(state)

@@ -297,3 +297,19 @@ def test_a_checkpoint_without_a_schedule_starts_at_step_0(caplog):
     assert scheduler.num_steps == 0 and scheduler.optimizer.param_groups[0]["lr"] == 1e-4
     assert "old-ckpt holds no lr scheduler state" in caplog.text
     assert "starts again at step 0" in caplog.text
+
+
+def test_a_longer_run_of_a_constant_lr_resumes():
+    """Raising trainer.num_steps changes the decay horizon; with one lr after the warm-up
+    (style constant, or --min-lr = --lr) nothing the schedule does changes, so no error."""
+    flat = _args(lr_warmup_iters=2, min_lr=LR)
+    saved = _stepped(flat, 3).state_dict()
+    longer = build_lr_scheduler(_sgd(), flat, total_optimizer_steps=30)
+    load_scheduler_state(longer, saved, flat, "ckpt")
+    assert longer.num_steps == 3
+    decaying = _args(lr_warmup_iters=2)  # linear to 0: the horizon matters
+    saved = _stepped(decaying, 3).state_dict()
+    with pytest.raises(ValueError, match="lr_decay_steps 10 -> 30"):
+        load_scheduler_state(
+            build_lr_scheduler(_sgd(), decaying, total_optimizer_steps=30), saved, decaying, "ckpt"
+        )
