@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_async_rl.distributed.platform import init_distributed
 
     timeout_s, timeout_key = cfg.collective_timeout_s()
-    start_up_s = timeout_s + cfg.engine.startup_timeout_s  # barriers that wait for engines
+    start_up_s = cfg.startup_timeout_s()  # barriers that wait for engines
     rank, world_size = init_distributed(platform, timeout_s=start_up_s)
     try:
         setup_logging(rank, layout.roles_of_rank(rank))

@@ -148,6 +148,8 @@ APPLIED_HERE = {
         "start_weight_decay", "end_weight_decay", "weight_decay_incr_style",
     ),
     # config/recipe.py: the run's length and exits (RL steps from optimizer steps)
+    # config/schema.py: collective_timeout_s, startup_timeout_s
+    "timeouts": ("distributed_timeout_seconds_after_init",),
     "loop": (
         "iterations_to_skip",  # roles/learn.py: no optimizer update at those iterations
         "train_samples", "exit_duration_in_mins", "exit_interval", "exit_signal_handler",

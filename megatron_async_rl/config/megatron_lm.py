@@ -294,10 +294,6 @@ REFUSED: dict[str, tuple[str, str]] = {
     "create_all_gather_group": ("is not applied here", "drop the flag"),
     "enable_full_sharding_in_hsdp": ("HSDP is not supported", "drop the flag"),
     "fake_process_group": ("fake process groups are for benchmarking Megatron-LM", "drop it"),
-    "distributed_timeout_seconds_after_init": (
-        "is not applied here",
-        "use --distributed-timeout-minutes (every group) or platform.timeout_s",
-    ),
     "heterogeneous_layers_config_path": ("heterogeneous layer configs are not built", "drop it"),
     "heterogeneous_layers_config_encoded_json": (
         "heterogeneous layer configs are not built",

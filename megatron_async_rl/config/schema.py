@@ -296,32 +296,48 @@ class ResolvedConfig(RunConfig):
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(RunConfig)}
         return RunConfig(**values)
 
-    def collective_timeout_s(self) -> tuple[float, str]:
-        """Seconds a collective may wait (every process group) and the key it comes from:
-        `platform.timeout_s`, else Megatron's `--distributed-timeout-minutes`, else
-        `scheduler.stage_timeout_s`. Raises ConfigError when two of them disagree."""
-        minutes = {
-            args["distributed_timeout_minutes"]
-            for args in self.role_megatron_args.values()
-            if args.get("distributed_timeout_minutes") is not None
+    def _timeout_flag_s(self, dest: str, per: float) -> float | None:
+        values = {
+            args[dest] for args in self.role_megatron_args.values() if args.get(dest) is not None
         }
-        if len(minutes) > 1:
+        if len(values) > 1:
             raise ConfigError(
-                "--distributed-timeout-minutes", sorted(minutes),
+                "--" + dest.replace("_", "-"), sorted(values),
                 "must be the same for every role (one world, one collective timeout)",
             )  # fmt: skip
-        flag_s = 60.0 * minutes.pop() if minutes else None
+        return per * values.pop() if values else None
+
+    def collective_timeout_s(self) -> tuple[float, str]:
+        """Seconds a collective may wait (every process group) once the run is up, and the key
+        it comes from: `platform.timeout_s`, else Megatron's
+        `--distributed-timeout-seconds-after-init`, else `--distributed-timeout-minutes`, else
+        `scheduler.stage_timeout_s`. Raises ConfigError when two of them disagree."""
+        after_init = self._timeout_flag_s("distributed_timeout_seconds_after_init", 1.0)
+        minutes_s = self._timeout_flag_s("distributed_timeout_minutes", 60.0)
+        flag, flag_s = (
+            ("--distributed-timeout-seconds-after-init", after_init)
+            if after_init is not None
+            else ("--distributed-timeout-minutes", minutes_s)
+        )
         explicit = self.platform.timeout_s
         if explicit is not None and flag_s is not None and explicit != flag_s:
             raise ConfigError(
-                "platform.timeout_s", explicit,
-                f"disagrees with --distributed-timeout-minutes ({flag_s:g} s)", "set only one",
+                "platform.timeout_s", explicit, f"disagrees with {flag} ({flag_s:g} s)",
+                "set only one",
             )  # fmt: skip
         if explicit is not None:
             return float(explicit), "platform.timeout_s"
         if flag_s is not None:
-            return flag_s, "--distributed-timeout-minutes"
+            return flag_s, flag
         return float(self.scheduler.stage_timeout_s), "scheduler.stage_timeout_s"
+
+    def startup_timeout_s(self) -> float:
+        """Seconds the world's start-up collectives may wait (barriers that wait for engines):
+        the collective timeout, or Megatron's --distributed-timeout-minutes where
+        --distributed-timeout-seconds-after-init sets the later one (Megatron-LM's init timeout),
+        whichever is longer, plus `engine.startup_timeout_s`."""
+        init_s = self._timeout_flag_s("distributed_timeout_minutes", 60.0) or 0.0
+        return max(init_s, self.collective_timeout_s()[0]) + self.engine.startup_timeout_s
 
     def plan_layout(self, world_size: int, ranks_per_node: int | None = None) -> RoleLayout:
         """The rank layout of this recipe on a world of `world_size` ranks (engines of

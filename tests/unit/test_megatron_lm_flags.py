@@ -504,3 +504,19 @@ def test_config_notes_are_printed_once_per_run(env, reports, monkeypatch):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert mf.reports_config_notes() is reports
+
+
+def test_timeouts_at_init_and_after():
+    from megatron_async_rl.config.recipe import build_config
+
+    cfg = build_config(_tree(), ["--distributed-timeout-minutes", "10",
+                                 "--distributed-timeout-seconds-after-init", "120"])  # fmt: skip
+    assert cfg.collective_timeout_s() == (120.0, "--distributed-timeout-seconds-after-init")
+    assert cfg.startup_timeout_s() == 600.0 + cfg.engine.startup_timeout_s
+    cfg = build_config(_tree(), ["--distributed-timeout-minutes", "10"])
+    assert cfg.collective_timeout_s() == (600.0, "--distributed-timeout-minutes")
+    assert cfg.startup_timeout_s() == 600.0 + cfg.engine.startup_timeout_s
+    with pytest.raises(ConfigError, match=r"platform.timeout_s = 30.0: disagrees with "
+                       r"--distributed-timeout-seconds-after-init \(120 s\)"):  # fmt: skip
+        build_config(_tree(platform={"timeout_s": 30.0}),
+                     ["--distributed-timeout-seconds-after-init", "120"])  # fmt: skip
