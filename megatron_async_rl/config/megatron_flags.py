@@ -859,6 +859,20 @@ def check_args(args: dict[str, Any], role: str | None = None) -> None:
             None,
         ),
     )
+    pp = a["pipeline_model_parallel_size"]
+    rules += tuple(
+        (
+            pp > 1 and a.get(name),
+            "--" + name.replace("_", "-"),
+            True,
+            "is not mapped by the HF weight names here (a stage's layers would be misplaced)",
+            "use --decoder-first/last-pipeline-num-layers for uneven stages",
+        )
+        for name in (
+            "account_for_embedding_in_pipeline_split",
+            "account_for_loss_in_pipeline_split",
+        )
+    )
     rules += (
         (
             not a["add_position_embedding"] and a["position_embedding_type"] != "rope",

@@ -59,6 +59,16 @@ class ModelDims:
     moe_ffn_hidden_size: int | None = None
     te_fused_norms: bool = False
     padded_vocab_size: int | None = None
+    first_stage_layers: int | None = None
+    """--decoder-first-pipeline-num-layers (megatron-core num_layers_in_first_pipeline_stage)."""
+    last_stage_layers: int | None = None
+    """--decoder-last-pipeline-num-layers (num_layers_in_last_pipeline_stage)."""
+
+    def stage_layers(self, pp_rank: int, pp_size: int) -> range:
+        """Global indices of the decoder layers pipeline stage `pp_rank` holds."""
+        return stage_layers(
+            pp_rank, pp_size, self.num_layers, self.first_stage_layers, self.last_stage_layers
+        )
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_query_groups:
@@ -96,6 +106,8 @@ class ModelDims:
             moe_ffn_hidden_size=a.get("moe_ffn_hidden_size") if num_experts else None,
             te_fused_norms=a.get("transformer_impl") == "transformer_engine",
             padded_vocab_size=a.get("padded_vocab_size"),
+            first_stage_layers=a.get("num_layers_in_first_pipeline_stage"),
+            last_stage_layers=a.get("num_layers_in_last_pipeline_stage"),
         )
 
 
@@ -226,14 +238,13 @@ def stage_param_names(
     ep_size: int = 1,
 ) -> list[str]:
     """Global names of the parameters one (pp_rank, ep_rank) holds; all of them by default."""
-    first = layer_offset(pp_rank, pp_size, dims.num_layers)
-    num_local = dims.num_layers // pp_size
+    layers = dims.stage_layers(pp_rank, pp_size)
     experts = range(0)
     if dims.num_experts is not None:
         e0 = expert_offset(ep_rank, ep_size, dims.num_experts)
         experts = range(e0, e0 + dims.num_experts // ep_size)
     names = ["embedding.word_embeddings.weight"] if pp_rank == 0 else []
-    for layer in range(first, first + num_local):
+    for layer in layers:
         names += _layer_param_names(dims, layer, experts)
     if pp_rank == pp_size - 1:
         names.append("decoder.final_layernorm.weight")
@@ -242,11 +253,37 @@ def stage_param_names(
     return names
 
 
-def layer_offset(pp_rank: int, pp_size: int, num_layers: int) -> int:
-    """Global index of a pipeline stage's first layer (even splits only)."""
-    if num_layers % pp_size:
+def stage_layers(
+    pp_rank: int, pp_size: int, num_layers: int, first: int | None = None, last: int | None = None
+) -> range:
+    """Global indices of the decoder layers of pipeline stage `pp_rank`, as megatron-core's
+    `get_transformer_layer_offset` and `get_num_layers_to_build` split them: the first and last
+    stages hold `first` / `last` layers where set, the other stages share the rest evenly."""
+    if pp_size == 1:
+        return range(num_layers)
+    if first is None and last is None and num_layers % pp_size:
         raise ValueError(f"num_layers={num_layers} is not divisible by pp_size={pp_size}")
-    return pp_rank * (num_layers // pp_size)
+    middle_stages = pp_size - (first is not None) - (last is not None)
+    middle_layers = num_layers - (first or 0) - (last or 0)
+    if middle_layers < 0 or (middle_stages and middle_layers % middle_stages):
+        raise ValueError(
+            f"num_layers={num_layers} minus first={first} and last={last} stage layers does not "
+            f"split evenly over the {middle_stages} other pipeline stages"
+        )
+    if middle_stages == 0 and middle_layers:
+        raise ValueError(f"first={first} + last={last} stage layers != num_layers={num_layers}")
+    per_middle = middle_layers // middle_stages if middle_stages else 0
+    if first is not None and pp_rank == 0:
+        return range(0, first)
+    if last is not None and pp_rank == pp_size - 1:
+        return range(num_layers - last, num_layers)
+    start = (first or 0) + (pp_rank - (first is not None)) * per_middle
+    return range(start, start + per_middle)
+
+
+def layer_offset(pp_rank: int, pp_size: int, num_layers: int) -> int:
+    """Global index of a pipeline stage's first layer (even splits)."""
+    return stage_layers(pp_rank, pp_size, num_layers).start
 
 
 def expert_offset(ep_rank: int, ep_size: int, num_experts: int) -> int:
@@ -537,7 +574,7 @@ def stage_entries(
 ) -> list[StageEntry]:  # fmt: skip
     """What one rank holds, parameter by parameter (keyword arguments as `stage_state_dict`)."""
     etp_rank, etp_size = (tp_rank, tp_size) if etp_size is None else (etp_rank or 0, etp_size)
-    l0 = layer_offset(pp_rank, pp_size, dims.num_layers)
+    l0 = dims.stage_layers(pp_rank, pp_size).start
     e0 = expert_offset(ep_rank, ep_size, dims.num_experts) if dims.num_experts else 0
     out = []
     for name in stage_param_names(

@@ -108,7 +108,7 @@ def gather_megatron_state_dict(module, args: dict[str, Any], pgc, spec):
     """
     dims = model_dims(args, spec)
     ranks = stage_ranks(pgc)
-    l0 = name_map.layer_offset(ranks["pp_rank"], ranks["pp_size"], dims.num_layers)
+    l0 = dims.stage_layers(ranks["pp_rank"], ranks["pp_size"]).start
     e0 = (
         name_map.expert_offset(ranks["ep_rank"], ranks["ep_size"], dims.num_experts)
         if dims.num_experts

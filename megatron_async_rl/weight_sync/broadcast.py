@@ -105,7 +105,7 @@ def _train_key(groups, role, version: int, config: WeightSyncConfig) -> PlanKey:
 def _local_state(role, reshard: plan.ReshardPlan, rank: int) -> dict[str, torch.Tensor]:
     local = {k: v for k, v in role.module.state_dict().items() if not k.endswith("._extra_state")}
     dims, pgc = reshard.dims, role.pgc
-    l0 = name_map.layer_offset(dist.get_rank(pgc.pp), dist.get_world_size(pgc.pp), dims.num_layers)
+    l0 = dims.stage_layers(dist.get_rank(pgc.pp), dist.get_world_size(pgc.pp)).start
     e0 = 0
     if dims.num_experts:
         e0 = name_map.expert_offset(

@@ -35,7 +35,6 @@ from megatron_async_rl.models.name_map import (
     expert_offset,
     hf_names_for,
     hf_shape,
-    layer_offset,
     shard_spec,
     stage_param_names,
     to_global_name,
@@ -207,7 +206,7 @@ def _sender_gathers(layout: RoleGrid, dims: ModelDims) -> dict[int, list[Gather]
     out: dict[int, list[Gather]] = {}
     moe = dims.num_experts is not None
     for p in range(layout.pp):
-        l0 = layer_offset(p, layout.pp, dims.num_layers)
+        l0 = dims.stage_layers(p, layout.pp).start
         for e in range(layout.ep if moe else 1):
             e0 = expert_offset(e, layout.ep, dims.num_experts) if moe else 0
             names = stage_param_names(

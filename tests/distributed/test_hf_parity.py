@@ -139,3 +139,29 @@ def test_tp1_logits_match_transformers_for_every_family(tiny_models, tmp_path):
     for family, path in tiny_models.items():
         diff = (logits[family] - _hf_logits(path)).abs().max().item()
         assert diff <= TOLERANCE, f"{family} TP=1: max abs diff {diff}"
+
+
+def test_uneven_pipeline_stages_match_transformers(tiny_model, tmp_path):
+    """Uneven stages (--decoder-first/last-pipeline-num-layers): 4 layers as 1+3 (train) and
+    3+1 (logp); the weights land in the layers megatron-core builds, so the logits match
+    `transformers` and the export round-trips byte for byte."""
+    from megatron_async_rl.models import hf_checkpoint
+
+    path = str(tiny_model("llama", num_hidden_layers=4))
+    layouts = {
+        "train": {"pipeline_model_parallel_size": 2, "num_layers_in_first_pipeline_stage": 1},
+        "logp": {"pipeline_model_parallel_size": 2, "num_layers_in_last_pipeline_stage": 1},
+    }
+    reference = _hf_logits(path)
+    results = spawn(_worker, 4, tmp_path, path, layouts)
+    checked = set()
+    for result in results:
+        if result["logits"] is not None:
+            diff = (result["logits"] - reference).abs().max().item()
+            assert diff <= TOLERANCE, f"{result['role']}: max abs diff {diff}"
+            checked.add(result["role"])
+    assert checked == {"train", "logp"}
+    original = hf_checkpoint.load_hf_state_dict(path)
+    for exported in (r["exported"] for r in results if r["exported"] is not None):
+        assert exported.keys() == original.keys()
+        assert all(torch.equal(exported[name], t) for name, t in original.items())

@@ -520,3 +520,39 @@ def test_timeouts_at_init_and_after():
                        r"--distributed-timeout-seconds-after-init \(120 s\)"):  # fmt: skip
         build_config(_tree(platform={"timeout_s": 30.0}),
                      ["--distributed-timeout-seconds-after-init", "120"])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "num_layers, pp, first, last",
+    [(8, 4, 1, 3), (8, 4, None, 2), (9, 4, 3, None), (6, 2, 2, 4), (8, 4, None, None)],
+)
+def test_uneven_stages_split_as_megatron_core(num_layers, pp, first, last):
+    import torch
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megatron_async_rl.models.name_map import stage_layers
+
+    config = TransformerConfig(
+        num_layers=num_layers, hidden_size=64, num_attention_heads=4,
+        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+        num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
+    )  # fmt: skip
+    for rank in range(pp):
+        ours = stage_layers(rank, pp, num_layers, first, last)
+        assert ours.start == get_transformer_layer_offset(config, pp_rank=rank)
+        assert len(ours) == get_num_layers_to_build(config, pp_rank=rank)
+
+
+def test_pipeline_splits_the_weight_names_cannot_follow_are_refused():
+    from megatron_async_rl.config.recipe import build_config
+
+    with pytest.raises(ConfigError, match="--account-for-embedding-in-pipeline-split = True: is "
+                       "not mapped by the HF weight names here"):  # fmt: skip
+        build_config(_tree(), ["--pipeline-model-parallel-size", "2",
+                               "--account-for-embedding-in-pipeline-split"])  # fmt: skip
+    from megatron_async_rl.models.name_map import stage_layers
+
+    with pytest.raises(ValueError, match="does not split evenly over the 2 other pipeline"):
+        stage_layers(1, 3, 5, first=2, last=None)  # 3 layers left for 2 stages
