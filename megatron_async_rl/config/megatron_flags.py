@@ -859,6 +859,16 @@ def check_args(args: dict[str, Any], role: str | None = None) -> None:
             None,
         ),
     )
+    freq = a["moe_layer_freq"]
+    rules += (
+        (
+            experts is not None and freq != 1 and (not isinstance(freq, list) or 0 in freq),
+            "--moe-layer-freq",
+            freq,
+            "dense layers among MoE layers are not built here yet (their weights are not mapped)",
+            "every layer MoE: --moe-layer-freq 1",
+        ),
+    )
     pp = a["pipeline_model_parallel_size"]
     rules += tuple(
         (

@@ -348,6 +348,32 @@ NOT_KNOBS_IN_MEGATRON_LM = {
 figure's second denominator; their verdicts above stand)."""
 
 
+_MLA = (
+    "multi-latent attention (DeepSeek-V2/V3, Kimi-K2) is not built here yet: its HF weight "
+    "names and tensor-parallel shards are not mapped (models/name_map.py)"
+)
+NOT_BUILT: dict[str, tuple[str, str]] = {
+    "multi_latent_attention": (_MLA, "drop the flag: GPT, Llama, Qwen and Qwen-MoE models"),
+    **{
+        dest: (_MLA, "drop the flag")
+        for dest in (
+            "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+            "rotary_scaling_factor", "mscale", "mscale_all_dim", "cache_mla_latents",
+        )
+    },
+    "mtp_num_layers": (
+        "multi-token prediction layers are not built here yet (their weights are not mapped)",
+        "drop the flag",
+    ),
+    "moe_shared_expert_intermediate_size": (
+        "shared experts are not built here yet (their weights are not mapped)",
+        "drop the flag: MoE models whose experts are all routed",
+    ),
+}  # fmt: skip
+"""Megatron-core config fields of model structures the HF name map does not cover yet: refused
+before they reach a config, since a model built with them could not load or sync its weights."""
+
+
 @dataclass(frozen=True)
 class Verdict:
     kind: Literal["applied", "aliased", "ignored", "refused", "unknown"]
@@ -358,6 +384,8 @@ class Verdict:
 def classify(dest: str, applied: set[str] | frozenset[str]) -> Verdict:
     """What this trainer does with Megatron-LM's `dest` (`applied`: the dests we build from)."""
     spec = lm_dests().get(dest)
+    if dest in NOT_BUILT:
+        return Verdict("refused", *NOT_BUILT[dest])
     if dest in applied:
         return Verdict("applied")
     if dest in ALIASES:
