@@ -342,6 +342,7 @@ def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True)
             **overrides.get(role, {}),
         }
         megatron_flags.check_args(args, role)
+        _matches_checkpoint(architecture, args, role)
         _megatron_lm_derived(args)
         # --load names the weights a role starts from: a HuggingFace directory for now
         # (Megatron distributed checkpoints arrive with resumable checkpointing).
@@ -358,6 +359,46 @@ def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True)
     resolved_config = ResolvedConfig(**fields, role_megatron_args=resolved)
     resolved_config.collective_timeout_s()  # the keys that set it agree
     return resolved_config
+
+
+# What model.hf_path's config.json says that the engines build too: a Megatron arg that changes
+# it would make the trainer's model differ from the engines' (or not load at all).
+_CHECKPOINT_DEFINES = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+    "group_query_attention", "num_query_groups", "kv_channels", "swiglu", "normalization",
+    "norm_epsilon", "position_embedding_type", "rotary_base", "rotary_percent",
+    "rotary_interleaved", "untie_embeddings_and_output_weights", "add_bias_linear",
+    "add_qkv_bias", "qk_layernorm", "vocab_size", "num_experts", "moe_ffn_hidden_size",
+    "moe_router_topk",
+)  # fmt: skip
+# Megatron args the HF config has no word for, whose non-default values change the numerics.
+_CHECKPOINT_EXCLUDES = (
+    "use_rope_scaling", "squared_relu", "quick_geglu", "layernorm_zero_centered_gamma",
+    "apply_residual_connection_post_layernorm", "rotary_seq_len_interpolation_factor",
+)
+
+
+def _matches_checkpoint(architecture: dict, args: dict, role: str) -> None:
+    """Refuse a Megatron arg that changes the architecture `model.hf_path` defines."""
+    if not architecture:
+        return
+    defaults = megatron_flags.defaults()
+    for name in _CHECKPOINT_DEFINES:
+        if name in architecture and args.get(name) != architecture[name]:
+            raise ConfigError(
+                "--" + name.replace("_", "-"), args.get(name),
+                f"differs from model.hf_path's config.json ({architecture[name]!r}; role {role}): "
+                "the engines build that architecture",
+                "drop the flag (the checkpoint defines it)",
+            )  # fmt: skip
+    for name in _CHECKPOINT_EXCLUDES:
+        if args.get(name) not in (None, defaults.get(name)):
+            raise ConfigError(
+                "--" + name.replace("_", "-"), args.get(name),
+                f"model.hf_path's config.json has no such feature (role {role}): the engines "
+                "would compute without it",
+                "drop the flag",
+            )  # fmt: skip
 
 
 def _megatron_lm_derived(args: dict[str, Any]) -> None:

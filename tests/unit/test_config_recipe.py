@@ -97,11 +97,11 @@ def test_precedence(workdir):
         "  groups: [{roles: [train, logp, ref], num_ranks: 1}]\n"
         "  train: {megatron: {lr: 3.0e-5, hidden_dropout: 0.2}}\n"
         "megatron: {lr: 1.0e-5, hidden_dropout: 0.1, init_method_std: 0.5,\n"
-        "           normalization: LayerNorm}\n",
+        "           attention_dropout: 0.05}\n",
     )
     cfg = resolve(recipe, ["megatron.init_method_std=0.25"], ["--hidden-dropout", "0.3"])
     train, ref = cfg.role_megatron_args["train"], cfg.role_megatron_args["ref"]
-    assert train["normalization"] == "LayerNorm"  # recipe beats config.json (RMSNorm)
+    assert train["attention_dropout"] == 0.05  # recipe beats config.json (0.0)
     assert ref["num_layers"] == 2  # config.json beats the default (None)
     assert (train["lr"], ref["lr"]) == (3e-5, 1e-5)  # role override beats shared
     assert ref["init_method_std"] == 0.25  # --set beats recipe
@@ -273,3 +273,22 @@ def test_collective_timeout_is_derived_from_the_stage_timeout(workdir):
         resolve(tiny, ["platform.timeout_s=90"], ["--distributed-timeout-minutes", "3"])
     with pytest.raises(ConfigError, match="timeout_s"):
         resolve(tiny, ["platform.timeout_s=-1"], [])
+
+
+def test_flags_cannot_change_the_checkpoint_architecture(workdir):
+    """model.hf_path defines the architecture the engines build: a Megatron arg that changes it
+    (or adds a feature the HF config has no word for) is refused, naming the flag."""
+    recipe = _recipe(
+        workdir / "r.yaml",
+        "model: {hf_path: runs/tiny-llama}\n"
+        "roles:\n"
+        "  groups: [{roles: [train, logp, ref], num_ranks: 1}]\n"
+        "megatron: {lr: 1.0e-5}\n",
+    )
+    with pytest.raises(ConfigError, match=r"--rotary-base = 10: differs from model.hf_path's "
+                       r"config.json \(\d+(\.\d+)?; role train\): the engines build that"):  # fmt: skip
+        resolve(recipe, [], ["--rotary-base", "10"])
+    with pytest.raises(ConfigError, match="--use-rope-scaling = True: model.hf_path's config.json "
+                       "has no such feature"):  # fmt: skip
+        resolve(recipe, [], ["--use-rope-scaling"])
+    resolve(recipe, [], ["--attention-dropout", "0.1"])  # training knobs stay free

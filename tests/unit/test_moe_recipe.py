@@ -178,7 +178,10 @@ def test_dry_run_without_recipe_architecture_still_needs_the_checkpoint(tmp_path
         resolve(recipe, [], [], check_paths=False)
 
 
-def test_a_present_checkpoint_is_read_and_the_recipe_wins(tmp_path):
+def test_a_present_checkpoint_is_read_and_must_agree_with_the_recipe(tmp_path):
+    """The recipe spells the architecture out for dry runs without the checkpoint; where the
+    checkpoint exists, a recipe value that differs from its config.json is refused (the engines
+    build the checkpoint's architecture)."""
     model = tmp_path / "ckpt"
     model.mkdir()
     (model / "model.safetensors").write_bytes(b"")
@@ -202,10 +205,9 @@ def test_a_present_checkpoint_is_read_and_the_recipe_wins(tmp_path):
         "initializer_range": 0.05,
     }
     (model / "config.json").write_text(json.dumps(hf))
-    cfg = resolve(RECIPE, [f"model.hf_path={model}"], [], check_paths=False)
-    train = cfg.role_megatron_args["train"]
-    assert (train["num_layers"], train["num_experts"], train["kv_channels"]) == (48, 64, 128)
-    assert train["init_method_std"] == 0.05  # not in the recipe: config.json's value
+    with pytest.raises(ConfigError, match=r"--num-layers = 48: differs from model.hf_path's "
+                       r"config.json \(4; role train\)"):  # fmt: skip
+        resolve(RECIPE, [f"model.hf_path={model}"], [], check_paths=False)
     (model / "config.json").unlink()  # present but broken: a dry run checks it too
     with pytest.raises(ConfigError, match=r"has no config.json"):
         resolve(RECIPE, [f"model.hf_path={model}"], [], check_paths=False)
