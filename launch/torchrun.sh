@@ -30,9 +30,11 @@
 #                       (e.g. "--max-restarts 2 --redirects 3") [empty]
 #   DRY_RUN=1           print the exact command on one line and exit 0 without running it
 #   SKIP_VALIDATE=1     do not check the recipe first (by default one process runs the entry
-#                       point with --dry-run --world-size NPROC_PER_NODE --ranks-per-node
+#                       point with --dry-run --here --world-size NPROC_PER_NODE --ranks-per-node
 #                       NPROC_PER_NODE, so a bad recipe or flag ends with one message and exit
 #                       code 2 before any rank starts)
+#   VALIDATE_HERE=0     that check skips paths this machine lacks (checkpoint, data), with a
+#                       warning, instead of requiring them [1: they must exist here]
 # The repository root is prepended to PYTHONPATH so the package imports from any directory.
 # Errors in the arguments or knobs print the name, the value and the rule, and exit 2.
 set -euo pipefail
@@ -104,9 +106,11 @@ if [[ ${DRY_RUN:-0} == 1 ]]; then
 fi
 
 export PYTHONPATH="$repo_dir${PYTHONPATH:+:$PYTHONPATH}"
+here=--here  # the job runs here: the checkpoint, data and tokenizer must exist
+[[ ${VALIDATE_HERE:-1} == 0 ]] && here=""
 if [[ ${SKIP_VALIDATE:-0} != 1 ]]; then
     "$python" -m megatron_async_rl.train --config "$recipe" "${run_dir_args[@]}" \
-        --dry-run --world-size "$nproc_per_node" --ranks-per-node "$nproc_per_node" \
+        --dry-run $here --world-size "$nproc_per_node" --ranks-per-node "$nproc_per_node" \
         "$@" >/dev/null || exit $?
     export MEGATRON_ASYNC_RL_VALIDATED=1  # the ranks need not repeat what the check printed
 fi

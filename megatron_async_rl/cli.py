@@ -20,6 +20,9 @@ class CommandLine:
     ranks_per_node: int | None
     megatron_argv: list[str]
     resume: str | None = None
+    here: bool = False
+    """--dry-run --here: the dry run runs where the job will (the launchers): every path the
+    run reads must exist, as on the ranks."""
 
 
 def parse_command_line(argv: list[str]) -> CommandLine:
@@ -57,6 +60,13 @@ def parse_command_line(argv: list[str]) -> CommandLine:
         help="resolve the recipe and check the layout for --world-size ranks, then exit",
     )
     parser.add_argument(
+        "--here",
+        action="store_true",
+        help="with --dry-run: this machine is where the job runs, so the checkpoint, data and "
+        "tokenizer must be here (the launchers pass it); without it a dry run skips paths it "
+        "cannot see, with a warning",
+    )
+    parser.add_argument(
         "--world-size",
         type=int,
         help="world size for --dry-run (default: $WORLD_SIZE, else 1)",
@@ -68,6 +78,8 @@ def parse_command_line(argv: list[str]) -> CommandLine:
         "two nodes (default: $LOCAL_WORLD_SIZE, which torchrun sets; else not checked)",
     )
     args = parser.parse_args(ours)
+    if args.here and not args.dry_run:
+        parser.error("argument --here: only with --dry-run")
     for name in ("world_size", "ranks_per_node"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -81,4 +93,5 @@ def parse_command_line(argv: list[str]) -> CommandLine:
         ranks_per_node=args.ranks_per_node,
         megatron_argv=megatron_argv,
         resume=args.resume,
+        here=args.here,
     )

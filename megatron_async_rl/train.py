@@ -20,6 +20,7 @@ from megatron_async_rl.checkpoint.config import PREEMPTED_EXIT_CODE, Preempted
 from megatron_async_rl.cli import parse_command_line
 from megatron_async_rl.config.errors import ConfigError, exit_on_config_error
 from megatron_async_rl.config.recipe import RESOLVED_NAME, resolve, write_resolved
+from megatron_async_rl.jobs import preflight
 from megatron_async_rl.observability.logs import leader_print, setup_logging
 
 logger = logging.getLogger("megatron_async_rl.train")
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     # A dry run may check a cluster recipe where its checkpoint is absent (one warning).
     sets = [*cli.sets, *([f"checkpoint.resume={cli.resume}"] if cli.resume else [])]
     cfg = exit_on_config_error(
-        resolve, cli.config, sets, cli.megatron_argv, cli.run_dir, not cli.dry_run
+        resolve, cli.config, sets, cli.megatron_argv, cli.run_dir, not cli.dry_run or cli.here
     )
     world_size = cli.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     local_world = os.environ.get("LOCAL_WORLD_SIZE")
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_async_rl.checkpoint.store import check_resume_matches
 
         exit_on_config_error(check_resume_matches, cfg)
+        exit_on_config_error(preflight.check_run_inputs, cfg, cli.here)
         device, backend = cfg.platform.device, cfg.platform.backend
         auto = " (auto: cuda/nccl where a GPU is visible)" if "auto" in (device, backend) else ""
         from megatron_async_rl.roles import memory
@@ -64,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     platform = exit_on_config_error(_platform, cfg)
+    exit_on_config_error(
+        preflight.check_platform_dtype, cfg, "cuda" if platform.use_cuda else "cpu"
+    )
 
     import torch.distributed as dist
 

@@ -373,8 +373,12 @@ _CHECKPOINT_DEFINES = (
 )  # fmt: skip
 # Megatron args the HF config has no word for, whose non-default values change the numerics.
 _CHECKPOINT_EXCLUDES = (
-    "use_rope_scaling", "squared_relu", "quick_geglu", "layernorm_zero_centered_gamma",
-    "apply_residual_connection_post_layernorm", "rotary_seq_len_interpolation_factor",
+    "use_rope_scaling",
+    "squared_relu",
+    "quick_geglu",
+    "layernorm_zero_centered_gamma",
+    "apply_residual_connection_post_layernorm",
+    "rotary_seq_len_interpolation_factor",
 )
 
 

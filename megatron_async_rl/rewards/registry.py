@@ -120,20 +120,38 @@ def _load_plugin(spec: str, key: str) -> RewardFn:
     return fn
 
 
+CONTRACT = ("response_text", "answer", "metadata")
+"""The reward's parameters, in order: the decoded response, the row's answer, the row's
+`metadata` object ({} when the row has none). Checked by name and kind, not only by count."""
+
+
 def _check_signature(fn: RewardFn, name: str, key: str) -> None:
+    """Strict: the first three parameters are `response_text, answer, metadata`, positional
+    (a function named otherwise, e.g. `(prompt, response, answer=None, **kw)`, would score the
+    wrong thing); any further ones have defaults."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return  # builtins without a signature: trust them
-    try:
-        signature.bind("response", "answer", {})
-    except TypeError as err:
+    params = list(signature.parameters.values())
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [p.name for p in params[:3]]
+    required_rest = [
+        p.name for p in params[3:]
+        if p.default is inspect.Parameter.empty
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]  # fmt: skip
+    if (
+        names != list(CONTRACT)
+        or any(p.kind not in positional for p in params[:3])
+        or required_rest
+    ):
         raise ConfigError(
-            key,
-            name,
-            f"reward takes {signature}, which cannot be called as fn(response_text, answer, "
-            f"metadata): {err}",
-        ) from err
+            key, name,
+            f"reward takes {signature}; the contract is fn(response_text, answer, metadata) -> "
+            "float, in that order (metadata: the row's metadata object)",
+            "rename the parameters; give any further one a default",
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

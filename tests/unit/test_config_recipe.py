@@ -285,8 +285,8 @@ def test_flags_cannot_change_the_checkpoint_architecture(workdir):
         "  groups: [{roles: [train, logp, ref], num_ranks: 1}]\n"
         "megatron: {lr: 1.0e-5}\n",
     )
-    with pytest.raises(ConfigError, match=r"--rotary-base = 10: differs from model.hf_path's "
-                       r"config.json \(\d+(\.\d+)?; role train\): the engines build that"):  # fmt: skip
+    differs = r"--rotary-base = 10: differs from model.hf_path's config.json \(\d+(\.\d+)?; role"
+    with pytest.raises(ConfigError, match=differs + r" train\): the engines build that"):
         resolve(recipe, [], ["--rotary-base", "10"])
     with pytest.raises(ConfigError, match="--use-rope-scaling = True: model.hf_path's config.json "
                        "has no such feature"):  # fmt: skip

@@ -46,7 +46,7 @@ PASS_THROUGH = [
 ]  # fmt: skip
 KNOBS = (
     "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "PYTHON", "RUN_DIR", "OMP_NUM_THREADS",
-    "TORCHRUN_EXTRA_ARGS", "DRY_RUN", "GPUS_PER_NODE", "RDZV_ID", "REPO_DIR",
+    "TORCHRUN_EXTRA_ARGS", "DRY_RUN", "GPUS_PER_NODE", "RDZV_ID", "REPO_DIR", "VALIDATE_HERE",
 )  # fmt: skip
 FAKE_SLURM = {
     "SLURM_NNODES": "2",
@@ -313,7 +313,8 @@ def test_slurm_validates_the_moe_recipe_for_the_whole_world(sandbox, nodes, gpus
         f"#!{PY}\nimport json, pathlib, sys\n"
         f"pathlib.Path({str(record)!r}).write_text(json.dumps(sys.argv[1:]))\n",
     )
-    env = {**FAKE_SLURM, "SLURM_NNODES": nodes, "GPUS_PER_NODE": gpus}
+    # the cluster's checkpoint and data are not on this machine: check the layout alone
+    env = {**FAKE_SLURM, "SLURM_NNODES": nodes, "GPUS_PER_NODE": gpus, "VALIDATE_HERE": "0"}
     result = _run(
         sandbox, SLURM_SBATCH, MOE_RECIPE, PYTHON=PY, SLURM_SUBMIT_DIR=str(REPO_ROOT), **env
     )
@@ -340,3 +341,17 @@ def test_slurm_help_prints_the_header_without_running_anything():
     assert proc.stdout.splitlines()[0] == header[0].removeprefix("# ")
     assert "Usage: sbatch" in proc.stdout and "#SBATCH --nodes=2" in proc.stdout
     assert "set -euo" not in proc.stdout and not proc.stderr
+
+
+def test_slurm_checks_the_paths_where_the_job_runs(sandbox):
+    """By default the launcher's check runs with --here: a checkpoint missing on the batch node
+    is one error line and exit 2 before srun (VALIDATE_HERE=0 turns it into a warning)."""
+    env = {**FAKE_SLURM, "SLURM_NNODES": "4", "GPUS_PER_NODE": "8"}
+    result = _run(
+        sandbox, SLURM_SBATCH, MOE_RECIPE, PYTHON=PY, SLURM_SUBMIT_DIR=str(REPO_ROOT), **env
+    )
+    assert result.returncode == 2, result.stderr
+    assert (
+        "error: config error: model.hf_path = '/shared/checkpoints/qwen3-moe-16b-a3b': "
+        "directory not found" in result.stderr
+    )

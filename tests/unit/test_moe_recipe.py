@@ -75,10 +75,13 @@ def test_dry_run_on_32_ranks_prints_the_layout():
     assert "sync staging" not in memory["ref"] and "engine weights 14.9" in memory["generate"]
     if not Path(CHECKPOINT).exists():
         warnings = [line for line in proc.stderr.splitlines() if "WARNING" in line]
-        assert len(warnings) == 1, proc.stderr
+        assert len(warnings) == 2, proc.stderr  # one line per path this machine lacks
         assert (
             f"model.hf_path = '{CHECKPOINT}' not found on this machine: not checked"
             in (warnings[0])
+        )
+        assert (
+            "data.path = '/shared/data/math/train.jsonl' not found on this machine" in (warnings[1])
         )
 
 

@@ -99,6 +99,12 @@ def test_plugin_module_function(tmp_path, monkeypatch):
         "NOT_A_FUNCTION = 3\n"
         "def wrong_arity(response_text):\n"
         "    return 0.0\n"
+        "def plausible(prompt, response, answer=None, **kw):\n"  # the new-user trial's trap
+        "    return 1.0\n"
+        "def extra_required(response_text, answer, metadata, scale):\n"
+        "    return 1.0\n"
+        "def extra_default(response_text, answer, metadata, scale=1.0, **kw):\n"
+        "    return scale\n"
     )
     (tmp_path / "broken_reward_plugin.py").write_text("raise RuntimeError('boom at import')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -108,8 +114,11 @@ def test_plugin_module_function(tmp_path, monkeypatch):
         get_reward("my_reward_plugin:nope")
     with pytest.raises(ConfigError, match="is a int, not a function"):
         get_reward("my_reward_plugin:NOT_A_FUNCTION")
-    with pytest.raises(ConfigError, match=r"cannot be called as fn\(response_text, answer"):
-        get_reward("my_reward_plugin:wrong_arity")
+    for name in ("wrong_arity", "plausible", "extra_required"):
+        with pytest.raises(ConfigError, match=r"the contract is fn\(response_text, answer, "
+                           r"metadata\) -> float, in that order"):  # fmt: skip
+            get_reward(f"my_reward_plugin:{name}")
+    assert get_reward("my_reward_plugin:extra_default")("a", "b", {}) == 1.0
     with pytest.raises(ConfigError, match="cannot import module 'broken_reward_plugin'.*boom"):
         get_reward("broken_reward_plugin:score")
     with pytest.raises(ConfigError, match="cannot import module 'no_such_module_xyz'"):

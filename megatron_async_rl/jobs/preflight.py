@@ -1,0 +1,81 @@
+"""What a dry run checks beyond the recipe itself, without ranks or engines.
+
+Owned here: `check_run_inputs(cfg)`, called by `train.main` under `--dry-run` (the launchers run
+one before any rank starts): the reward resolves (built-in name, or a `module:function` that
+imports and has the contract's signature), the prompt files exist and hold valid rows (data and
+validation, with the recipe's keys), the tokenizer of `model.hf_path` loads (with a chat template
+when `rollout.use_chat_template` asks for one), and the dtype is one the platform runs end to end
+(`--bf16` on an explicitly CPU platform is refused). Each failure is a `ConfigError`: one line,
+exit 2. Checks that need what this machine lacks (a cluster checkpoint) are skipped with the
+warning `recipe.resolve` already gave.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from megatron_async_rl.config.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def check_platform_dtype(cfg, device: str) -> None:
+    """`--bf16` (or `--fp16`) on a CPU platform: refused, one line (the CPU path runs fp32)."""
+    if device != "cpu":
+        return
+    for role, args in cfg.role_megatron_args.items():
+        for flag in ("bf16", "fp16"):
+            if args.get(flag):
+                raise ConfigError(
+                    f"--{flag}", True,
+                    f"is not supported on CPU (platform.device cpu; role {role}): the CPU path "
+                    "runs and syncs weights in fp32",
+                    f"drop --{flag} on CPU, or run on GPUs (platform.device cuda/auto)",
+                )  # fmt: skip
+
+
+def check_run_inputs(cfg, here: bool = False) -> None:
+    """Everything a GRPO run reads at start-up that can be checked here (see the module doc).
+    `here` (`--dry-run --here`, the launchers): the job runs on this machine, so every path must
+    exist; otherwise a prompt file this machine lacks is skipped with a warning."""
+    check_platform_dtype(cfg, cfg.platform.device)
+    if cfg.trainer.job != "grpo":
+        return
+    from megatron_async_rl.rewards.registry import get_reward
+    from megatron_async_rl.rollout.dataset import PromptDataset
+
+    get_reward(cfg.reward)
+    tokenizer = _tokenizer(cfg)
+    use_template = cfg.rollout.use_chat_template
+    for key, data in (("data", cfg.data), ("validation.data", cfg.validation.data)):
+        if data is None:
+            continue
+        if not here and not Path(data.path).exists():
+            logger.warning(
+                "%s.path = %r not found on this machine: not checked (dry run; the launchers "
+                "check it where the job runs)", key, data.path,
+            )  # fmt: skip
+            continue
+        PromptDataset(data, tokenizer=tokenizer, use_chat_template=use_template, key_prefix=key)
+
+
+def _tokenizer(cfg):
+    hf_path = cfg.model.hf_path
+    if hf_path is None or not Path(hf_path).is_dir():
+        return None  # a cluster checkpoint absent here: resolve() said so already
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(hf_path)
+    except Exception as err:  # any failure to load is the user's files: name them
+        raise ConfigError(
+            "model.hf_path", hf_path, f"its tokenizer does not load: {type(err).__name__}: {err}"
+        ) from err
+    if cfg.rollout.use_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            "rollout.use_chat_template", True,
+            f"the tokenizer of {hf_path} has no chat template",
+            "set rollout.use_chat_template: false, or use a chat model",
+        )  # fmt: skip
+    return tokenizer
