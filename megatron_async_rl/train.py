@@ -18,7 +18,12 @@ from pathlib import Path
 
 from megatron_async_rl.checkpoint.config import PREEMPTED_EXIT_CODE, Preempted
 from megatron_async_rl.cli import parse_command_line
-from megatron_async_rl.config.errors import ConfigError, exit_on_config_error
+from megatron_async_rl.config.errors import (
+    ConfigError,
+    exit_on_config_error,
+    first_report_on_node,
+    reported_on_node,
+)
 from megatron_async_rl.config.recipe import RESOLVED_NAME, resolve, write_resolved
 from megatron_async_rl.jobs import preflight
 from megatron_async_rl.observability.logs import leader_print, setup_logging
@@ -92,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             write_resolved(cfg, Path(cfg.run_dir) / RESOLVED_NAME)
         try:
             _run_job(cfg, groups, platform)
-        except ConfigError as err:  # found at run time: a checkpoint, /dev/shm, ...
-            if rank == 0 or err.rank_local:
+        except ConfigError as err:  # found at run time: a checkpoint, a plugin, /dev/shm, ...
+            if err.rank_local or first_report_on_node(str(err)):  # by whichever rank found it
                 where = f"[global rank {rank}] " if err.rank_local else ""
                 sys.stderr.write(f"error: {where}{err}\n")
                 sys.stderr.flush()
@@ -104,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
             if marker and rank == 0:  # torchrun exits 1 when signalled: the launcher reads this
                 Path(marker).write_text(f"{stop}\n")
             return PREEMPTED_EXIT_CODE
+        except Exception:
+            if reported_on_node():  # a peer printed why the run stops; this is its echo
+                logger.debug("stopping after a peer's error", exc_info=True)
+                return 1
+            raise
         dist.barrier(group=groups.control)
         leader_print(f"done: outputs in {cfg.run_dir}", rank)
     finally:

@@ -9,9 +9,12 @@ in: a user sees `error: <message>` and exit status 2, never a traceback.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import os
 import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
@@ -122,6 +125,31 @@ def yaml_error_to_config_error(err: yaml.YAMLError, path: str) -> ConfigError:
     )
 
 
+def first_report_on_node(message: str) -> bool:
+    """Whether this process should print `message`: outside torchrun always; under torchrun the
+    first rank of its node to report it (a marker file per torchrun agent and message), so an
+    error found by any rank is printed once per node, however torchrun then kills the others."""
+    if "RANK" not in os.environ:
+        return True
+    digest = hashlib.sha1(message.encode()).hexdigest()[:16]
+    marker = Path(tempfile.gettempdir()) / f"megatron_async_rl-{os.getppid()}-{digest}.reported"
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:
+        return os.environ.get("RANK") == "0"  # no writable temp dir: rank 0 alone, as before
+    return True
+
+
+def reported_on_node() -> bool:
+    """Whether a rank of this torchrun agent has reported an error (`first_report_on_node`):
+    then a peer's failure that follows (a collective cut by the exiting rank) is its echo."""
+    if "RANK" not in os.environ:
+        return False
+    return any(Path(tempfile.gettempdir()).glob(f"megatron_async_rl-{os.getppid()}-*.reported"))
+
+
 def exit_on_config_error(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Call `fn`; on a ConfigError (or a YAML error) print one `error:` line and exit with 2."""
     try:
@@ -130,8 +158,8 @@ def exit_on_config_error(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         message = str(err)
     except yaml.YAMLError as err:
         message = str(yaml_error_to_config_error(err, "<yaml>"))
-    # Under torchrun every rank resolves the same recipe: one message is enough.
-    if os.environ.get("RANK", "0") == "0":
+    # Under torchrun every rank resolves the same recipe: one message per node is enough.
+    if first_report_on_node(message):
         sys.stderr.write("".join(f"error: {line}\n" for line in message.splitlines()))
         sys.stderr.flush()
     sys.exit(2)

@@ -98,3 +98,28 @@ def test_engine_death_stops_the_run_naming_the_rank(task, tmp_path):
     assert proc.returncode != 0
     assert "EngineDiedError" in stderr and "global rank 1" in stderr, stderr[-4000:]
     assert "exited with code -9" in stderr, stderr[-4000:]
+
+
+def test_an_error_only_a_non_leader_rank_finds_is_printed_once(task, tmp_path):
+    """Under plain torchrun (no launcher check), a reward plug-in that does not import fails on
+    the generate rank (global rank 1) only: that rank prints the one `error:` line before
+    torchrun stops the others; nothing is lost, and no rank prints a traceback."""
+    import sys
+
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "-m", "megatron_async_rl.train", "--config", str(RECIPE), "--run-dir", str(tmp_path),
+        "--set", f"model.hf_path={task.model}", "--set", f"data.path={task.data}",
+        "--set", "reward.name=no_such_reward_module_xyz:score",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=launch_env(29655), capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: config error: reward.name = 'no_such_reward_module_xyz:score': cannot import "
+        "module 'no_such_reward_module_xyz': ModuleNotFoundError: No module named "
+        "'no_such_reward_module_xyz'; hint: check that it is on PYTHONPATH and imports cleanly"
+    ], proc.stderr[-3000:]
+    # no rank prints a traceback (rank 0's collective, cut by rank 1's exit, is its echo); the
+    # torchrun agent's own ChildFailedError summary is torchrun's, as the launcher avoids it
+    assert not [line for line in proc.stderr.splitlines() if line.startswith("[rank")]
