@@ -41,6 +41,10 @@ class RewardConfig:
     """What a failed call does (an exception, a timeout, a remote server down after its
     retries, a non-finite value): `zero` scores the sample 0 and counts it (`reward/errors`);
     `stop` stops the run with the reward's error."""
+    max_error_rate: float = 0.5
+    """Stop the run (one error line, exit 2) when more than this share of one step's samples
+    failed to score: a reward that raises on everything would otherwise train on reward 0
+    throughout. 1.0: never stop."""
     call_timeout_s: float | None = None
     """Run the reward in a child process and cut a call after this many seconds (the sample
     scores 0, counted as `reward/timeouts`; the child is killed and a new one started). None:
@@ -59,3 +63,4 @@ class RewardConfig:
         require_number("backoff_s", self.backoff_s, ge=0, unit="seconds")
         require_choice("on_failure", self.on_failure, ("zero", "stop"))
         require_number("call_timeout_s", self.call_timeout_s, gt=0, unit="seconds", optional=True)
+        require_number("max_error_rate", self.max_error_rate, ge=0, le=1)

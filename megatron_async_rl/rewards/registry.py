@@ -176,7 +176,8 @@ def safe_reward(config: RewardConfig) -> SafeReward:
         from megatron_async_rl.rewards.isolated import IsolatedReward
 
         fn = IsolatedReward(config, config.call_timeout_s)
-    return SafeReward(fn, config.name, stop_on_failure=config.on_failure == "stop")
+    return SafeReward(fn, config.name, stop_on_failure=config.on_failure == "stop",
+                      max_error_rate=config.max_error_rate)  # fmt: skip
 
 
 class SafeReward:
@@ -184,9 +185,14 @@ class SafeReward:
     value scores 0.0 and is counted."""
 
     def __init__(self, fn: RewardFn, name: str = "", max_logged: int = 5,
-                 stop_on_failure: bool = False):  # fmt: skip
-        """`stop_on_failure` (`reward.on_failure: stop`): a failure raises instead."""
+                 stop_on_failure: bool = False, max_error_rate: float = 1.0):  # fmt: skip
+        """`stop_on_failure` (`reward.on_failure: stop`): a failure raises instead.
+        `max_error_rate` (`reward.max_error_rate`): `score` stops the run when more than this
+        share of its samples failed."""
         self.fn, self.stop_on_failure = fn, stop_on_failure
+        self.max_error_rate = max_error_rate
+        self.first_error: str | None = None
+        self._taken = (0, 0, 0)  # (errors, timeouts, calls) at the last take_metrics
         self.name = name or getattr(fn, "__qualname__", repr(fn))
         self.max_logged = max_logged
         self.errors = 0
@@ -209,6 +215,7 @@ class SafeReward:
             return float(value)
         except Exception as err:  # any failure of user code scores 0 and is counted, by design
             self.errors += 1
+            self.first_error = self.first_error or f"{type(err).__name__}: {err}"
             self.timeouts += isinstance(err, TimeoutError)
             if self.stop_on_failure:
                 raise RuntimeError(
@@ -231,7 +238,8 @@ class SafeReward:
     def score(self, samples: Iterable[Any], fault: str | None = None) -> list[float]:
         """Rewards for samples carrying uid, response_text, answer, metadata (in order).
         `fault` (fault injection, `jobs/faults.py`): 'hang' or 'raise' in the first call."""
-        return [
+        before = self.errors
+        values = [
             self(
                 s.response_text,
                 s.answer,
@@ -241,6 +249,27 @@ class SafeReward:
             )  # fmt: skip
             for i, s in enumerate(samples)
         ]
+        failed = self.errors - before
+        if values and failed / len(values) > self.max_error_rate:
+            raise ConfigError(
+                "reward.max_error_rate", self.max_error_rate,
+                f"reward {self.name} failed on {failed} of the {len(values)} samples of one "
+                f"step (the first failure: {self.first_error})",
+                "fix the reward function (its first failures are logged above with their "
+                "samples), or raise reward.max_error_rate",
+            )  # fmt: skip
+        return values
+
+    def take_metrics(self) -> dict[str, float]:
+        """The step's `reward/errors`, `reward/timeouts` and `reward/calls` (since the last
+        take), and `reward/errors_total` since construction."""
+        now = (self.errors, self.timeouts, self.calls)
+        step = [a - b for a, b in zip(now, self._taken, strict=True)]
+        self._taken = now
+        return {
+            "reward/errors": float(step[0]), "reward/timeouts": float(step[1]),
+            "reward/calls": float(step[2]), "reward/errors_total": float(self.errors),
+        }  # fmt: skip
 
     def metrics(self) -> dict[str, float]:
         """`reward/errors`: failed calls since construction (`reward/timeouts` of them cut by

@@ -120,7 +120,7 @@ class GenerateSide:
         values = self.reward.score(work.samples, fault=fault)
         for sample, value in zip(work.samples, values, strict=True):
             sample.reward = value
-        work.report.add_sums(self.reward.metrics())
+        work.report.add_sums(self.reward.take_metrics())
         if self.faults is not None:
             work.report.add_sums(self.faults.take_metrics())
         work.report.add_means(self.dataset.metrics())

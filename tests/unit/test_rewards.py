@@ -264,3 +264,28 @@ def test_remote_reward_connection_refused_inside_safe_reward():
     assert safe.score([RewardRequest("u0", "x", "y", {"k": 0})]) == [0.0]
     assert safe.metrics()["reward/errors"] == 1.0
     assert safe.fn.num_retries == 1
+
+
+def test_a_reward_failing_on_most_samples_stops_the_run():
+    """`reward.max_error_rate`: more than that share of one step's samples failing is a
+    ConfigError naming the key, the count and the first failure; `reward/errors` is per step
+    (`take_metrics`), `reward/errors_total` since the start."""
+    from types import SimpleNamespace
+
+    def broken(response_text, answer, metadata):
+        if response_text == "bad":
+            raise KeyError("prompt")
+        return 1.0
+
+    samples = [SimpleNamespace(response_text=t, answer="a", metadata={}) for t in
+               ("bad", "ok", "ok", "ok")]  # fmt: skip
+    safe = SafeReward(broken, name="broken", max_error_rate=0.5)
+    assert safe.score(samples) == [0.0, 1.0, 1.0, 1.0]  # 1 of 4 failed: below the rate
+    assert safe.take_metrics() == {"reward/errors": 1.0, "reward/timeouts": 0.0,
+                                   "reward/calls": 4.0, "reward/errors_total": 1.0}  # fmt: skip
+    all_bad = [SimpleNamespace(response_text="bad", answer="a", metadata={})] * 4
+    stop = r"reward.max_error_rate = 0.5: reward broken failed on 4 of the 4 samples of one step"
+    with pytest.raises(ConfigError, match=stop + r" \(the first failure: KeyError: 'prompt'\)"):
+        safe.score(all_bad)
+    assert safe.take_metrics()["reward/errors"] == 4.0  # this step's, not the total (5)
+    assert SafeReward(broken, max_error_rate=1.0).score(all_bad) == [0.0] * 4  # never stops
