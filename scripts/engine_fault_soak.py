@@ -152,7 +152,7 @@ def main() -> int:
     others = {k: sum(r.get(f"faults/injected/{k}", 0) for r in rows)
               for k in ("weight_corrupt", "reward_hang")}  # fmt: skip
     resent = sum(r.get("weight_sync/attempts", 1) == 2 for r in rows)
-    timeouts = max((r.get("reward/timeouts", 0) for r in rows), default=0)
+    timeouts = sum(r.get("reward/timeouts", 0) for r in rows)  # per step
     if others != {"weight_corrupt": args.corrupt, "reward_hang": args.reward_hangs}:
         problems.append(f"injected {others}, expected {args.corrupt} and {args.reward_hangs}")
     if resent != args.corrupt or timeouts != args.reward_hangs:
