@@ -28,6 +28,9 @@ from megatron_async_rl.rollout.batch import build_batch
 
 logger = logging.getLogger(__name__)
 
+ZERO_VARIANCE_WARN = 0.75
+"""Share of a step's groups with one reward for all samples above which the leader warns."""
+
 LOSS_KEYS = ("actor/loss", "actor/pg_loss", "actor/kl_loss", "actor/entropy_loss")
 """Each data-parallel replica reports its share of these: the leader adds them up."""
 
@@ -165,6 +168,8 @@ class LearnSide:
         self.steps_logged = 0
         self.pending_metrics: dict[str, float] = {}
         """Metrics to add to the next step logged (e.g. `resume/*`, `checkpoint/*`)."""
+        self._quiet_until = 0
+        """The zero-variance warning's next allowed step."""
         if any(role.args.get("manual_gc") for role in roles.values()):
             gc.disable()  # Megatron-LM's --manual-gc: collections at step ends only
             gc.collect()
@@ -244,8 +249,24 @@ class LearnSide:
             "samples/kept": float((mask.sum(-1) > 0).sum().item()),
             "samples/truncated": float(sum(s.finish_reason == "length" for s in work.samples)),
             "data/dropped_groups": float(dropped),
+            "data/zero_variance_groups": self._zero_variance_share(batch["rewards"], n, work.step),
         })  # fmt: skip
         return work
+
+    def _zero_variance_share(self, rewards, n: int, step: int) -> float:
+        """Share of the step's GRPO groups whose samples all got the same reward (advantage 0:
+        nothing to learn from them); the leader warns when most are, at most every 10 steps."""
+        same = rewards.view(-1, n).amax(1) == rewards.view(-1, n).amin(1)
+        share = float(same.float().mean())
+        if self.is_leader and share > ZERO_VARIANCE_WARN and step >= self._quiet_until:
+            self._quiet_until = step + 10
+            logger.warning(
+                "step %d: %d of %d groups got one reward for all their samples: nothing to "
+                "learn from them (a task too easy or too hard for the model, or a reward that "
+                "ignores the response? see reward/mean and the samples)", step,
+                int(same.sum()), same.numel(),
+            )  # fmt: skip
+        return share
 
     # -- metrics ---------------------------------------------------------------------------
     def log(self, work: StepWork, step_s: float) -> None:
