@@ -9,6 +9,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+CONTRACT = """\
+data rows (data.path, .jsonl or .parquet; validation.data alike), one object each:
+  {"prompt": "3+5=", "answer": "8", "metadata": {...}}        or
+  {"messages": [{"role": "user", "content": "..."}], "answer": "8"}
+  answer: a string or a number; metadata: optional, handed to the reward as it is.
+reward (reward.name): math | arithmetic | remote | my_pkg.module:function, where
+  def function(response_text: str, answer: str, metadata: dict) -> float
+  (names and order checked; a failure scores 0 and counts in reward/errors; more than
+  reward.max_error_rate of a step's samples failing stops the run).
+--dry-run checks the recipe, the flags, the layout, the reward, the data and the tokenizer."""
+
 
 @dataclasses.dataclass(frozen=True)
 class CommandLine:
@@ -36,6 +47,8 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     parser = argparse.ArgumentParser(
         prog="python -m megatron_async_rl.train",
         description="Asynchronous RL on Megatron-core roles. Megatron-LM flags go after `--`.",
+        epilog=CONTRACT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
     parser.add_argument("--config", required=True, help="recipe YAML (see yaml_configs/)")
