@@ -25,6 +25,7 @@ from megatron_async_rl.config.roles import (  # noqa: F401 - re-exported
     RoleGroupSpec,
 )
 from megatron_async_rl.engines.config import EngineConfig, FaultsConfig
+from megatron_async_rl.observability.config import ObservabilityConfig
 from megatron_async_rl.rewards.config import RewardConfig
 from megatron_async_rl.rollout.config import DatasetConfig, RolloutConfig, ValidationConfig
 from megatron_async_rl.scheduler.config import SchedulerConfig
@@ -199,6 +200,8 @@ class RunConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """Bucket sizes of the weight reshard into the engines (memory bound per sync)."""
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    """What the run writes for people to read (rollout dumps)."""
     """The held-out set evaluated every `scheduler.validation_every` versions."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Saving and resuming (the train role's model and optimizer, the pipeline's state)."""

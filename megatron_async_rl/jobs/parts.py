@@ -80,7 +80,8 @@ def build_parts(cfg, groups, platform) -> RankParts:
         role.load_hf_checkpoint(role.args.get("load") or cfg.model.hf_path)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
     pad = tokenizer.pad_token_id
-    learn = LearnSide(cfg, groups, roles, pad if pad is not None else 0) if roles else None
+    pad = pad if pad is not None else 0
+    learn = LearnSide(cfg, groups, roles, pad, tokenizer) if roles else None
     exchange = GlooExchange(groups, roles, cfg.weight_sync, platform.device())
     try:
         _warm_up(cfg, groups, roles, exchange)

@@ -23,6 +23,7 @@ from megatron_async_rl.observability.ledger import PromptLedger
 from megatron_async_rl.observability.metrics import MetricsWriter, summarize
 from megatron_async_rl.observability.plots import plot_reward_curve
 from megatron_async_rl.observability.progress import Progress
+from megatron_async_rl.observability.rollouts import dump_rollouts
 from megatron_async_rl.roles.work import StepReport, StepWork
 from megatron_async_rl.rollout.batch import build_batch
 
@@ -157,8 +158,10 @@ class LearnSide:
     """The Megatron roles of one rank (`train`, `logp`, `ref`: any of them) and the step's
     metrics writer on the leader."""
 
-    def __init__(self, cfg, groups, roles: dict, pad_id: int):
+    def __init__(self, cfg, groups, roles: dict, pad_id: int, tokenizer=None):
         self.cfg, self.groups, self.roles, self.pad_id = cfg, groups, roles, pad_id
+        self.tokenizer = tokenizer
+        """Decodes the prompts of the rollout dumps (`observability.dump_rollouts_every`)."""
         self.is_leader = groups.rank == groups.leader
         self.writer = MetricsWriter(cfg.run_dir) if self.is_leader else None
         self.ledger = PromptLedger(cfg.run_dir) if self.is_leader else None
@@ -291,7 +294,12 @@ class LearnSide:
         metrics["throughput/tokens_per_s"] = tokens / step_s
         self.writer.log(work.step, metrics)
         prompts = sorted({s.prompt_index: s.uid for s in work.samples}.items())
-        versions = [v for per_sample in work.token_versions() for v in per_sample] or [work.step]
+        per_sample = work.token_versions()
+        every = self.cfg.observability.dump_rollouts_every
+        if every and work.step % every == 0 and work.adv_B is not None:
+            dump_rollouts(self.cfg.run_dir, work.step, work.samples, work.adv_B.tolist(),
+                          per_sample, self.tokenizer)  # fmt: skip
+        versions = [v for tokens in per_sample for v in tokens] or [work.step]
         self.ledger.log(work.step, [uid for _, uid in prompts], (min(versions), max(versions)))
         self.progress.update(work.step, metrics)
         self.steps_logged += 1

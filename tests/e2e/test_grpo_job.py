@@ -5,7 +5,7 @@ Contracts checked:
   share, `sync_run` in tests/conftest.py); `metrics.jsonl` has one object per step with the
   documented keys; `reward.png` and `config.resolved.yaml` are written; each RL step runs 4
   optimizer steps (--global-batch-size 32 of 128 samples) and `actor/lr` follows the warm-up
-  and cosine decay;
+  and cosine decay; step 0's samples are dumped to `rollouts/step_00000000.jsonl`, readable;
   at step 0 the engine's log-probs of its own tokens match the trainer's within 1e-3 (fp32);
   malformed dataset rows are reported with file and line and counted in the metrics.
 - with restarts off (`engine.max_restarts: 0`), an engine that dies mid-run stops the run
@@ -56,6 +56,14 @@ def test_the_shared_synchronous_run(sync_run):
     assert "train.jsonl:202" in sync_run.stderr  # the malformed line, reported with file and line
     assert (sync_run.run_dir / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (sync_run.run_dir / "config.resolved.yaml").is_file()
+    # the rollout dump of step 0 (observability.dump_rollouts_every: 10): every sample, readable
+    import json
+
+    dump = sync_run.run_dir / "rollouts" / "step_00000000.jsonl"
+    rows = [json.loads(line) for line in dump.read_text().splitlines()]
+    assert len(rows) == 128 and not (sync_run.run_dir / "rollouts" / "step_00000001.jsonl").exists()
+    assert rows[0]["prompt"].endswith("=") and rows[0]["versions"] == [0, 0]
+    assert {"response", "answer", "reward", "advantage", "finish_reason"} <= rows[0].keys()
 
 
 def _scheduler_pids(root_pid):
