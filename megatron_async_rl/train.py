@@ -27,6 +27,7 @@ from megatron_async_rl.config.errors import (
 from megatron_async_rl.config.recipe import RESOLVED_NAME, resolve, write_resolved
 from megatron_async_rl.jobs import preflight
 from megatron_async_rl.observability.logs import leader_print, setup_logging
+from megatron_async_rl.observability.quiet import quiet_known_noise
 
 logger = logging.getLogger("megatron_async_rl.train")
 
@@ -42,6 +43,7 @@ def _platform(cfg):
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_known_noise()  # before megatron-core and SGLang are imported
     setup_logging()
     cli = parse_command_line(sys.argv[1:] if argv is None else argv)
     # A dry run may check a cluster recipe where its checkpoint is absent (one warning).

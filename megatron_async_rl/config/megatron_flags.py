@@ -692,6 +692,8 @@ def transformer_config_kwargs(args: dict[str, Any]) -> dict[str, Any]:
     if not args["group_query_attention"]:
         kwargs["num_query_groups"] = None  # Megatron-LM ignores --num-query-groups without GQA
     kwargs["attention_backend"] = AttnBackend[args["attention_backend"]]
+    if kwargs.get("cuda_graph_scope") in (None, "full"):
+        kwargs["cuda_graph_scope"] = []  # megatron-core 0.16's "full", without its deprecation
     for name in ("window_size",):
         if args[name] is not None:
             kwargs[name] = tuple(args[name])
