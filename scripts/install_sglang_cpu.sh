@@ -10,7 +10,8 @@
 # The CPU engine also needs two import shims, which live in megatron_async_rl/engines/cpu_shims
 # and are put on the engine's PYTHONPATH at run time (see the README there); nothing is patched
 # in the venv. Idempotent: a second run with the same script only checks a stamp.
-# pip will report dependency conflicts for the excluded packages: expected; don't run pip check.
+# pip reports dependency conflicts for the excluded packages (expected: filtered below to one
+# line); don't run pip check.
 set -euo pipefail
 repo_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${1:-${VENV:-$repo_dir/.venv}}
@@ -61,10 +62,19 @@ deps=(
     triton
 )
 
+# pip's resolver lists every CUDA-only requirement skipped above as an ERROR block: expected, so
+# it is replaced by one line saying so (anything else pip says on stderr is shown as it is).
+quiet_resolver() {
+    grep -v -e "^ERROR: pip's dependency resolver does not currently take into account" \
+        -e "^sglang [0-9.]* requires .*, which is not installed\.$" >&2 || true
+}
+
 start=$SECONDS
-"${pip[@]}" install --no-deps "sglang==$sglang_version"
-"${pip[@]}" install -c "$constraints" "${deps[@]}"
-"${pip[@]}" install --no-deps timm==1.0.16
+echo "installing SGLang $sglang_version for CPU: its CUDA-only requirements (sglang-kernel," \
+    "flashinfer, deep-ep, ...) and CUDA-linked torchvision/torchaudio are skipped on purpose"
+"${pip[@]}" install --no-deps "sglang==$sglang_version" 2> >(quiet_resolver)
+"${pip[@]}" install -c "$constraints" "${deps[@]}" 2> >(quiet_resolver)
+"${pip[@]}" install --no-deps timm==1.0.16 2> >(quiet_resolver)
 
 # Fail here, not in the first engine start, if a CUDA-linked wheel slipped in.
 for forbidden in torchvision torchaudio torchcodec sglang-kernel flashinfer-python; do
