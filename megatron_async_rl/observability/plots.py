@@ -81,7 +81,8 @@ def plot_reward_curve(
 
     A `<x>/mean` key gets a shaded ±1 std band from `<x>/std` when that key is logged and
     `std_band` is on. `moving_average > 1` draws the raw curve faintly under a trailing mean of
-    that many points. `run_label` defaults to the run directory's name. Returns `out_png`.
+    up to that many points (at most a fifth of the run's steps, so a short run is not flattened;
+    none under 10 steps). `run_label` defaults to the run directory's name. Returns `out_png`.
     """
     if not keys:
         raise ValueError("plot_reward_curve needs at least one metric key, got keys=()")
@@ -102,7 +103,9 @@ def plot_reward_curve(
             steps = np.array(list(by_step), dtype=float)
             values = np.array(list(by_step.values()))
             name = key if len(runs) == 1 else label if len(keys) == 1 else f"{label}: {key}"
-            smooth = moving_average > 1
+            # a window of at most a fifth of the run: a short run's curve is not flattened
+            window = min(moving_average, len(values) // 5)
+            smooth = window > 1
             ax.plot(
                 steps,
                 values,
@@ -117,11 +120,11 @@ def plot_reward_curve(
             if smooth:
                 ax.plot(
                     steps,
-                    _moving_average(values, moving_average),
+                    _moving_average(values, window),
                     color=color,
                     lw=2,
                     ls=style,
-                    label=f"{name} (avg of {moving_average})",
+                    label=f"{name} (avg of {window})",
                 )
             std_key = key.removesuffix("/mean") + "/std"
             if std_band and key.endswith("/mean") and any(std_key in r for r in records):
