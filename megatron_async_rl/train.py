@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
         exit_on_config_error(check_resume_matches, cfg)
         exit_on_config_error(preflight.check_run_inputs, cfg, cli.here)
+        exit_on_config_error(preflight.check_batches, cfg, layout)
         device, backend = cfg.platform.device, cfg.platform.backend
         auto = " (auto: cuda/nccl where a GPU is visible)" if "auto" in (device, backend) else ""
         from megatron_async_rl.roles import memory

@@ -60,6 +60,21 @@ def check_run_inputs(cfg, here: bool = False) -> None:
         PromptDataset(data, tokenizer=tokenizer, use_chat_template=use_template, key_prefix=key)
 
 
+def check_batches(cfg, layout) -> None:
+    """--global-batch-size against the train role's data-parallel size and micro-batch size
+    (Megatron's rule), for the world the dry run plans: the ranks would find it at step 0."""
+    if cfg.trainer.job != "grpo" or "train" not in layout.parallelism:
+        return
+    from megatron_async_rl.algorithms.minibatch import check_minibatches
+
+    args = cfg.role_megatron_args["train"]
+    gbs = args.get("global_batch_size")
+    if gbs is None:
+        return
+    batch = cfg.rollout.num_prompts_per_step * cfg.algorithm.num_samples_per_prompt
+    check_minibatches(batch, gbs, int(args.get("micro_batch_size") or 1), layout.dp_of("train"))
+
+
 def _tokenizer(cfg):
     hf_path = cfg.model.hf_path
     if hf_path is None or not Path(hf_path).is_dir():

@@ -3,8 +3,9 @@
 Contract: `python -m megatron_async_rl.train --config R --dry-run --here` on the quick-start
 recipe with one mistake each (a misspelt reward, a missing plugin module, a reward whose
 signature breaks the contract, a missing data file, --bf16 on CPU) exits 2 with one `error:`
-line naming the key or flag, the value and the rule; the recipe as it is passes. Nothing is
-faked: the real entry point in this process, the real tokenizer and dataset readers.
+line naming the key or flag, the value and the rule; so does a --global-batch-size that the
+train role's micro-batches and data-parallel size cannot split; the recipe as it is passes.
+Nothing is faked: the real entry point in this process, the real tokenizer and dataset readers.
 """
 
 from __future__ import annotations
@@ -65,8 +66,12 @@ def _dry_run(root, recipe, monkeypatch, capsys, *args):
         ({"data": {"path": "missing/train.jsonl"}}, [],
          "data.path = 'missing/train.jsonl': file not found"),
         ({}, ["--", "--bf16"], "--bf16 = True: is not supported on CPU"),
+        ({}, ["--", "--global-batch-size", "64", "--micro-batch-size", "48"],
+         "--global-batch-size = 64: --global-batch-size must be a multiple of the micro-batch "
+         "size x data-parallel size = 48 x 1 = 48"),
     ],
-    ids=["misspelt-reward", "missing-plugin", "wrong-signature", "missing-data", "bf16-on-cpu"],
+    ids=["misspelt-reward", "missing-plugin", "wrong-signature", "missing-data", "bf16-on-cpu",
+         "global-batch"],
 )  # fmt: skip
 def test_a_mistake_is_one_line_and_exit_2(setup, monkeypatch, capsys, change, args, expected):
     root, recipe = setup
