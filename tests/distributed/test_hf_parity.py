@@ -82,6 +82,17 @@ def _layouts(family):
     return {"train": {"tensor_model_parallel_size": 2}, "logp": {"pipeline_model_parallel_size": 2}}
 
 
+def _check_logits(results, reference, label: str) -> None:
+    """Every role's last stage gave logits within TOLERANCE of `transformers`."""
+    checked = set()
+    for result in results:
+        if result["logits"] is not None:
+            diff = (result["logits"] - reference).abs().max().item()
+            assert diff <= TOLERANCE, f"{label} {result['role']}: max abs diff {diff}"
+            checked.add(result["role"])
+    assert checked == {"train", "logp"}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_transformers_and_export_round_trips(family, tiny_models, tmp_path):
     from megatron_async_rl.models import hf_checkpoint
@@ -89,13 +100,7 @@ def test_logits_match_transformers_and_export_round_trips(family, tiny_models, t
     path = tiny_models[family]
     reference = _hf_logits(path)
     results = spawn(_worker, 4, tmp_path, path, _layouts(family))
-    checked = set()
-    for result in results:
-        if result["logits"] is not None:
-            diff = (result["logits"] - reference).abs().max().item()
-            assert diff <= TOLERANCE, f"{family} {result['role']}: max abs diff {diff}"
-            checked.add(result["role"])
-    assert checked == {"train", "logp"}
+    _check_logits(results, reference, family)
 
     original = hf_checkpoint.load_hf_state_dict(path)
     exports = [r["exported"] for r in results if r["exported"] is not None]
@@ -154,13 +159,7 @@ def test_uneven_pipeline_stages_match_transformers(tiny_model, tmp_path):
     }
     reference = _hf_logits(path)
     results = spawn(_worker, 4, tmp_path, path, layouts)
-    checked = set()
-    for result in results:
-        if result["logits"] is not None:
-            diff = (result["logits"] - reference).abs().max().item()
-            assert diff <= TOLERANCE, f"{result['role']}: max abs diff {diff}"
-            checked.add(result["role"])
-    assert checked == {"train", "logp"}
+    _check_logits(results, reference, "uneven stages")
     original = hf_checkpoint.load_hf_state_dict(path)
     for exported in (r["exported"] for r in results if r["exported"] is not None):
         assert exported.keys() == original.keys()
