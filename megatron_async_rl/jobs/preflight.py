@@ -48,8 +48,9 @@ def check_run_inputs(cfg, here: bool = False) -> None:
     get_reward(cfg.reward)
     tokenizer = _tokenizer(cfg)
     use_template = cfg.rollout.use_chat_template
+    validating = cfg.scheduler.validation_every > 0  # the held-out set is read only then
     for key, data in (("data", cfg.data), ("validation.data", cfg.validation.data)):
-        if data is None:
+        if data is None or (key == "validation.data" and not validating):
             continue
         if not here and not Path(data.path).exists():
             logger.warning(

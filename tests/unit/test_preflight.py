@@ -85,3 +85,16 @@ def test_the_recipe_as_it_is_passes(setup, monkeypatch, capsys):
     root, recipe = setup
     code, errors = _dry_run(root, recipe, monkeypatch, capsys)
     assert code == 0 and not errors
+
+
+def test_a_held_out_set_is_checked_only_when_validation_is_on(setup, monkeypatch, capsys):
+    root, recipe = setup
+    off = {**recipe, "validation": {"data": {"path": "missing/eval.jsonl"}},
+           "scheduler": {"validation_every": 0}}  # fmt: skip
+    assert _dry_run(root, off, monkeypatch, capsys) == (0, [])
+    on = {**off, "scheduler": {"validation_every": 2}}
+    code, errors = _dry_run(root, on, monkeypatch, capsys)
+    assert code == 2 and errors == [
+        "error: config error: validation.data.path = 'missing/eval.jsonl': file not found; hint: "
+        "check the path (relative to the working dir)"
+    ]
