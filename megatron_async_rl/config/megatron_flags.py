@@ -147,18 +147,17 @@ APPLIED_HERE = {
         "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler",
         "start_weight_decay", "end_weight_decay", "weight_decay_incr_style",
     ),
-    # config/recipe.py: the run's length and exits (RL steps from optimizer steps)
     # config/schema.py: collective_timeout_s, startup_timeout_s
     "timeouts": ("distributed_timeout_seconds_after_init",),
+    # the run's length and exits: config/recipe.py (RL steps from optimizer steps),
+    # checkpoint/manager.py (exits, saves), roles/learn.py (iterations to skip)
     "loop": (
-        "iterations_to_skip",  # roles/learn.py: no optimizer update at those iterations
-        "train_samples", "exit_duration_in_mins", "exit_interval", "exit_signal_handler",
-        "exit_signal", "save_interval",
+        "iterations_to_skip", "train_samples", "exit_duration_in_mins", "exit_interval",
+        "exit_signal_handler", "exit_signal", "save_interval",
     ),
     # roles/megatron_role.py: DDP buckets from a bucket count
     "ddp": ("ddp_num_buckets", "align_grad_reduce"),
-    # roles/learn.py: garbage collection, the CUDA cache and checks around the train stage
-    # roles/learn.py: around the train stage (memory_hygiene, check_replicas_agree)
+    # roles/learn.py, around the train stage (memory_hygiene, check_replicas_agree)
     "memory": (
         "manual_gc", "manual_gc_interval", "manual_gc_eval", "empty_unused_memory_level",
         "train_sync_interval", "check_weight_hash_across_dp_replicas_interval",
@@ -466,7 +465,7 @@ class _Verdicts:
         self.ignored: dict[str, list[str]] = {}
         self.errors: list[ConfigError] = []
 
-    def put(self, dest: str, value: Any, key: str, typed: bool = False) -> None:
+    def put(self, dest: str, value: Any, key: str) -> None:
         """Set `dest` from `value` (given as `key`), following the dest's verdict."""
         from megatron_async_rl.config import megatron_lm
 
@@ -478,7 +477,7 @@ class _Verdicts:
                     raise ConfigError(key, value, "is a recipe key here", f"set {path} instead")
                 self.parsed.recipe_sets[path] = (value, key)
             elif verdict.kind == "applied":
-                self._set(dest, value if typed else _coerce(self.specs[dest], value, key), key)
+                self._set(dest, _coerce(self.specs[dest], value, key), key)
             elif verdict.kind == "aliased":
                 for target, translated in megatron_lm.ALIASES[dest][1](value).items():
                     self._set(target, _coerce(self.specs[target], translated, key), key)
