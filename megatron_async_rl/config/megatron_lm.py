@@ -14,7 +14,7 @@ and the verdict on each flag's dest:
 - **refused**: asks for something this trainer does not do (legacy spellings Megatron-LM itself
   rejects, Megatron-LM's own RL loop, virtual pipelines, ...): an error with the reason and a fix.
 
-Callers: `megatron_flags.parse_megatron_flags` and `normalize_megatron_section` (the verdicts),
+Callers: `megatron_parse.parse_megatron_flags` and `normalize_megatron_section` (the verdicts),
 `tests/unit/test_megatron_lm_flags.py` (the classification of every flag, and its coverage).
 """
 

@@ -27,6 +27,9 @@ Checkpoint paths (`model.hf_path`, `--load`) are checked where the run starts. A
 that does not exist there is skipped with one warning, and the architecture then comes from the
 recipe's `megatron:` sections alone. A missing `model.hf_path` stays an error when the recipe
 does not set `ARCHITECTURE_KEYS` itself (it relies on the checkpoint's config.json).
+
+Just past 600 lines: loading, overrides and the resolution of one ResolvedConfig (including the
+knobs Megatron flags and recipe keys share) are one pass over one tree.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from typing import Any
 
 import yaml
 
-from megatron_async_rl.config import megatron_flags
+from megatron_async_rl.config import megatron_flags, megatron_parse
 from megatron_async_rl.config.errors import (
     NO_VALUE,
     ConfigError,
@@ -292,7 +295,7 @@ def hf_architecture(hf_path: str | None) -> dict[str, Any]:
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
         # unreadable or malformed JSON, or an architecture megatron_args_from_hf cannot map
         raise ConfigError("model.hf_path", hf_path, f"config.json: {err}") from None
-    return megatron_flags.normalize_megatron_section(args, "model.hf_path:config.json")
+    return megatron_parse.normalize_megatron_section(args, "model.hf_path:config.json")
 
 
 def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True) -> ResolvedConfig:
@@ -302,7 +305,7 @@ def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True)
     `roles.<role>.megatron:` < flags. `check_paths=False` (dry run): checkpoint paths missing
     on this machine are skipped with a warning instead of raising.
     """
-    flags = megatron_flags.parse_megatron_flags(list(megatron_argv))
+    flags = megatron_parse.parse_megatron_flags(list(megatron_argv))
     tree = _with_flag_owned_keys(tree, flags)
     run = _build(RunConfig, tree, "")
     overrides = {
@@ -420,7 +423,7 @@ def _megatron_lm_derived(args: dict[str, Any]) -> None:
 
 def _note(message: str, *args: Any) -> None:
     """An INFO line about how the config resolved, printed once per run."""
-    if megatron_flags.reports_config_notes():
+    if megatron_parse.reports_config_notes():
         logger.info(message, *args)
 
 
@@ -443,7 +446,7 @@ def _put(tree: dict, path: str, value: Any) -> None:
     node[last] = value
 
 
-def _with_flag_owned_keys(tree: dict, flags: megatron_flags.ParsedFlags) -> dict:
+def _with_flag_owned_keys(tree: dict, flags: megatron_parse.ParsedFlags) -> dict:
     """The recipe tree with the keys that Megatron flags own or alias set from them.
 
     One owner per knob: a recipe key and the Megatron argument that mean the same thing must
@@ -453,7 +456,7 @@ def _with_flag_owned_keys(tree: dict, flags: megatron_flags.ParsedFlags) -> dict
     unless the recipe sets them.
     """
     tree = copy.deepcopy(tree)
-    shared = megatron_flags.normalize_megatron_section(tree.get("megatron"), "megatron")
+    shared = megatron_parse.normalize_megatron_section(tree.get("megatron"), "megatron")
     megatron_args = {**shared, **flags}
     sets = dict(flags.recipe_sets)
     for dest, path in (("seed", "seed"), ("micro_batch_size", "trainer.micro_batch_size"),

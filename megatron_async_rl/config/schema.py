@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 def _normalize_megatron(section: Any, key: str) -> dict[str, Any]:
     # Imported here: megatron_flags may load megatron-core's dataclasses on first use.
-    from megatron_async_rl.config.megatron_flags import normalize_megatron_section
+    from megatron_async_rl.config.megatron_parse import normalize_megatron_section
 
     return normalize_megatron_section(section, key)
 

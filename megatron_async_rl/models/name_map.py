@@ -24,6 +24,9 @@ Megatron layouts (read from megatron-core 0.16.1, logits-checked by the lead):
 HF experts are named per expert (`mlp.experts.{j}.gate_proj.weight`): the hub format on disk,
 which transformers 5.12.1 fuses on load into `gate_up_proj` (E, 2F, H) = [gate; up] and SGLang
 loads as is.
+
+Past 600 lines on purpose: the names, the shard specs and the stage layouts are one mapping,
+read together when a family or a layout is added.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ bottom first:
 
     config          config/errors, config/checks, config/roles, config/megatron_flags,
                     config/megatron_lm (Megatron-LM's flag inventory and verdicts),
+                    config/megatron_parse (flags and megatron: sections read through them),
                     algorithms/minibatch (batch arithmetic the recipe checks) and
                     every <package>/config.py: the recipe's sections, pure and validated
     layout          distributed/layout (pure rank arithmetic), distributed/collective_errors
@@ -93,6 +94,7 @@ PURITY: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
             f"{PACKAGE}.config.recipe",
             f"{PACKAGE}.config.megatron_flags",
             f"{PACKAGE}.config.megatron_lm",
+            f"{PACKAGE}.config.megatron_parse",
             f"{PACKAGE}.algorithms.minibatch",
         ),
         ("megatron.", "torch"),
@@ -126,7 +128,7 @@ PURE = (
     "algorithms.losses", "scheduler.states", "scheduler.machine", "scheduler.queues",
     "scheduler.staleness", "scheduler.scheduler", "checkpoint.config", "checkpoint.store",
     "distributed.collective_errors", "scheduler.watchdog", "algorithms.minibatch",
-    "config.megatron_lm",
+    "config.megatron_lm", "config.megatron_parse",
 )  # fmt: skip
 IMPURE = ("torch.distributed", "megatron", "sglang")
 
@@ -134,7 +136,8 @@ IMPURE = ("torch.distributed", "megatron", "sglang")
 # submodules; "*.config" matches every <package>.config. The longest matching pattern wins.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("config.errors", "config.checks", "config.roles", "config.megatron_flags",
-                "config.megatron_lm", "algorithms.minibatch", "*.config")),
+                "config.megatron_lm", "config.megatron_parse", "algorithms.minibatch",
+                "*.config")),
     ("layout", ("distributed.layout", "distributed.collective_errors")),
     ("groups", ("distributed.groups", "distributed.platform", "distributed.devices", "compat")),
     ("models", ("models",)),

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from megatron_async_rl.config import megatron_flags as mf
+from megatron_async_rl.config import megatron_parse as mp
 from megatron_async_rl.config.errors import ConfigError
 
 # Flag -> (dest, bare-flag value or None, type, default), as Megatron-LM's argparse defines them
@@ -140,7 +141,7 @@ def test_literal_fields_carry_choices():
 
 
 def test_parse_forms():
-    parsed = mf.parse_megatron_flags(
+    parsed = mp.parse_megatron_flags(
         [
             "--tensor-model-parallel-size",
             "2",
@@ -165,12 +166,12 @@ def test_parse_forms():
         "glu_linear_offset": -1.5,  # a negative number is a value, not a flag
         "masked_softmax_fusion": False,
     }
-    assert mf.parse_megatron_flags([]) == {}
+    assert mp.parse_megatron_flags([]) == {}
 
 
 def test_adam_eps_sign_is_still_checked_in_sections():
     with pytest.raises(ConfigError, match=r"megatron.adam_eps = -1e-08: must be > 0"):
-        mf.normalize_megatron_section({"adam_eps": -1e-8}, "megatron")
+        mp.normalize_megatron_section({"adam_eps": -1e-8}, "megatron")
 
 
 def test_normalize_section_key_forms():
@@ -183,7 +184,7 @@ def test_normalize_section_key_forms():
         "rotary_base": 1000000.0,  # HF configs store rope_theta as a float
         "load": None,
     }
-    assert mf.normalize_megatron_section(section, "megatron") == {
+    assert mp.normalize_megatron_section(section, "megatron") == {
         "tensor_model_parallel_size": 2,
         "lr": 1e-5,
         "add_bias_linear": False,
@@ -192,22 +193,22 @@ def test_normalize_section_key_forms():
         "rotary_base": 1000000,
         "load": None,
     }
-    normalized = mf.normalize_megatron_section(section, "megatron")
-    assert mf.normalize_megatron_section(normalized, "megatron") == normalized  # idempotent
-    assert mf.normalize_megatron_section(None, "megatron") == {}
+    normalized = mp.normalize_megatron_section(section, "megatron")
+    assert mp.normalize_megatron_section(normalized, "megatron") == normalized  # idempotent
+    assert mp.normalize_megatron_section(None, "megatron") == {}
 
 
 def test_normalize_section_errors():
     with pytest.raises(ConfigError, match=r"m.add_bias_linear = False: sets add_bias_linear again"):
-        mf.normalize_megatron_section({"disable_bias_linear": True, "add_bias_linear": False}, "m")
+        mp.normalize_megatron_section({"disable_bias_linear": True, "add_bias_linear": False}, "m")
     with pytest.raises(ConfigError, match=r"m.bf16 = 'yes': must be true or false"):
-        mf.normalize_megatron_section({"bf16": "yes"}, "m")
+        mp.normalize_megatron_section({"bf16": "yes"}, "m")
     with pytest.raises(ConfigError, match=r"m.num_layers = 2.5: expected int or null"):
-        mf.normalize_megatron_section({"num_layers": 2.5}, "m")
+        mp.normalize_megatron_section({"num_layers": 2.5}, "m")
     with pytest.raises(ConfigError, match=r"m.seed = None: must not be null \(expected int\)"):
-        mf.normalize_megatron_section({"seed": None}, "m")
+        mp.normalize_megatron_section({"seed": None}, "m")
     with pytest.raises(ConfigError, match=r"m = \[1\]: must be a mapping"):
-        mf.normalize_megatron_section([1], "m")
+        mp.normalize_megatron_section([1], "m")
 
 
 def test_defaults():
@@ -221,7 +222,7 @@ def test_transformer_config_from_kwargs():
     from megatron.core.transformer import TransformerConfig
 
     args = {
-        **mf.parse_megatron_flags(
+        **mp.parse_megatron_flags(
             [
                 "--num-layers",
                 "2",
@@ -262,7 +263,7 @@ def test_optimizer_ddp_and_gpt_kwargs():
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
-    args = mf.parse_megatron_flags(
+    args = mp.parse_megatron_flags(
         [
             "--lr",
             "1e-5",

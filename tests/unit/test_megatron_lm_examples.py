@@ -85,7 +85,7 @@ def test_example_flags_dry_run(name, tmp_path, capsys):
     if name.startswith("rl_"):
         argv = _argv(RL_LAUNCHER) + argv
     recipe, world_size = _recipe(tmp_path, argv)
-    megatron_flags._warn_once.cache_clear()  # once per process: every example is a fresh run
+    megatron_flags.warn_once.cache_clear()  # once per process: every example is a fresh run
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level  # train.main sets up logging on capsys' stderr
     try:

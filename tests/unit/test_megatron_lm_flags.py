@@ -21,6 +21,7 @@ import pytest
 
 from megatron_async_rl.config import megatron_flags as mf
 from megatron_async_rl.config import megatron_lm as ml
+from megatron_async_rl.config import megatron_parse as mp
 from megatron_async_rl.config.errors import ConfigError, ConfigErrors
 
 CORE_GROUPS = {
@@ -137,7 +138,7 @@ def test_applied_dataclass_flags_reach_their_config():
 def test_list_and_enum_flags():
     from megatron.core.transformer.enums import AttnBackend
 
-    args = mf.parse_megatron_flags([
+    args = mp.parse_megatron_flags([
         "--moe-layer-freq", "([0]+[1]*3)", "--recompute-modules", "mlp", "moe",
         "--attention-backend", "local", "--window-size", "(128, 0)", "--squared-relu",
         "--init-method-xavier-uniform", "--use-rope-scaling", "--rope-scaling-factor", "4",
@@ -157,7 +158,7 @@ def test_list_and_enum_flags():
 
 
 def test_aliases_translate_as_megatron_lm_does():
-    args = mf.parse_megatron_flags([
+    args = mp.parse_megatron_flags([
         "--recompute-activations", "--no-bias-swiglu-fusion", "--no-persist-layer-norm",
         "--use-flash-attn", "--use-rotary-position-embeddings", "--norm-epsilon", "1e-6",
         "--decoder-first-pipeline-num-layers", "3", "--ddp-bucket-size", "1000",
@@ -172,20 +173,20 @@ def test_aliases_translate_as_megatron_lm_does():
 
 
 def test_recipe_aliases_of_megatron_lm_rl_flags():
-    args = mf.parse_megatron_flags(["--grpo-group-size", "4", "--rl-default-temperature", "0.7"])
+    args = mp.parse_megatron_flags(["--grpo-group-size", "4", "--rl-default-temperature", "0.7"])
     assert args.recipe_sets == {
         "algorithm.num_samples_per_prompt": ("4", "--grpo-group-size"),
         "rollout.temperature": ("0.7", "--rl-default-temperature"),
     }
     with pytest.raises(ConfigError, match="grpo_group_size = 4: is a recipe key here; hint: set "
                        "algorithm.num_samples_per_prompt instead"):  # fmt: skip
-        mf.normalize_megatron_section({"grpo_group_size": 4}, "megatron")
+        mp.normalize_megatron_section({"grpo_group_size": 4}, "megatron")
 
 
 def test_ignored_flags_in_one_warning_line(caplog):
     caplog.set_level(logging.WARNING)
-    mf._warn_once.cache_clear()
-    args = mf.parse_megatron_flags([
+    mf.warn_once.cache_clear()
+    args = mp.parse_megatron_flags([
         "--data-path", "/data/a", "--split", "99,1,0", "--tokenizer-type", "HF",
         "--log-interval", "1", "--use-mcore-models", "--lr", "1e-6",
     ])  # fmt: skip
@@ -199,7 +200,7 @@ def test_ignored_flags_in_one_warning_line(caplog):
 
 def test_every_error_of_a_command_line_together():
     with pytest.raises(ConfigErrors) as info:
-        mf.parse_megatron_flags([
+        mp.parse_megatron_flags([
             "--lr", "fast", "--batch-size", "4", "--use-legacy-models",
             "--hiden-size", "64", "--seq-length", "128", "--num-layers-per-virtual-pipeline-stage",
             "2",
@@ -217,14 +218,14 @@ def test_every_error_of_a_command_line_together():
 def test_refused_flag_names_reason_and_fix():
     with pytest.raises(ConfigError, match=r"--spec = \['a', 'b'\]: custom layer specs are not "
                        r"loaded here; hint: drop the flag"):  # fmt: skip
-        mf.parse_megatron_flags(["--spec", "a", "b"])
+        mp.parse_megatron_flags(["--spec", "a", "b"])
 
 
 def test_flag_arity_follows_megatron_lm():
-    args = mf.parse_megatron_flags(["--moe-aux-loss-coeff", "0.01", "--lr=2e-6", "--seed", "7"])
+    args = mp.parse_megatron_flags(["--moe-aux-loss-coeff", "0.01", "--lr=2e-6", "--seed", "7"])
     assert args == {"moe_aux_loss_coeff": 0.01, "lr": 2e-6, "seed": 7}
     with pytest.raises(ConfigError, match="--moe-aux-loss-coeff = '0.1 0.2': takes one value"):
-        mf.parse_megatron_flags(["--moe-aux-loss-coeff", "0.1", "0.2"])
+        mp.parse_megatron_flags(["--moe-aux-loss-coeff", "0.1", "0.2"])
 
 
 # --- flags applied to our loop and recipe (one owner per knob) ---------------------------------
@@ -395,10 +396,10 @@ def test_replica_weight_hash_check(tmp_path, monkeypatch):
 
 
 def test_gloo_groups_flag_matches_the_only_mode():
-    assert dict(mf.parse_megatron_flags(["--disable-gloo-process-groups"])) == {}
+    assert dict(mp.parse_megatron_flags(["--disable-gloo-process-groups"])) == {}
     with pytest.raises(ConfigError, match="enable_gloo_process_groups = True: the distributed "
                        "optimizer here uses the role's own groups"):  # fmt: skip
-        mf.normalize_megatron_section({"enable_gloo_process_groups": True}, "megatron")
+        mp.normalize_megatron_section({"enable_gloo_process_groups": True}, "megatron")
 
 
 def test_checkpoint_flags():
@@ -433,7 +434,7 @@ def test_iterations_to_skip(tmp_path):
     from megatron_async_rl.algorithms.config import GRPOConfig
     from megatron_async_rl.roles import learn
 
-    assert mf.parse_megatron_flags(["--iterations-to-skip", "5", "6"]) == {
+    assert mp.parse_megatron_flags(["--iterations-to-skip", "5", "6"]) == {
         "iterations_to_skip": [5, 6]
     }
     calls = []
@@ -503,7 +504,7 @@ def test_config_notes_are_printed_once_per_run(env, reports, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert mf.reports_config_notes() is reports
+    assert mp.reports_config_notes() is reports
 
 
 def test_timeouts_at_init_and_after():
@@ -562,7 +563,7 @@ def test_structures_without_weight_names_are_refused():
     from megatron_async_rl.config.recipe import build_config
 
     with pytest.raises(ConfigErrors) as info:
-        mf.parse_megatron_flags(["--multi-latent-attention", "--kv-lora-rank", "512",
+        mp.parse_megatron_flags(["--multi-latent-attention", "--kv-lora-rank", "512",
                                  "--mtp-num-layers", "1",
                                  "--moe-shared-expert-intermediate-size", "64"])  # fmt: skip
     assert [e.key for e in info.value.errors] == [
