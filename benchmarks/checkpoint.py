@@ -1,10 +1,11 @@
 """Checkpoint save time vs `torch.save` of the same bytes to the same disk, side by side.
 
     .venv/bin/python benchmarks/checkpoint.py [--hidden-size 1024 --num-layers 8] [--repeats 3]
-        [--dir /tmp]
+        [--dir /tmp] [--device cpu|cuda] [--batch 2 --seq-len 16]
 
-One train role (real megatron-core, one gloo rank on CPU, the distributed optimizer) on a model
-it writes itself takes one Adam step; then, alternately, `repeats` times each:
+One train role (real megatron-core, the distributed optimizer; one gloo rank on CPU, or with
+`--device cuda` one NCCL rank on the GPU, in this process) on a model it writes itself takes one
+Adam step on `--batch` x `--seq-len` tokens (the training step the stall is compared with); then, alternately, `repeats` times each:
 - `checkpoint.megatron_state.save_train_state` (dist_checkpointing, the model and the
   optimizer in the resharding format) into a fresh directory, plus `store.publish` (XXH3 of
   every file, manifest, rename): what a save costs the run;
@@ -34,8 +35,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def _worker(rank, world_size, tmp_dir, hidden, layers, repeats, out_dir):
+def _worker(rank, world_size, tmp_dir, hidden, layers, repeats, out_dir, device="cpu",
+            batch=2, seq_len=16):  # fmt: skip
     import torch
+    import torch.distributed as dist
 
     from megatron_async_rl.checkpoint import megatron_state, store
     from megatron_async_rl.config.schema import RoleGroupSpec
@@ -52,21 +55,28 @@ def _worker(rank, world_size, tmp_dir, hidden, layers, repeats, out_dir):
     args.update(lr=1e-4, clip_grad=0.0, use_distributed_optimizer=True)
     par = Parallelism.from_megatron_args(args)
     layout = plan_layout(1, [RoleGroupSpec(["train"], num_ranks=1)], {"train": par})
-    groups = build_world_groups(layout, "gloo")
-    platform = detect_platform("cpu", "gloo")
+    platform = detect_platform(device, "nccl" if device == "cuda" else "gloo")
+    groups = build_world_groups(layout, platform.backend)
+    vote = dist.new_group([0], backend="gloo")  # `AsyncWriter.finish`'s timeout vote
     role = MegatronRole("train", args, par, groups.roles["train"], platform, seed=0)
     role.load_hf_checkpoint(str(path))
-    tokens = torch.randint(0, 96, (2, 16))
+    tokens = torch.randint(0, 96, (batch, seq_len))
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
     role.train_step([{"tokens": tokens}], lambda logp, ent, mb: (-logp.mean(), {}))
 
     def step():
         role.train_step([{"tokens": tokens}], lambda logp, ent, mb: (-logp.mean(), {}))
+        sync()
 
     ours, plain, written, nbytes, plain_bytes = [], [], [], 0, 0
     stalls, steps, overlapped, async_total = [], [], [], []
     root = Path(out_dir)
     opt = role.optimizer.optimizer
     for i in range(repeats):
+        sync()
         start = time.perf_counter()
         staged = store.partial_dir(root, i)
         megatron_state.save_train_state(role, staged / "megatron")
@@ -99,11 +109,12 @@ def _worker(rank, world_size, tmp_dir, hidden, layers, repeats, out_dir):
         start = time.perf_counter()
         staged = store.partial_dir(root, i)
         megatron_state.save_train_state(role, staged / "megatron", writer)
+        sync()
         stalls.append(time.perf_counter() - start)
         begin = time.perf_counter()
         step()
         overlapped.append(time.perf_counter() - begin)
-        writer.finish(blocking=True)
+        writer.finish(blocking=True, group=vote)
         final = store.publish(root, i, store.Manifest(step=i, world_size=1, recipe_hash="",
                                                       recipe_keys={}, files={}))  # fmt: skip
         async_total.append(time.perf_counter() - start)
@@ -114,12 +125,29 @@ def _worker(rank, world_size, tmp_dir, hidden, layers, repeats, out_dir):
     return med(ours), med(plain), med(written), nbytes, plain_bytes, timings
 
 
+def _cuda_rank(tmp, sizes, out, shape):
+    import torch.distributed as dist
+
+    from megatron_async_rl.distributed.platform import detect_platform, init_distributed
+
+    os.environ.setdefault("LOCAL_RANK", "0")
+    init_distributed(detect_platform("cuda", "nccl"), init_method=f"file://{tmp}/rendezvous",
+                     rank=0, world_size=1)  # fmt: skip
+    try:
+        return _worker(0, 1, tmp, *sizes, str(out), *shape)
+    finally:
+        dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where the checkpoints go [a temp dir]")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--batch", type=int, default=2, help="sequences per training step")
+    parser.add_argument("--seq-len", type=int, default=16, help="tokens per sequence")
     args = parser.parse_args()
     from tests.distributed.harness import spawn
 
@@ -128,10 +156,15 @@ def main() -> None:
         out.mkdir()
         (Path(tmp) / "rank").mkdir()
         sizes = (args.hidden_size, args.num_layers, args.repeats)
-        ((ours, plain, written, nbytes, plain_bytes, timings),) = spawn(
-            _worker, 1, Path(tmp) / "rank", *sizes, str(out)
-        )
-    print(f"model hidden {args.hidden_size} x {args.num_layers} layers, {args.repeats} saves each")
+        shape = (args.device, args.batch, args.seq_len)
+        if args.device == "cuda":  # one NCCL rank in this process (the harness is gloo's)
+            ours, plain, written, nbytes, plain_bytes, timings = _cuda_rank(tmp, sizes, out, shape)
+        else:
+            ((ours, plain, written, nbytes, plain_bytes, timings),) = spawn(
+                _worker, 1, Path(tmp) / "rank", *sizes, str(out), *shape
+            )
+    print(f"model hidden {args.hidden_size} x {args.num_layers} layers on {args.device}, "
+          f"step of {args.batch} x {args.seq_len} tokens, {args.repeats} saves each")
     print(f"ours: {ours:.3f} s for {nbytes / 2**20:.1f} MiB, of which dist_checkpointing "
           f"{written:.3f} s (the rest: checksums, manifest, rename)")  # fmt: skip
     print(f"torch.save of the same tensors, fsync: {plain:.3f} s for {plain_bytes / 2**20:.1f} MiB")
