@@ -2,18 +2,20 @@
 # The GPU checks, in one command, for a lent CUDA machine (one GPU, torch with CUDA, no SGLang,
 # no network). Run from the repository root:
 #
-#     bash scripts/gpu_checks.sh            # logs under $OUT (default /tmp/gpu-checks)
+#     bash scripts/gpu_checks.sh [tests] [cpu] [bench]   # all three by default; logs under $OUT
 #
 # Wheels that the machine lacks (megatron-core, and the transformers/tokenizers pair we pin)
 # travel in .whl/ (git-ignored), fetched here with `pip download --python-version 3.12 ...`;
 # they are installed into /tmp/site. What runs:
-#   1. the GPU test suite, `pytest -m gpu tests/gpu` (CUDA parity fp32/bf16, weight sync on CUDA,
+#   1. the GPU test suite, `pytest -m gpu tests/gpu` (CUDA parity fp32/bf16, PPO mini-batch steps
+#      fp32/bf16 and MoE, weight sync on CUDA,
 #      the pinned staging arena, two NCCL ranks where there are two GPUs);
 #   2. CPU tests on a GPU node (the CPU recipes must work where CUDA is visible): one-rank and
 #      two-rank gloo parity and weight sync;
 #   3. benchmarks/checkpoint.py on the GPU (issue 13's save-time and async-stall targets), at two
 #      step sizes.
 set -u
+PARTS=${*:-tests cpu bench}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -34,21 +36,27 @@ print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torc
     python3 -c "import apex" 2>/dev/null && echo "apex: yes" || echo "apex: not installed"
 } 2>&1 | tee "$OUT/machine.txt"
 
+if [[ " $PARTS " == *" tests "* ]]; then
 echo "== 1. pytest -m gpu tests/gpu"
-timeout 240 python3 -m pytest -m gpu tests/gpu -q -s -rA -p no:cacheprovider 2>&1 \
-    | grep -v "UserWarning\|warnings.warn" | tee "$OUT/pytest_gpu.log"
+timeout 300 python3 -m pytest -m gpu tests/gpu -q -s -rfEs -p no:cacheprovider 2>&1 \
+    | grep -v "UserWarning\|warnings.warn\|^DEBUG" | tee "$OUT/pytest_gpu.log"
 echo "pytest gpu exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest_gpu.log"
+fi
 
+if [[ " $PARTS " == *" cpu "* ]]; then
 echo "== 2. CPU tests on a GPU node"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -x \
     tests/distributed/test_hf_parity.py tests/distributed/test_weight_sync_one_rank.py 2>&1 \
     | tail -15 | tee "$OUT/pytest_cpu_on_gpu_node.log"
 echo "pytest cpu exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest_cpu_on_gpu_node.log"
+fi
 
+if [[ " $PARTS " == *" bench "* ]]; then
 echo "== 3. benchmarks/checkpoint.py on the GPU"
 for shape in "8 1024" "64 1024"; do
     set -- $shape
     timeout 150 python3 benchmarks/checkpoint.py --device cuda --repeats 3 --batch "$1" \
-        --seq-len "$2" 2>&1 | grep -v "UserWarning\|warnings.warn" \
-        | tee -a "$OUT/checkpoint_bench.log"
+        --seq-len "$2" --profile-stall 2>&1 | grep -v "UserWarning\|warnings.warn" \
+        | grep -v "^DEBUG\|Writing model shards" | tee -a "$OUT/checkpoint_bench.log"
 done
+fi

@@ -18,7 +18,8 @@ call sites. They fall in four kinds, each handled by one named patch below:
 3. The CUDA RNG tracker: each named state is a CPU generator state seeded by its own seed
    (`_patch_rng`); `torch.cuda.manual_seed` is a silent no-op on CPU torch, so callers must also
    call `torch.manual_seed` before building models (done by `models.builder`).
-4. MoE utilities gated on `is_cuda` or on Transformer Engine symbols (`_patch_moe`).
+4. MoE utilities gated on `is_cuda` (`_patch_moe`). (Defects that hit CUDA too, such as the
+   unbound `te_general_gemm` without Transformer Engine, are `compat/megatron_fixes.py`'s.)
 
 Trade-off: these patches are process-global. They are therefore opt-in (`install()`), refused on
 a process that has used CUDA (a GPU that is only visible is hidden instead), refused for
@@ -271,6 +272,3 @@ def _patch_moe() -> None:
         return tensor
 
     moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
-    # Without Transformer Engine this name is never bound (a NameError upstream).
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None

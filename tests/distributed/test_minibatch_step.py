@@ -55,7 +55,7 @@ def _logp(model, tokens: torch.Tensor) -> torch.Tensor:
     return logits.log_softmax(-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
 
 
-def _worker(rank, world_size, tmp_dir, path, data, micro_batch_size):
+def _worker(rank, world_size, tmp_dir, path, data, micro_batch_size, device="cpu", bf16=False):
     from megatron_async_rl.algorithms.config import GRPOConfig
     from megatron_async_rl.config.schema import RoleGroupSpec
     from megatron_async_rl.distributed.groups import build_world_groups
@@ -66,13 +66,13 @@ def _worker(rank, world_size, tmp_dir, path, data, micro_batch_size):
     from megatron_async_rl.roles.work import StepWork
     from tests.distributed.test_hf_parity import _role_args
 
-    args = _role_args(path)
+    args = _role_args(path, bf16=True) if bf16 else _role_args(path)
     args.update(OPTIM, clip_grad=0.0, weight_decay=0.0)
     args.update(micro_batch_size=micro_batch_size, global_batch_size=GLOBAL_BATCH_SIZE)
     par = Parallelism.from_megatron_args(args)
     groups_spec = [RoleGroupSpec(["train"], num_ranks=world_size)]
     layout = plan_layout(world_size, groups_spec, {"train": par})
-    platform = detect_platform("cpu", "gloo")
+    platform = detect_platform(device, "nccl" if device == "cuda" else "gloo")
     groups = build_world_groups(layout, platform.backend)
     out = {}
     for mode in MODES:

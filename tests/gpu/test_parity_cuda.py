@@ -13,9 +13,11 @@ import torch
 from tests.distributed.test_hf_parity import FAMILIES, TOLERANCE, _role_args, _tokens
 
 pytestmark = pytest.mark.gpu
-BF16_TOLERANCE = 0.1
+BF16_TOLERANCE = 0.15
 """Max abs logit difference of a bf16 model from the fp32 reference (tiny models: logits of
-order 1, bf16 keeps 8 mantissa bits; a stated bound until measured)."""
+order 1, bf16 keeps 8 mantissa bits). Measured on an H100 without Transformer Engine
+(2026-11-25, `scripts/gpu_checks.sh`): llama 4.5e-2, qwen2 5.1e-2, qwen3 9.2e-2, qwen3_moe
+4.2e-2; fp32 1.4e-6 to 2.2e-6. The first bound, 0.1, an estimate, left qwen3 8% of margin."""
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
