@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 
 def _worker(rank, world_size, tmp_dir, hidden, layers, repeats, out_dir, device="cpu",
-            batch=2, seq_len=16):  # fmt: skip
+            batch=2, seq_len=16, profile=False):  # fmt: skip
     import torch
     import torch.distributed as dist
 
@@ -108,8 +108,10 @@ def _worker(rank, world_size, tmp_dir, hidden, layers, repeats, out_dir, device=
         writer = megatron_state.AsyncWriter()
         start = time.perf_counter()
         staged = store.partial_dir(root, i)
-        megatron_state.save_train_state(role, staged / "megatron", writer)
-        sync()
+        profiler = _profiler(profile and i == repeats - 1)
+        with profiler:
+            megatron_state.save_train_state(role, staged / "megatron", writer)
+            sync()
         stalls.append(time.perf_counter() - start)
         begin = time.perf_counter()
         step()
@@ -122,7 +124,34 @@ def _worker(rank, world_size, tmp_dir, hidden, layers, repeats, out_dir, device=
     med = statistics.median
     timings = {"stall": med(stalls), "step": med(steps), "overlapped_step": med(overlapped),
                "async_total": med(async_total)}  # fmt: skip
+    timings["profile"] = profiler.report() if profile else ""
     return med(ours), med(plain), med(written), nbytes, plain_bytes, timings
+
+
+class _profiler:
+    """cProfile around the last asynchronous save's snapshot (`--profile-stall`): where the
+    stall goes, as the 15 functions of most cumulative time."""
+
+    def __init__(self, on: bool):
+        import cProfile
+
+        self.profile = cProfile.Profile() if on else None
+
+    def __enter__(self):
+        if self.profile is not None:
+            self.profile.enable()
+
+    def __exit__(self, *exc):
+        if self.profile is not None:
+            self.profile.disable()
+
+    def report(self) -> str:
+        import io
+        import pstats
+
+        out = io.StringIO()
+        pstats.Stats(self.profile, stream=out).sort_stats("cumulative").print_stats(15)
+        return out.getvalue()
 
 
 def _cuda_rank(tmp, sizes, out, shape):
@@ -148,6 +177,8 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--batch", type=int, default=2, help="sequences per training step")
     parser.add_argument("--seq-len", type=int, default=16, help="tokens per sequence")
+    parser.add_argument("--profile-stall", action="store_true",
+                        help="print where the last asynchronous save's stall goes (cProfile)")
     args = parser.parse_args()
     from tests.distributed.harness import spawn
 
@@ -156,7 +187,7 @@ def main() -> None:
         out.mkdir()
         (Path(tmp) / "rank").mkdir()
         sizes = (args.hidden_size, args.num_layers, args.repeats)
-        shape = (args.device, args.batch, args.seq_len)
+        shape = (args.device, args.batch, args.seq_len, args.profile_stall)
         if args.device == "cuda":  # one NCCL rank in this process (the harness is gloo's)
             ours, plain, written, nbytes, plain_bytes, timings = _cuda_rank(tmp, sizes, out, shape)
         else:
@@ -172,6 +203,8 @@ def main() -> None:
           f"step takes {timings['step']:.3f} s alone and {timings['overlapped_step']:.3f} s while "
           f"the write runs; the save is published {timings['async_total']:.3f} s after it "
           "started")  # fmt: skip
+    if timings["profile"]:
+        print(timings["profile"])
     print(
         f"RESULT save_vs_torch_save={plain / ours:.3f} "
         f"async_stall_share_of_step={timings['stall'] / timings['step']:.3f}"
