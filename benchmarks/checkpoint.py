@@ -5,7 +5,8 @@
 
 One train role (real megatron-core, the distributed optimizer; one gloo rank on CPU, or with
 `--device cuda` one NCCL rank on the GPU, in this process) on a model it writes itself takes one
-Adam step on `--batch` x `--seq-len` tokens (the training step the stall is compared with); then, alternately, `repeats` times each:
+Adam step on `--batch` x `--seq-len` tokens (the training step the stall is compared with);
+then, alternately, `repeats` times each:
 - `checkpoint.megatron_state.save_train_state` (dist_checkpointing, the model and the
   optimizer in the resharding format) into a fresh directory, plus `store.publish` (XXH3 of
   every file, manifest, rename): what a save costs the run;
@@ -65,6 +66,7 @@ def _worker(rank, world_size, tmp_dir, hidden, layers, repeats, out_dir, device=
     def sync():
         if device == "cuda":
             torch.cuda.synchronize()
+
     role.train_step([{"tokens": tokens}], lambda logp, ent, mb: (-logp.mean(), {}))
 
     def step():
@@ -178,7 +180,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="sequences per training step")
     parser.add_argument("--seq-len", type=int, default=16, help="tokens per sequence")
     parser.add_argument("--profile-stall", action="store_true",
-                        help="print where the last asynchronous save's stall goes (cProfile)")
+                        help="where the last asynchronous save's stall goes")  # fmt: skip
     args = parser.parse_args()
     from tests.distributed.harness import spawn
 
@@ -195,7 +197,7 @@ def main() -> None:
                 _worker, 1, Path(tmp) / "rank", *sizes, str(out), *shape
             )
     print(f"model hidden {args.hidden_size} x {args.num_layers} layers on {args.device}, "
-          f"step of {args.batch} x {args.seq_len} tokens, {args.repeats} saves each")
+          f"step of {args.batch} x {args.seq_len} tokens, {args.repeats} saves each")  # fmt: skip
     print(f"ours: {ours:.3f} s for {nbytes / 2**20:.1f} MiB, of which dist_checkpointing "
           f"{written:.3f} s (the rest: checksums, manifest, rename)")  # fmt: skip
     print(f"torch.save of the same tensors, fsync: {plain:.3f} s for {plain_bytes / 2**20:.1f} MiB")

@@ -117,11 +117,18 @@ fi
 # Not exec: a SIGTERM (or SIGUSR1) to this script is passed to torchrun as SIGTERM, which passes
 # it to the ranks; they save at the next step boundary and the leader leaves a marker file.
 # torchrun itself then exits 1, so the marker is what makes this script exit 83 (requeue).
+# Ctrl-C: torchrun runs in a session of its own (setsid), so a terminal's SIGINT reaches this
+# script alone, which passes it to the ranks (torchrun's children), not to torchrun (which would
+# print a traceback). They save at the next step boundary, the leader prints one line and leaves
+# the other marker, every rank exits 0 so torchrun ends quietly, and this script exits 130.
+# Ctrl-C again, a second later or more: the ranks stop at once, without a checkpoint.
 marker=$(mktemp -u "${TMPDIR:-/tmp}/megatron_async_rl_preempted.XXXXXX")
-export MEGATRON_ASYNC_RL_PREEMPTED_FILE=$marker
-"${cmd[@]}" &
+interrupted=$(mktemp -u "${TMPDIR:-/tmp}/megatron_async_rl_interrupted.XXXXXX")
+export MEGATRON_ASYNC_RL_PREEMPTED_FILE=$marker MEGATRON_ASYNC_RL_INTERRUPTED_FILE=$interrupted
+setsid "${cmd[@]}" &
 child=$!
 trap 'kill -TERM "$child" 2>/dev/null || true' TERM USR1
+trap 'pkill -INT -P "$child" 2>/dev/null || true' INT
 status=0
 while true; do
     wait "$child" && status=0 || status=$?
@@ -130,5 +137,9 @@ done
 if [[ -f $marker ]]; then
     rm -f "$marker"
     exit 83
+fi
+if [[ -f $interrupted ]]; then
+    rm -f "$interrupted"
+    exit 130
 fi
 exit "$status"

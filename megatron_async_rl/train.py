@@ -16,7 +16,12 @@ import os
 import sys
 from pathlib import Path
 
-from megatron_async_rl.checkpoint.config import PREEMPTED_EXIT_CODE, Preempted
+from megatron_async_rl.checkpoint.config import (
+    INTERRUPTED_EXIT_CODE,
+    PREEMPTED_EXIT_CODE,
+    Interrupted,
+    Preempted,
+)
 from megatron_async_rl.cli import parse_command_line
 from megatron_async_rl.config.errors import (
     ConfigError,
@@ -106,12 +111,21 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stderr.write(f"error: {where}{err}\n")
                 sys.stderr.flush()
             return 2
+        except Interrupted:
+            leader_print(f"interrupted (Ctrl-C): checkpoint saved, outputs in {cfg.run_dir}; "
+                         "the same command resumes", rank)  # fmt: skip
+            _end_now(_interrupted_exit(rank))
+        except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop took the signal
+            if first_report_on_node("interrupted"):
+                sys.stderr.write("interrupted (Ctrl-C): stopped at once, without a checkpoint; "
+                                 f"outputs so far in {cfg.run_dir}\n")  # fmt: skip
+            _end_now(_interrupted_exit(rank))
         except Preempted as stop:
             leader_print(f"preempted ({stop}): checkpoint saved; exit {PREEMPTED_EXIT_CODE}", rank)
             marker = os.environ.get("MEGATRON_ASYNC_RL_PREEMPTED_FILE")
             if marker and rank == 0:  # torchrun exits 1 when signalled: the launcher reads this
                 Path(marker).write_text(f"{stop}\n")
-            return PREEMPTED_EXIT_CODE
+            _end_now(PREEMPTED_EXIT_CODE)
         except Exception:
             if reported_on_node():  # a peer printed why the run stops; this is its echo
                 logger.debug("stopping after a peer's error", exc_info=True)
@@ -121,6 +135,30 @@ def main(argv: list[str] | None = None) -> int:
         leader_print(f"done: outputs in {cfg.run_dir}", rank)
     finally:
         dist.destroy_process_group()
+    return 0
+
+
+def _end_now(code: int) -> None:
+    """End a run stopped on a signal or Ctrl-C: its outputs are written and its engines shut
+    down, but threads of the asynchronous loop may still wait in collectives whose peers have
+    stopped (an engine host's weight receiver waits for a version that will not come). Tearing
+    the interpreter down under them aborts the process ("terminate called without an active
+    exception", SIGABRT), so the process ends here, after flushing its logs."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _interrupted_exit(rank: int) -> int:
+    """The ranks' exit code after Ctrl-C. Under `launch/torchrun.sh`
+    (MEGATRON_ASYNC_RL_INTERRUPTED_FILE set) rank 0 leaves that marker and every rank exits 0,
+    so torchrun ends quietly and the launcher exits 130; under plain torchrun, 130."""
+    marker = os.environ.get("MEGATRON_ASYNC_RL_INTERRUPTED_FILE")
+    if not marker:
+        return INTERRUPTED_EXIT_CODE
+    if rank == 0:
+        Path(marker).write_text("interrupted\n")
     return 0
 
 
@@ -138,5 +176,16 @@ def _run_job(cfg, groups, platform) -> None:
         run_role_check(cfg, groups, platform)
 
 
+def _main_interruptible() -> int:
+    """`main`, with a Ctrl-C outside the loop's handling (start-up, a dry run) reported in one
+    line and exit 130 instead of a traceback per rank."""
+    try:
+        return main()
+    except KeyboardInterrupt:
+        if first_report_on_node("interrupted"):
+            sys.stderr.write("interrupted (Ctrl-C) before the run started\n")
+        return INTERRUPTED_EXIT_CODE
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_main_interruptible())

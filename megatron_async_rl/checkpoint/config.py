@@ -72,3 +72,12 @@ PREEMPTED_EXIT_CODE = 83
 
 class Preempted(Exception):
     """Raised by a loop after it saved on a signal: the entry point exits `PREEMPTED_EXIT_CODE`."""
+
+
+INTERRUPTED_EXIT_CODE = 130
+"""Exit code of a run stopped by Ctrl-C (128 + SIGINT, what shells report for it)."""
+
+
+class Interrupted(Preempted):
+    """Raised instead of `Preempted` when the stop came from Ctrl-C (SIGINT) alone: the run
+    saved as on a save-and-exit signal, and the entry point exits `INTERRUPTED_EXIT_CODE`."""

@@ -28,6 +28,7 @@ complete checkpoint drops every step an earlier attempt logged.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_async_rl.checkpoint import megatron_state, pipeline_state, store
+from megatron_async_rl.checkpoint.config import Interrupted, Preempted
 from megatron_async_rl.config.errors import ConfigError
 from megatron_async_rl.distributed import devices
 
@@ -43,27 +45,59 @@ logger = logging.getLogger(__name__)
 
 
 class SignalFlag:
-    """Set by the configured signals (main thread); every rank asks every other at a step
-    boundary whether any got one (`any_rank`)."""
+    """Set by the configured save-and-exit signals and by Ctrl-C (SIGINT), in the main thread;
+    every rank asks every other at a step boundary whether any got one (`any_rank`).
 
-    def __init__(self, names: list[str], exit_after_s: float | None = None):
+    Ctrl-C stops like a save-and-exit signal (save at the next boundary, then stop) but is
+    reported as an interruption (exit 130). A second Ctrl-C, more than `REPEAT_S` after the
+    first, stops at once (KeyboardInterrupt, caught by the entry point: no checkpoint). One
+    within `REPEAT_S` is the same keypress reaching the rank twice (from the terminal and again
+    from torchrun's agent) and is ignored."""
+
+    REPEAT_S = 1.0
+    STOP, SAVE = 1, 2
+    """`any_rank`'s answer: 0 none, STOP Ctrl-C only, SAVE a save-and-exit signal or deadline."""
+
+    def __init__(self, names: list[str], exit_after_s: float | None = None,
+                 interrupt: bool = True):  # fmt: skip
         self.raised: str | None = None
         self.deadline = None if exit_after_s is None else time.monotonic() + exit_after_s
         """Megatron's --exit-duration-in-mins: past it, the run saves and stops as on a signal."""
+        self._interrupted_at: float | None = None
         for name in names:
             signal.signal(getattr(signal, name), self._on_signal)
+        if interrupt and "SIGINT" not in names:
+            signal.signal(signal.SIGINT, self._on_interrupt)
 
     def _on_signal(self, signum, frame) -> None:
         self.raised = signal.Signals(signum).name
         logger.warning("%s received: saving at the next step boundary, then exiting", self.raised)
 
-    def any_rank(self, group) -> bool:
+    def _on_interrupt(self, signum, frame) -> None:
+        now = time.monotonic()
+        if self._interrupted_at is not None:
+            if now - self._interrupted_at > self.REPEAT_S:
+                raise KeyboardInterrupt  # a second Ctrl-C: stop now
+            return
+        self._interrupted_at = now
+        self.raised = self.raised or "SIGINT"
+        log = logger.warning if os.environ.get("RANK", "0") == "0" else logger.debug
+        log("Ctrl-C: saving at the next step boundary, then stopping "
+                       "(Ctrl-C again to stop at once, without a checkpoint)")  # fmt: skip
+
+    def code(self) -> int:
         if not self.raised and self.deadline is not None and time.monotonic() > self.deadline:
             self.raised = "--exit-duration-in-mins"
             logger.warning("%s passed: saving at this step boundary, then exiting", self.raised)
-        flag = torch.tensor([1 if self.raised else 0])
+        if not self.raised:
+            return 0
+        return self.STOP if self.raised == "SIGINT" else self.SAVE
+
+    def any_rank(self, group) -> int:
+        """The strongest reason any rank has to stop (collective): 0, STOP or SAVE."""
+        flag = torch.tensor([self.code()])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
+        return int(flag.item())
 
 
 class CheckpointManager:
@@ -75,6 +109,8 @@ class CheckpointManager:
         self.keys = store.compatibility_keys(cfg)
         minutes = cfg.role_megatron_args.get("train", {}).get("exit_duration_in_mins")
         self.signals = SignalFlag(self.config.save_on_signal, minutes and minutes * 60.0)
+        self.interrupted = False
+        """Whether the stop agreed at the last boundary came from Ctrl-C alone."""
         self.chosen: tuple = (None, None)
         self.writer = megatron_state.AsyncWriter() if self.config.async_save else None
         self.in_flight: tuple[int, float] | None = None
@@ -121,8 +157,17 @@ class CheckpointManager:
         logger.info("exported the train role's weights at v%d to %s", version, path)
 
     def preempted(self) -> bool:
-        """Whether any rank got a save-and-exit signal (collective)."""
-        return self.signals.any_rank(self.groups.control)
+        """Whether any rank got a save-and-exit signal or Ctrl-C (collective); which one is
+        `stop_error`'s."""
+        code = self.signals.any_rank(self.groups.control)
+        self.interrupted = code == SignalFlag.STOP
+        return code > 0
+
+    def stop_error(self, version: int) -> Preempted:
+        """What a loop raises after the save at a boundary where the run stops on a signal."""
+        if self.interrupted:
+            return Interrupted(f"Ctrl-C at version {version}")
+        return Preempted(f"a save-and-exit signal at version {version}")
 
     def _crossed(self, dest: str, version: int) -> bool:
         """Whether the optimizer-step count (version x optimizer steps per RL step) reaches a

@@ -205,7 +205,7 @@ def _die_with_parent(parent: int) -> None:
     """In the Manager server: SIGKILL when the process that started it ends, and nothing else.
     torchrun signals a rank's whole process group on SIGTERM: the server ignores the
     save-and-exit signals, or the rank's save on that signal would find it dead."""
-    for name in ("SIGTERM", "SIGUSR1"):
+    for name in ("SIGTERM", "SIGUSR1", "SIGINT"):
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)

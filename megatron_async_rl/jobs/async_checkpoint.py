@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 
-from megatron_async_rl.checkpoint.config import Preempted
 from megatron_async_rl.checkpoint.pending import STAGES, PendingSteps
 from megatron_async_rl.distributed import devices
 from megatron_async_rl.roles.work import StepWork
@@ -90,7 +89,7 @@ class Boundaries(threading.Thread):
             self.saved_version = version
             self.cond.notify_all()
         if self.stop_at == version:
-            raise Preempted(f"a save-and-exit signal at version {version}")
+            raise self.checkpoints.stop_error(version)
 
     def finish(self, timeout: float, context: dict) -> None:
         self.join(timeout=timeout)

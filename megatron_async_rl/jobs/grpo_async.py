@@ -333,18 +333,22 @@ def run_grpo_async(cfg, groups, platform) -> None:
                 "train (raise trainer.num_steps, or --resume never to start over)", rank,
             )  # fmt: skip
         dist.barrier(group=groups.control)  # engines are up
-        if parts.gen is not None:
-            first_host = groups.layout.engine_host_ranks()[0] == rank
-            resumed = Resumed.from_checkpoint(checkpoints, first_host)
-            run_generate_pipeline(parts.gen, parts.exchange, parts.clock, cfg, rank,
-                                  checkpoints, start, resumed)  # fmt: skip
-        elif parts.learn is not None:
-            role = "+".join(groups.local_roles())
-            run_learn_pipeline(parts.learn, parts.exchange, parts.clock, cfg, rank, role,
-                               checkpoints, start, parts.faults)  # fmt: skip
-        else:  # an engine follower: its host's engine uses its devices; it meets the boundaries
-            for version in range(start + 1, steps + 1):
-                boundary(checkpoints, version, None, None)
+        try:
+            if parts.gen is not None:
+                first_host = groups.layout.engine_host_ranks()[0] == rank
+                resumed = Resumed.from_checkpoint(checkpoints, first_host)
+                run_generate_pipeline(parts.gen, parts.exchange, parts.clock, cfg, rank,
+                                      checkpoints, start, resumed)  # fmt: skip
+            elif parts.learn is not None:
+                role = "+".join(groups.local_roles())
+                run_learn_pipeline(parts.learn, parts.exchange, parts.clock, cfg, rank, role,
+                                   checkpoints, start, parts.faults)  # fmt: skip
+            else:  # an engine follower (its host drives the engine): it meets the boundaries
+                for version in range(start + 1, steps + 1):
+                    boundary(checkpoints, version, None, None)
+        except Preempted:  # every rank stops at the same boundary: the trace is written too
+            parts.write_trace()
+            raise
         parts.write_trace()
     finally:
         checkpoints.close()

@@ -95,7 +95,7 @@ def boundary(checkpoints, version: int, gen, learn) -> None:
     if checkpoints.export_due(version):
         checkpoints.export_hf(version, learn)
     if preempted:
-        raise Preempted(f"a save-and-exit signal at version {version}")
+        raise checkpoints.stop_error(version)
 
 
 def _rollout(gen, machines, clock, cfg, step: int) -> StepWork:
@@ -131,8 +131,12 @@ def run_grpo_sync(cfg, groups, platform) -> None:
                 "over)", groups.rank,
             )  # fmt: skip
         dist.barrier(group=groups.control)  # engines are up: step timings start clean
-        run_steps(parts.gen, parts.learn, parts.exchange, parts.clock, cfg, checkpoints, start,
-                  parts.faults)  # fmt: skip
+        try:
+            run_steps(parts.gen, parts.learn, parts.exchange, parts.clock, cfg, checkpoints,
+                      start, parts.faults)  # fmt: skip
+        except Preempted:  # every rank stops at the same boundary: the trace is written too
+            parts.write_trace()
+            raise
         parts.write_trace()
     finally:
         checkpoints.close()

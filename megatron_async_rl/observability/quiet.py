@@ -34,6 +34,15 @@ KNOWN_NOISE: tuple[tuple[str, type[Warning], bool, str], ...] = (
      "torch's ShardedTensor deprecation, raised inside megatron-core's dist_checkpointing"),
 )  # fmt: skip
 
+# (module, category, why): warnings matched by the module that raises them, where the message
+# holds a colon (PYTHONWARNINGS splits on it).
+KNOWN_NOISE_BY_MODULE: tuple[tuple[str, type[Warning], str], ...] = (
+    ("multiprocessing.resource_tracker", UserWarning,
+     "'leaked semaphore objects to clean up at shutdown', at the end of every run: the tracker "
+     "unlinks the semaphores SGLang's engine processes held when they were stopped; that "
+     "clean-up is its job"),
+)  # fmt: skip
+
 
 def quiet_known_noise(on_cpu: bool | None = None) -> list[str]:
     """Filter `KNOWN_NOISE` (unless `MEGATRON_ASYNC_RL_VERBOSE=1`); returns the prefixes
@@ -49,6 +58,9 @@ def quiet_known_noise(on_cpu: bool | None = None) -> list[str]:
     for message, category in chosen:
         warnings.filterwarnings("ignore", message=_regex(message), category=category)
         env.append(f"ignore:{message}:{category.__name__}")
+    for module, category, _ in KNOWN_NOISE_BY_MODULE:
+        warnings.filterwarnings("ignore", category=category, module=_regex(module))
+        env.append(f"ignore::{category.__name__}:{module}")
     os.environ["PYTHONWARNINGS"] = ",".join(item for item in env if item)
     logging.getLogger("absl").setLevel(logging.WARNING)
     return [message for message, _ in chosen]

@@ -93,6 +93,9 @@ class SyncCheckpoints:
     def take_metrics(self):
         return {}
 
+    def stop_error(self, version):  # `CheckpointManager.stop_error` on a save-and-exit signal
+        return Preempted(f"a save-and-exit signal at version {version}")
+
 
 class LedgerLearner(FakeLearner):
     """Keeps each trained step's prompt uids and token versions."""

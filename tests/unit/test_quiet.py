@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from megatron_async_rl.observability.quiet import KNOWN_NOISE
+from megatron_async_rl.observability.quiet import KNOWN_NOISE, KNOWN_NOISE_BY_MODULE
 
 
 def _run(code: str, **env) -> subprocess.CompletedProcess:
@@ -28,6 +28,10 @@ def _shown(on_cpu: bool, **env) -> str:
         f"quiet_known_noise(on_cpu={on_cpu})\n"
         "for message, category, _, _ in KNOWN_NOISE:\n"
         "    warnings.warn(message + ' (probe)', category)\n"
+        "from megatron_async_rl.observability.quiet import KNOWN_NOISE_BY_MODULE\n"
+        "for module, category, _ in KNOWN_NOISE_BY_MODULE:\n"
+        "    warnings.warn_explicit(module + ': by module (probe)', category, 'x.py', 1, module)\n"
+        "warnings.warn_explicit('other module (probe)', UserWarning, 'x.py', 1, 'some.module')\n"
         "warnings.warn('something about the user run', UserWarning)\n"
         "import os; print(os.environ.get('PYTHONWARNINGS', ''))\n"
     )
@@ -43,6 +47,10 @@ def test_cpu_filters_exactly_the_listed_noise():
         assert why
         assert f"{message} (probe)" not in out
         assert f"ignore:{message}:{category.__name__}" in out  # for the engine processes
+    for module, category, why in KNOWN_NOISE_BY_MODULE:
+        assert why and f"{module}: by module (probe)" not in out
+        assert f"ignore::{category.__name__}:{module}" in out
+    assert "other module (probe)" in out
 
 
 def test_gpu_keeps_the_cpu_only_entries_and_verbose_keeps_all():
@@ -51,3 +59,4 @@ def test_gpu_keeps_the_cpu_only_entries_and_verbose_keeps_all():
     assert "`load_state_dict` is deprecated (probe)" not in out
     verbose = _shown(on_cpu=True, MEGATRON_ASYNC_RL_VERBOSE="1")
     assert all(f"{message} (probe)" in verbose for message, *_ in KNOWN_NOISE)
+    assert all(f"{module}: by module (probe)" in verbose for module, *_ in KNOWN_NOISE_BY_MODULE)

@@ -1,0 +1,76 @@
+"""Ctrl-C stops a run cleanly: one line, exit 130, outputs written, a checkpoint, no process left.
+
+Contract, on the real stack through `launch/torchrun.sh` (2 ranks: train+logp+ref | a real
+SGLang engine), the asynchronous loop (N = 1: its threads wait in collectives, the harder case;
+the synchronous loop takes the same path through `checkpoint.manager.SignalFlag`): once two
+steps are logged, SIGINT to the launcher's whole process group (what a terminal sends on
+Ctrl-C) makes the run save at the next step boundary and stop:
+- the launcher exits 130 and prints one `interrupted (Ctrl-C)` line naming the run directory,
+  with no traceback (ranks, torchrun and SGLang alike);
+- trace.json, timeline.png and a complete checkpoint exist;
+- no process the run started (torchrun, ranks, engine hosts, SGLang) is left;
+- the checkpoint is of a version past the two steps logged (the same command resumes from it:
+  `tests/e2e/test_checkpoint_resume.py` resumes after the same save on SIGTERM).
+The second Ctrl-C (stop at once) is `tests/unit/test_signal_flag.py`'s.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from tests.e2e.recipe_runs import RECIPE, launch_command, launch_env
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_ctrl_c_saves_stops_and_leaves_nothing(task, tmp_path):
+    run_dir = tmp_path / "run"
+    sets = (f"model.hf_path={task.model}", f"data.path={task.data}", "trainer.num_steps=200",
+            "scheduler.generate_ahead_steps=1")  # fmt: skip
+    log = tmp_path / "launcher.log"
+    proc = subprocess.Popen(
+        launch_command(RECIPE, run_dir, *sets), env=launch_env(29672),
+        stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    seen: dict[int, psutil.Process] = {}
+    try:
+        deadline = time.monotonic() + 600
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, "the run never logged two steps"
+            seen.update({p.pid: p for p in _descendants(proc.pid)})
+            time.sleep(0.5)
+        seen.update({p.pid: p for p in _descendants(proc.pid)})
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = log.read_text()
+    assert proc.returncode == 130, out[-4000:]
+    lines = [line for line in out.splitlines() if "interrupted (Ctrl-C)" in line]
+    assert len(lines) == 1 and str(run_dir) in lines[0], out[-4000:]
+    assert "Traceback" not in out and "terminate called" not in out, out[-4000:]
+    assert (run_dir / "trace.json").stat().st_size > 0
+    assert (run_dir / "timeline.png").stat().st_size > 0
+    versions = [int(m.parent.name.split("_")[1])
+                for m in (run_dir / "checkpoints").glob("step_*/manifest.json")]  # fmt: skip
+    assert versions and max(versions) >= 2, versions
+    time.sleep(2)
+    left = [p for p in seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [" ".join(p.cmdline()[:4]) for p in left]
+    assert len(seen) >= 4, seen  # torchrun, two ranks, the engine host (and SGLang's)
