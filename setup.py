@@ -25,6 +25,8 @@ setup(
         "megatron-core==0.16.1",
         "einops>=0.8",
         "matplotlib>=3.7",
+        # the `math` reward's equivalence checks (rewards/math_grade.py)
+        "math-verify==0.9.0",
         "numpy",
         "pyarrow",
         "pyyaml>=6",

@@ -45,6 +45,9 @@ class RewardConfig:
     """Stop the run (one error line, exit 2) when more than this share of one step's samples
     failed to score: a reward that raises on everything would otherwise train on reward 0
     throughout. 1.0: never stop."""
+    workers: int = 2
+    """`math` only: processes grading with Math-Verify what the fast match leaves undecided
+    (`rewards/math_pool.py`), started at the first such answer."""
     call_timeout_s: float | None = None
     """Run the reward in a child process and cut a call after this many seconds (the sample
     scores 0, counted as `reward/timeouts`; the child is killed and a new one started). None:
@@ -64,3 +67,4 @@ class RewardConfig:
         require_choice("on_failure", self.on_failure, ("zero", "stop"))
         require_number("call_timeout_s", self.call_timeout_s, gt=0, unit="seconds", optional=True)
         require_number("max_error_rate", self.max_error_rate, ge=0, le=1)
+        require_int("workers", self.workers, 1)

@@ -80,6 +80,8 @@ def get_reward(spec: str | RewardConfig, key: str = "reward.name") -> RewardFn:
         return RemoteReward(config.url, config.timeout_s, config.max_retries, config.backoff_s)
     fn = _load_plugin(name, key) if ":" in name else _lookup(name, key)
     _check_signature(fn, name, key)
+    if config is not None and hasattr(fn, "with_config"):  # a built-in with recipe knobs
+        fn = fn.with_config(config)
     return fn
 
 
@@ -168,6 +170,15 @@ FAULT_KEY = "__megatron_async_rl_fault__"
 """Metadata key of an injected reward hang: the isolated reward's child sleeps on it."""
 
 
+def _checked(value) -> float:
+    """A reward's value as a float; a non-number or a non-finite one raises."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"returned {type(value).__name__} {value!r}, expected a float")
+    if not math.isfinite(value):
+        raise ValueError(f"returned {value}, expected a finite float")
+    return float(value)
+
+
 def safe_reward(config: RewardConfig) -> SafeReward:
     """The recipe's reward, guarded: in a child process with a per-call bound when
     `reward.call_timeout_s` is set (`rewards.isolated`), else in this process."""
@@ -207,48 +218,65 @@ class SafeReward:
                 raise RuntimeError("fault injection: the reward raised (faults.reward_raise_steps)")
             if fault == "hang":  # only an isolated reward (reward.call_timeout_s) gets one
                 metadata = {**metadata, FAULT_KEY: "hang"}
-            value = self.fn(response_text, answer, metadata)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"returned {type(value).__name__} {value!r}, expected a float")
-            if not math.isfinite(value):
-                raise ValueError(f"returned {value}, expected a finite float")
-            return float(value)
+            return _checked(self.fn(response_text, answer, metadata))
         except Exception as err:  # any failure of user code scores 0 and is counted, by design
-            self.errors += 1
-            self.first_error = self.first_error or f"{type(err).__name__}: {err}"
-            self.timeouts += isinstance(err, TimeoutError)
-            if self.stop_on_failure:
-                raise RuntimeError(
-                    f"reward {self.name} failed on sample {uid} and reward.on_failure is stop: "
-                    f"{type(err).__name__}: {err}"
-                ) from err
-            if self.errors <= self.max_logged:
-                logger.warning(
-                    "reward %s failed on sample %s (scored 0.0): %s: %s%s",
-                    self.name,
-                    uid,
-                    type(err).__name__,
-                    err,
-                    " (further errors are counted, not logged)"
-                    if self.errors == self.max_logged
-                    else "",
-                )
-            return 0.0
+            return self._failed(err, uid)
+
+    def _failed(self, err: Exception, uid: str) -> float:
+        self.errors += 1
+        self.first_error = self.first_error or f"{type(err).__name__}: {err}"
+        self.timeouts += isinstance(err, TimeoutError)
+        if self.stop_on_failure:
+            raise RuntimeError(
+                f"reward {self.name} failed on sample {uid} and reward.on_failure is stop: "
+                f"{type(err).__name__}: {err}"
+            ) from err
+        if self.errors <= self.max_logged:
+            logger.warning(
+                "reward %s failed on sample %s (scored 0.0): %s: %s%s",
+                self.name,
+                uid,
+                type(err).__name__,
+                err,
+                " (further errors are counted, not logged)"
+                if self.errors == self.max_logged
+                else "",
+            )
+        return 0.0
 
     def score(self, samples: Iterable[Any], fault: str | None = None) -> list[float]:
         """Rewards for samples carrying uid, response_text, answer, metadata (in order).
-        `fault` (fault injection, `jobs/faults.py`): 'hang' or 'raise' in the first call."""
+        `fault` (fault injection, `jobs/faults.py`): 'hang' or 'raise' in the first call.
+        A reward with `score_batch` (the `math` reward: its Math-Verify pool grades the
+        samples at once) gets them in one call, each value or exception counted as here."""
+        samples = list(samples)
         before = self.errors
-        values = [
-            self(
-                s.response_text,
-                s.answer,
-                s.metadata or {},
-                uid=getattr(s, "uid", "?"),
-                fault=fault if i == 0 else None,
-            )  # fmt: skip
-            for i, s in enumerate(samples)
-        ]
+        batch = getattr(self.fn, "score_batch", None)
+        if batch is not None and fault is None and samples:
+            self.calls += len(samples)
+            try:
+                results = batch([(s.response_text, s.answer, s.metadata or {}) for s in samples])
+            except Exception as err:  # noqa: BLE001 - the whole batch failed: each sample counts
+                results = [err] * len(samples)
+            values = []
+            for s, result in zip(samples, results, strict=True):
+                try:
+                    if isinstance(result, Exception):
+                        raise result
+                    values.append(_checked(result))
+                except Exception as err:  # noqa: BLE001 - counted like a single call's
+                    values.append(self._failed(err, getattr(s, "uid", "?")))
+        else:
+            values = [
+                self(
+                    s.response_text,
+                    s.answer,
+                    s.metadata or {},
+                    uid=getattr(s, "uid", "?"),
+                    fault=fault if i == 0 else None,
+                )  # fmt: skip
+                for i, s in enumerate(samples)
+            ]
         failed = self.errors - before
         if values and failed / len(values) > self.max_error_rate:
             raise ConfigError(
