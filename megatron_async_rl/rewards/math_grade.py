@@ -11,7 +11,7 @@ a pool of worker processes (`rewards/math_pool.py`) that run `grade`.
    equals the ground truth as a number (any written form) or as normalised text. Only a match
    decides here: a mismatch goes on (Math-Verify knows forms we do not). The last bare number of
    a long text is not used here: it is often not the answer (Math-Verify's own extraction
-   decides those).
+   decides those). Two plain numbers (`12`, `-0.5`, `1,000`) that differ decide a mismatch.
 2. **Letters**: a ground truth that is one choice letter (`C`, `(C)`, `\\text{C}`) matches the
    response's stated letter in any of those forms, case-insensitively.
 3. **Math-Verify** (`math_verify.parse` and `verify`, the library verl, TRL and open-r1 use):
@@ -45,21 +45,26 @@ VERIFY_TIMEOUT_S = 3
 SHORT = 200
 """A response this short (characters) is also read whole as LaTeX, and matched whole."""
 
+_PLAIN_NUMBER = re.compile(r"[-+]?(?:[1-9]\d{0,2}(?:,\d{3})+|\d+)(?:\.\d+)?")
 _PERCENT = re.compile(r"\\?%")
 _LETTER_WRAPPERS = re.compile(r"\\(?:textbf|text|mathrm|mathbf)\s*")
 _LETTER = re.compile(r"^[A-Ea-e]$")
 
 
 def stated_answer(response: str) -> str | None:
-    """The answer a response states: its last `\\boxed{}`, else the text after its last
-    "answer is" / "Answer:" (to the end of that line), else the whole response when short."""
+    """The answer a response states: its last `\\boxed{}` or the text after its last "answer
+    is" / "Answer:" (to the end of that line), whichever comes later (a response that boxes
+    steps and then states "The final answer is ..." means the statement), else the whole
+    response when short."""
+    phrases = list(_ANSWER_PHRASE.finditer(response))
+    box_at = max(response.rfind(command) for command in ("\\boxed", "\\fbox"))
+    if phrases and phrases[-1].start() > box_at:
+        stated = phrases[-1].group(1).strip().rstrip(".")
+        boxed = last_boxed(stated)
+        return boxed if boxed is not None else (stated or None)
     boxed = last_boxed(response)
     if boxed is not None:
         return boxed
-    phrases = list(_ANSWER_PHRASE.finditer(response))
-    if phrases:
-        stated = phrases[-1].group(1).strip().rstrip(".")
-        return stated or None
     return response.strip() if len(response) <= SHORT else None
 
 
@@ -89,7 +94,14 @@ def quick_grade(response: str, answer: str) -> bool | None:
             return True
     if normalize(response) == normalize(answer):
         return True
+    if stated is not None and _plain_number(stated) and _plain_number(truth):
+        return False  # two plain numbers that differ: nothing for Math-Verify to find
     return None
+
+
+def _plain_number(text: str) -> bool:
+    """A number written plainly (`12`, `-0.5`, `1,000`): no fraction, root, unit or percent."""
+    return _PLAIN_NUMBER.fullmatch(text.strip().strip("$").strip()) is not None
 
 
 def grade(response: str, answer: str, timeouts: bool = True) -> bool:
