@@ -142,9 +142,14 @@ def plot_reward_curve(
     return out_png
 
 
-def _rank_label(ranks: list) -> str:
-    """Lanes run top to bottom in rank order; name the ranks when few, else count them."""
-    return f"(ranks {', '.join(map(str, ranks))})" if len(ranks) <= 4 else f"({len(ranks)} ranks)"
+def row_label(stage: str, ranks: list) -> str:
+    """A timeline row's label: the stage and its ranks (lanes run top to bottom in rank
+    order), named when few, else counted."""
+    if len(ranks) == 1:
+        return f"{stage}\n(rank {ranks[0]})"
+    if len(ranks) <= 4:
+        return f"{stage}\n(ranks {', '.join(map(str, ranks))})"
+    return f"{stage}\n({len(ranks)} ranks: {ranks[0]}-{ranks[-1]})"
 
 
 def plot_stage_timeline(
@@ -194,7 +199,7 @@ def plot_stage_timeline(
                 edgecolor="white",
                 lw=0.5,
             )
-        labels.append(stage if len(ranks) <= 1 else f"{stage}\n{_rank_label(ranks)}")
+        labels.append(row_label(stage, ranks))
     ax.set_yticks(range(len(order)), labels)
     ax.set_ylim(len(order) - 0.5, -0.5)
     ax.set_xlim(0, end * 1.02 if end > 0 else 1.0)

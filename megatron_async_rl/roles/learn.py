@@ -302,6 +302,12 @@ class LearnSide:
         versions = [v for tokens in per_sample for v in tokens] or [work.step]
         self.ledger.log(work.step, [uid for _, uid in prompts], (min(versions), max(versions)))
         self.progress.update(work.step, metrics)
+        show = self.cfg.observability.show_sample_every
+        if show and work.step % show == 0 and work.samples:
+            sample = work.samples[work.step % len(work.samples)]  # a different one each time
+            prompt = self.tokenizer.decode(sample.prompt_ids) if self.tokenizer else None
+            self.progress.sample(work.step, prompt, sample.response_text, sample.answer,
+                                 sample.reward)  # fmt: skip
         self.steps_logged += 1
 
     def close(self) -> None:

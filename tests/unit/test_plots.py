@@ -21,6 +21,7 @@ from megatron_async_rl.observability.plots import (
     _moving_average,
     plot_reward_curve,
     plot_stage_timeline,
+    row_label,
 )
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -123,3 +124,9 @@ def test_stage_timeline_png(tmp_path):
 def test_stage_timeline_rejects_bad_spans(tmp_path, spans, kwargs, match):
     with pytest.raises(ValueError, match=match):
         plot_stage_timeline(spans, tmp_path / "t.png", **kwargs)
+
+
+def test_timeline_rows_name_their_ranks():
+    assert row_label("generate", [1]) == "generate\n(rank 1)"
+    assert row_label("train", [0, 2]) == "train\n(ranks 0, 2)"
+    assert row_label("logp", list(range(8, 24))) == "logp\n(16 ranks: 8-23)"
