@@ -39,7 +39,9 @@ setup(
         "xxhash>=3",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "tensorboard", "psutil"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "tensorboard", "psutil",
+                 "wandb>=0.22"],
+        "wandb": ["wandb>=0.22"],
         "gpu": ["transformer-engine[pytorch]>=2.9", "apex"],
         "tensorboard": ["tensorboard"],
     },

@@ -1,4 +1,5 @@
-"""Per-step metrics of a run: a JSONL file always, TensorBoard scalars when it is installed.
+"""Per-step metrics of a run: a JSONL file always, TensorBoard scalars when it is installed,
+Weights & Biases when the recipe asks (`observability.wandb`, `wandb_sink.py`).
 
 Owned here: `MetricsWriter` (created by rank 0 only; the driver calls `log(step, metrics)` once
 per step), `read_metrics` (tests, benchmarks, `plots.py`) and `summarize` (mean/std/min/max of a
@@ -47,17 +48,25 @@ class MetricsWriter:
     makes every call a no-op and creates no file.
     """
 
-    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool | None = None):
+    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool | None = None,
+                 wandb=None, recipe: dict | None = None):  # fmt: skip
+        """`wandb`: a `wandb_sink.WandbConfig` to mirror every record to Weights & Biases
+        (`recipe`: the W&B run's config)."""
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / METRICS_NAME
         self.enabled = enabled
         self._file = None
         self._tb = None
+        self._wandb = None
         self._warned_keys: set[str] = set()
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")
+        if wandb is not None:
+            from megatron_async_rl.observability.wandb_sink import WandbSink
+
+            self._wandb = WandbSink(wandb, self.run_dir, recipe)
         if tensorboard is False:
             return
         writer_cls = _summary_writer_class()
@@ -90,6 +99,8 @@ class MetricsWriter:
                 if key != "step" and value is not None:
                     self._tb.add_scalar(key, value, global_step=step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(step, record)
 
     def truncate_from(self, step: int) -> int:
         """Drop the records of steps >= `step` (a resumed run continues at `step`: what a
@@ -139,6 +150,9 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
     def __enter__(self) -> MetricsWriter:
         return self

@@ -53,7 +53,9 @@ class Progress:
         self.total_steps = total_steps
         self.enabled = enabled
         self.keys = dict(DEFAULT_KEYS if keys is None else keys)
-        self._started = (time.monotonic(), start_step)
+        self._started: tuple[float, int] | None = None
+        """(when, first step) of the pace ETA reads: set by the first `update`, back-dated by
+        that step's own `timing/step_s`, so start-up (engines, checkpoints) is not counted."""
         use_bar = sys.stderr.isatty() if bar is None else bar
         self._bar = None
         if enabled and use_bar:
@@ -70,6 +72,10 @@ class Progress:
         """Report that step `step` (0-based) finished with these metrics."""
         if not self.enabled:
             return
+        if self._started is None:
+            step_s = metrics.get("timing/step_s")
+            took = float(step_s) if isinstance(step_s, (int, float)) and step_s > 0 else 0.0
+            self._started = (time.monotonic() - took, step)
         shown = [(key, label) for key, label in self.keys.items() if key in metrics]
         if self._bar is None:
             parts = [f"{key}={_format(metrics[key])}" for key, _ in shown]
@@ -84,6 +90,8 @@ class Progress:
     def eta(self, step: int) -> str:
         """Time left after step `step` (0-based) at the mean pace since the start, `1h02m`,
         `4m05s` or `12s`."""
+        if self._started is None:
+            return "?"
         began, first = self._started
         done = step + 1 - first
         left = self.total_steps - (step + 1)

@@ -163,7 +163,9 @@ class LearnSide:
         self.tokenizer = tokenizer
         """Decodes the prompts of the rollout dumps (`observability.dump_rollouts_every`)."""
         self.is_leader = groups.rank == groups.leader
-        self.writer = MetricsWriter(cfg.run_dir) if self.is_leader else None
+        self.writer = None
+        if self.is_leader:  # W&B's run config: the resolved recipe the entry point wrote
+            self.writer = MetricsWriter(cfg.run_dir, wandb=cfg.observability.wandb)
         self.ledger = PromptLedger(cfg.run_dir) if self.is_leader else None
         self.progress = Progress(cfg.trainer.num_steps, enabled=self.is_leader)
         self.logp_version = 0

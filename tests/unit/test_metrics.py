@@ -134,8 +134,9 @@ def test_progress_logs_one_line_per_step_without_tty(caplog):
         progress.update(2, {"reward/mean": 0.41, "timing/step_s": 3.9, "other": 1.0})
         progress.update(3, {"reward/mean": None})
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["step 3/20 reward/mean=0.41 timing/step_s=3.9 eta=0s",
-                     "step 4/20 reward/mean=nan eta=0s"]  # fmt: skip
+    # the pace starts at the first step reported, back-dated by its own 3.9 s: 17 left
+    assert lines == ["step 3/20 reward/mean=0.41 timing/step_s=3.9 eta=1m06s",
+                     "step 4/20 reward/mean=nan eta=31s"]  # fmt: skip
 
 
 def test_progress_eta_and_sample_lines(caplog, capsys):
@@ -143,13 +144,16 @@ def test_progress_eta_and_sample_lines(caplog, capsys):
 
     caplog.set_level(logging.INFO, logger="megatron_async_rl.observability.progress")
     progress = Progress(total_steps=20, enabled=True, bar=False, start_step=4)
+    assert progress.eta(9) == "?"  # no step reported yet: no pace
+    progress.update(4, {"timing/step_s": 50.0})  # the first step reported: 50 s
+    assert progress.eta(4) == "12m30s"  # 15 left at 50 s
     progress._started = (time.monotonic() - 300.0, 4)  # 6 steps (4..9) took 300 s
     assert progress.eta(9) == "8m20s"  # 10 steps left at 50 s
     progress._started = (time.monotonic() - 3 * 3600.0, 4)
     assert progress.eta(9) == "5h00m"
     progress.sample(9, "3+5=", "8", "8", 1.0)
     progress.sample(9, None, "x" * 500, 7, 0.0, width=20)
-    lines = [r.getMessage() for r in caplog.records]
+    lines = [r.getMessage() for r in caplog.records][1:]
     assert lines[0] == "sample of step 10: '3+5=' -> '8' (answer '8', reward 1)"
     assert "'" + "x" * 17 + "...'" in lines[1] and "(answer '7', reward 0)" in lines[1]
     with Progress(total_steps=5, enabled=True, bar=True) as bar:
