@@ -13,11 +13,14 @@ CONTRACT = """\
 data rows (data.path, .jsonl or .parquet; validation.data alike), one object each:
   {"prompt": "3+5=", "answer": "8", "metadata": {...}}        or
   {"messages": [{"role": "user", "content": "..."}], "answer": "8"}
-  answer: a string or a number; metadata: optional, handed to the reward as it is.
+  answer: a string or a number (required unless data.answer_required: false; then "");
+  metadata: optional; the reward gets it plus "prompt" (text or messages) and "row" (the
+  row's fields).
 reward (reward.name): math | arithmetic | remote | my_pkg.module:function, where
   def function(response_text: str, answer: str, metadata: dict) -> float
-  (names and order checked; a failure scores 0 and counts in reward/errors; more than
-  reward.max_error_rate of a step's samples failing stops the run).
+  (names and order checked; `async def` too, a step's samples awaited at once; an object
+  with score_batch(items) gets them in one call; a failure scores 0 and counts in
+  reward/errors; more than reward.max_error_rate of a step's samples failing stops the run).
 --dry-run checks the recipe, the flags, the layout, the reward, the data and the tokenizer."""
 
 

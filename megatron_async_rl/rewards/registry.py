@@ -11,13 +11,18 @@ A reward function has the signature
     fn(response_text: str, answer: str, metadata: dict) -> float
 
 and is pure: it sees the decoded response (special tokens removed or not, it must cope), the
-row's ground truth and the row's metadata. `SafeReward` turns an exception, or a value that is not
+row's ground truth ("" for a row without one, with `data.answer_required: false`) and the
+row's `metadata` object plus `prompt` (the prompt text or messages) and `row` (all the row's
+fields). It may be `async def` (a step's samples are then awaited concurrently), or an object
+whose `score_batch(items)` takes a step's (response_text, answer, metadata) at once and
+returns one value (or exception) per item. `SafeReward` turns an exception, or a value that is not
 a finite number, into reward 0.0, counts it (`reward/errors`) and logs the first few with the
 sample's uid, so one bad sample never stops a run and never passes unnoticed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import logging
@@ -170,6 +175,10 @@ FAULT_KEY = "__megatron_async_rl_fault__"
 """Metadata key of an injected reward hang: the isolated reward's child sleeps on it."""
 
 
+async def _awaited(awaitable):
+    return await awaitable
+
+
 def _checked(value) -> float:
     """A reward's value as a float; a non-number or a non-finite one raises."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -218,9 +227,35 @@ class SafeReward:
                 raise RuntimeError("fault injection: the reward raised (faults.reward_raise_steps)")
             if fault == "hang":  # only an isolated reward (reward.call_timeout_s) gets one
                 metadata = {**metadata, FAULT_KEY: "hang"}
-            return _checked(self.fn(response_text, answer, metadata))
+            value = self.fn(response_text, answer, metadata)
+            if inspect.isawaitable(value):  # an `async def` reward, called alone
+                value = asyncio.run(_awaited(value))
+            return _checked(value)
         except Exception as err:  # any failure of user code scores 0 and is counted, by design
             return self._failed(err, uid)
+
+    def _batch_fn(self):
+        """How `score` can take a step's samples at once: the reward's own `score_batch`, or,
+        for an `async def` reward, every call awaited concurrently; None: one by one."""
+        batch = getattr(self.fn, "score_batch", None)
+        if batch is not None:
+            return batch
+        method = vars(type(self.fn)).get("__call__")  # an object with `async def __call__`
+        if inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(method):
+            return self._gather
+        return None
+
+    def _gather(self, items: list[tuple[str, str, dict]]) -> list:
+        async def one(response_text, answer, metadata):
+            try:
+                return await self.fn(response_text, answer, metadata)
+            except Exception as err:  # noqa: BLE001 - counted per sample by `score`
+                return err
+
+        async def every():
+            return await asyncio.gather(*(one(*item) for item in items))
+
+        return asyncio.run(every())
 
     def _failed(self, err: Exception, uid: str) -> float:
         self.errors += 1
@@ -248,10 +283,11 @@ class SafeReward:
         """Rewards for samples carrying uid, response_text, answer, metadata (in order).
         `fault` (fault injection, `jobs/faults.py`): 'hang' or 'raise' in the first call.
         A reward with `score_batch` (the `math` reward: its Math-Verify pool grades the
-        samples at once) gets them in one call, each value or exception counted as here."""
+        samples at once) gets them in one call, and an `async def` reward is awaited for all
+        of them concurrently; each value or exception is counted as here."""
         samples = list(samples)
         before = self.errors
-        batch = getattr(self.fn, "score_batch", None)
+        batch = self._batch_fn()
         if batch is not None and fault is None and samples:
             self.calls += len(samples)
             try:

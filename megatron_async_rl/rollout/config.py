@@ -45,6 +45,10 @@ class DatasetConfig:
     """Column holding a chat prompt, a list of {role, content}."""
     answer_key: str = "answer"
     """Column holding the ground truth the reward compares against."""
+    answer_required: bool = True
+    """A row without an answer is a bad row (`missing_answer`): what verifiable rewards
+    (`math`, `arithmetic`) need. `false` for rewards that need none (a judge, a reward model):
+    such rows reach the reward with answer ""."""
     max_prompt_tokens: int | None = None
     """Rows whose tokenized prompt is longer are bad rows (needs a tokenizer); None: no limit."""
     on_bad_row: str = "skip"
@@ -65,6 +69,8 @@ class DatasetConfig:
                 f"cannot tell the format of {self.path!r} from its suffix",
                 "name the file *.jsonl or *.parquet, or set format: jsonl|parquet",
             )
+        if not isinstance(self.answer_required, bool):
+            raise ConfigError("answer_required", self.answer_required, "must be true or false")
         for key in ("prompt_key", "messages_key", "answer_key"):
             if not isinstance(getattr(self, key), str) or not getattr(self, key):
                 raise ConfigError(key, getattr(self, key), "must be a non-empty column name")

@@ -48,6 +48,19 @@ class PromptRecord:
     messages: list[dict] | None
     answer: str
     metadata: dict = field(default_factory=dict)
+    fields: dict = field(default_factory=dict)
+    """Every field of the row but `metadata` (the reward sees them as `metadata["row"]`)."""
+
+    def reward_metadata(self) -> dict:
+        """What the reward gets as `metadata`: the row's `metadata` object, plus `prompt`
+        (the prompt text, or the messages) and `row` (the row's fields), unless the row's
+        metadata has keys of those names."""
+        out = dict(self.metadata)
+        out.setdefault(
+            "prompt", self.prompt_text if self.prompt_text is not None else self.messages
+        )
+        out.setdefault("row", dict(self.fields))
+        return out
 
 
 @dataclass
@@ -219,12 +232,15 @@ class PromptDataset:
         answer = row.get(config.answer_key)
         if isinstance(answer, (int, float)) and not isinstance(answer, bool):
             answer = str(answer)
-        if not isinstance(answer, str) or not answer.strip():
+        if answer is None and not config.answer_required:
+            answer = ""
+        elif not isinstance(answer, str) or not answer.strip():
             raise _BadRow("missing_answer", f"{config.answer_key!r} is missing or empty")
         metadata = row.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise _BadRow("bad_metadata", f"'metadata' is a {type(metadata).__name__}")
         record = PromptRecord(uid, None, prompt, messages, answer, metadata or {})
+        record.fields = {k: v for k, v in row.items() if k != "metadata"}
         if self.tokenizer is not None:
             record.prompt_ids = encode_prompt(record, self.tokenizer, self.use_chat_template)
             limit = config.max_prompt_tokens

@@ -109,7 +109,7 @@ def generate_samples(
                 token_versions=list(result.token_versions),
                 finish_reason=result.finish_reason,
                 answer=record.answer,
-                metadata=dict(record.metadata or {}),
+                metadata=record.reward_metadata(),
                 response_text=tokenizer.decode(result.output_ids, skip_special_tokens=True),
             )
         )

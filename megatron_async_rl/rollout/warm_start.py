@@ -131,7 +131,7 @@ def evaluate(
         correct = well_formed = 0
         for record, ids in zip(batch, outputs):
             text = tokenizer.decode(ids, skip_special_tokens=False)
-            correct += arithmetic_reward(text, record.answer, record.metadata) == 1.0
+            correct += arithmetic_reward(text, record.answer, record.reward_metadata()) == 1.0
             ends_in_eos = bool(ids) and ids[-1] == eos_id
             body = tokenizer.decode(ids[:-1] if ends_in_eos else ids, skip_special_tokens=False)
             well_formed += ends_in_eos and bool(_FORMAT.fullmatch(body))

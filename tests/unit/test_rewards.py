@@ -289,3 +289,60 @@ def test_a_reward_failing_on_most_samples_stops_the_run():
         safe.score(all_bad)
     assert safe.take_metrics()["reward/errors"] == 4.0  # this step's, not the total (5)
     assert SafeReward(broken, max_error_rate=1.0).score(all_bad) == [0.0] * 4  # never stops
+
+
+def test_async_and_batched_rewards_take_a_step_at_once():
+    import asyncio
+
+    running, peak = [0], [0]
+
+    async def judge(response_text, answer, metadata):
+        running[0] += 1
+        peak[0] = max(peak[0], running[0])
+        await asyncio.sleep(0.05)
+        running[0] -= 1
+        if response_text == "boom":
+            raise ValueError("judge failed")
+        return float(response_text == answer)
+
+    safe = SafeReward(judge, "judge")
+    samples = [RewardRequest(f"u{i}", r, "8") for i, r in enumerate(["8", "7", "boom", "8"])]
+    start = time.perf_counter()
+    assert safe.score(samples) == [1.0, 0.0, 0.0, 1.0]
+    assert time.perf_counter() - start < 0.15 and peak[0] == 4  # concurrent, not one by one
+    assert safe.take_metrics()["reward/errors"] == 1.0
+    assert safe("8", "8", {}) == 1.0  # called alone too
+
+    class Batched:
+        calls = 0
+
+        def __call__(self, response_text, answer, metadata):
+            return float(response_text == answer)
+
+        def score_batch(self, items):
+            Batched.calls += 1
+            return [float(r == a) if r != "bad" else TypeError("bad") for r, a, _ in items]
+
+    safe = SafeReward(Batched(), "batched")
+    got = safe.score([RewardRequest("a", "8", "8"), RewardRequest("b", "bad", "8")])
+    assert got == [1.0, 0.0] and Batched.calls == 1
+    assert safe.take_metrics()["reward/errors"] == 1.0
+
+
+def test_the_reward_metadata_holds_the_prompt_and_the_row(tmp_path):
+    from megatron_async_rl.rollout.config import DatasetConfig
+    from megatron_async_rl.rollout.dataset import PromptDataset
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(
+        json.dumps({"prompt": "3+5=", "answer": 8, "level": 2, "metadata": {"src": "x"}}) + "\n"
+        + json.dumps({"prompt": "no answer"}) + "\n"
+    )  # fmt: skip
+    strict = PromptDataset(DatasetConfig(path=str(path)))
+    assert len(strict) == 1  # the row without an answer is a bad row by default
+    record = strict.records[0]
+    meta = record.reward_metadata()
+    assert meta["src"] == "x" and meta["prompt"] == "3+5="
+    assert meta["row"] == {"prompt": "3+5=", "answer": 8, "level": 2}
+    lenient = PromptDataset(DatasetConfig(path=str(path), answer_required=False))
+    assert [r.answer for r in lenient.records] == ["8", ""]
