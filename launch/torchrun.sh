@@ -114,26 +114,36 @@ if [[ ${SKIP_VALIDATE:-0} != 1 ]]; then
         "$@" >/dev/null || exit $?
     export MEGATRON_ASYNC_RL_VALIDATED=1  # the ranks need not repeat what the check printed
 fi
-# Not exec: a SIGTERM (or SIGUSR1) to this script is passed to torchrun as SIGTERM, which passes
-# it to the ranks; they save at the next step boundary and the leader leaves a marker file.
-# torchrun itself then exits 1, so the marker is what makes this script exit 83 (requeue).
-# Ctrl-C: torchrun runs in a session of its own (setsid), so a terminal's SIGINT reaches this
-# script alone, which passes it to the ranks (torchrun's children), not to torchrun (which would
-# print a traceback). They save at the next step boundary, the leader prints one line and leaves
-# the other marker, every rank exits 0 so torchrun ends quietly, and this script exits 130.
-# Ctrl-C again, a second later or more: the ranks stop at once, without a checkpoint.
+# Not exec. torchrun runs in a session of its own (setsid), so a terminal's Ctrl-C reaches this
+# script alone, and this script hands each signal to the ranks (torchrun's children), not to
+# torchrun, which would print a traceback for it:
+# - SIGTERM or SIGUSR1 (preemption): the ranks save at the next step boundary; the leader
+#   leaves a marker, every rank exits 0 so torchrun ends quietly, and this script exits 83
+#   (requeue). Ranks still running SHUTDOWN_TIMEOUT seconds later are stopped by torchrun.
+# - Ctrl-C (SIGINT): the same save and stop, reported as an interruption (the other marker):
+#   exit 130. Ctrl-C again, a second later or more: the ranks stop at once, no checkpoint.
 marker=$(mktemp -u "${TMPDIR:-/tmp}/megatron_async_rl_preempted.XXXXXX")
 interrupted=$(mktemp -u "${TMPDIR:-/tmp}/megatron_async_rl_interrupted.XXXXXX")
 export MEGATRON_ASYNC_RL_PREEMPTED_FILE=$marker MEGATRON_ASYNC_RL_INTERRUPTED_FILE=$interrupted
 setsid "${cmd[@]}" &
 child=$!
-trap 'kill -TERM "$child" 2>/dev/null || true' TERM USR1
+deadline=""
+preempt() {
+    pkill -TERM -P "$child" 2>/dev/null || kill -TERM "$child" 2>/dev/null || true
+    deadline=$((SECONDS + shutdown_timeout))
+}
+trap preempt TERM USR1
 trap 'pkill -INT -P "$child" 2>/dev/null || true' INT
-status=0
-while true; do
-    wait "$child" && status=0 || status=$?
-    kill -0 "$child" 2>/dev/null || break # a trapped signal interrupted the wait: wait again
+while kill -0 "$child" 2>/dev/null; do
+    if [[ -n $deadline && $SECONDS -ge $deadline ]]; then
+        kill -TERM "$child" 2>/dev/null || true # ranks still running: torchrun stops them
+        deadline=""
+    fi
+    sleep 0.5 &
+    wait $! 2>/dev/null || true # returns at once when a trapped signal arrives
 done
+status=0
+wait "$child" || status=$?
 if [[ -f $marker ]]; then
     rm -f "$marker"
     exit 83

@@ -123,9 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         except Preempted as stop:
             leader_print(f"preempted ({stop}): checkpoint saved; exit {PREEMPTED_EXIT_CODE}", rank)
             marker = os.environ.get("MEGATRON_ASYNC_RL_PREEMPTED_FILE")
-            if marker and rank == 0:  # torchrun exits 1 when signalled: the launcher reads this
+            if marker and rank == 0:  # what the launchers read to exit 83
                 Path(marker).write_text(f"{stop}\n")
-            _end_now(PREEMPTED_EXIT_CODE)
+            # Under a launcher (the marker set) every rank exits 0, so torchrun ends quietly
+            # instead of reporting failed workers (or restarting them, with --max-restarts).
+            _end_now(0 if marker else PREEMPTED_EXIT_CODE)
         except Exception:
             if reported_on_node():  # a peer printed why the run stops; this is its echo
                 logger.debug("stopping after a peer's error", exc_info=True)

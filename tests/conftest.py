@@ -23,6 +23,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the forkserver the distributed harness starts its ranks from
+    (`tests/distributed/harness.py`) and then this process's resource tracker, which unlinks
+    the semaphores ranks left in /dev/shm. Left alone, both outlived pytest. (Their `_stop`
+    methods are multiprocessing's own, private, used by CPython's tests; absent: nothing.)"""
+    from multiprocessing import forkserver, resource_tracker
+
+    for owner in (forkserver._forkserver, resource_tracker._resource_tracker):
+        stop = getattr(owner, "_stop", None)
+        if stop is not None:
+            try:
+                stop()
+            except Exception:  # noqa: BLE001, S110 - best effort at exit
+                pass
+
+
 # One seed for every family: the tests want random norms and biases (see `models.tiny`), not
 # distinct seeds, and one directory per (family, overrides) serves the whole session.
 TINY_SEED = 0

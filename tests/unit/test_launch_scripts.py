@@ -28,9 +28,11 @@ import json
 import os
 import re
 import shlex
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -355,3 +357,62 @@ def test_slurm_checks_the_paths_where_the_job_runs(sandbox):
         "error: config error: model.hf_path = '/shared/checkpoints/qwen3-moe-16b-a3b': "
         "directory not found" in result.stderr
     )
+
+
+FAKE_AGENT = """#!/usr/bin/env bash
+# PYTHON for launch/torchrun.sh: the dry run passes; "torchrun" records the signals it gets
+# and starts two fake ranks (Python, so they may trap SIGINT), then waits for them.
+for a in "$@"; do [[ $a == --dry-run ]] && exit 0; done
+trap 'echo agent-INT >> "$LOG"' INT
+trap 'echo agent-TERM >> "$LOG"' TERM
+for r in 0 1; do RANK=$r "$REAL_PYTHON" -c "$RANK_CODE" & done
+while [[ -n $(jobs -rp) ]]; do wait; done
+"""
+RANK_CODE = """
+import os, signal, sys, time
+rank, log = os.environ["RANK"], os.environ["LOG"]
+def stop(signum, frame):
+    name = signal.Signals(signum).name
+    open(log, "a").write(f"rank{rank}-{name}\\n")
+    marker = {"SIGINT": "MEGATRON_ASYNC_RL_INTERRUPTED_FILE",
+              "SIGTERM": "MEGATRON_ASYNC_RL_PREEMPTED_FILE"}[name]
+    if rank == "0":
+        open(os.environ[marker], "w").write("x")
+    sys.exit(0)
+signal.signal(signal.SIGINT, stop)
+signal.signal(signal.SIGTERM, stop)
+open(log, "a").write(f"rank{rank}-up\\n")
+while True:
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 83)])
+def test_torchrun_sh_hands_signals_to_the_ranks_alone(sandbox, sig, code):
+    """Ctrl-C (SIGINT to the launcher's whole process group, as a terminal sends it) and SIGTERM
+    (to the launcher) reach the ranks, never torchrun (it would print a traceback and, on SIGINT,
+    a failure summary); the leader's marker makes the launcher exit 130 or 83. The real stack's
+    twin: tests/e2e/test_interrupt.py and test_checkpoint_resume.py."""
+    log = sandbox / "signals.log"
+    agent = _write_exe(sandbox / "fake-python", FAKE_AGENT)
+    base = {k: v for k, v in os.environ.items() if k not in KNOBS and not k.startswith("SLURM_")}
+    env = {**base, "PATH": f"{sandbox / 'bin'}{os.pathsep}{base['PATH']}", "PYTHON": str(agent),
+           "LOG": str(log), "REAL_PYTHON": sys.executable, "RANK_CODE": RANK_CODE}  # fmt: skip
+    proc = subprocess.Popen([str(TORCHRUN_SH), "recipe.yaml"], cwd=sandbox, env=env,
+                            start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while not (log.exists() and log.read_text().count("-up") == 2):
+            assert time.monotonic() < deadline and proc.poll() is None, "fake ranks never started"
+            time.sleep(0.05)
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        assert proc.wait(timeout=20) == code
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    got = sorted(line for line in log.read_text().split() if not line.endswith("-up"))
+    name = sig.name.removeprefix("SIG")
+    assert got == [f"rank0-SIG{name}", f"rank1-SIG{name}"], got
