@@ -55,7 +55,8 @@ def _logp(model, tokens: torch.Tensor) -> torch.Tensor:
     return logits.log_softmax(-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
 
 
-def _worker(rank, world_size, tmp_dir, path, data, micro_batch_size, device="cpu", bf16=False):
+def _worker(rank, world_size, tmp_dir, path, data, micro_batch_size, device="cpu", bf16=False,
+            extra=None):  # fmt: skip
     from megatron_async_rl.algorithms.config import GRPOConfig
     from megatron_async_rl.config.schema import RoleGroupSpec
     from megatron_async_rl.distributed.groups import build_world_groups
@@ -69,6 +70,7 @@ def _worker(rank, world_size, tmp_dir, path, data, micro_batch_size, device="cpu
     args = _role_args(path, bf16=True) if bf16 else _role_args(path)
     args.update(OPTIM, clip_grad=0.0, weight_decay=0.0)
     args.update(micro_batch_size=micro_batch_size, global_batch_size=GLOBAL_BATCH_SIZE)
+    args.update(extra or {})
     par = Parallelism.from_megatron_args(args)
     groups_spec = [RoleGroupSpec(["train"], num_ranks=world_size)]
     layout = plan_layout(world_size, groups_spec, {"train": par})

@@ -6,7 +6,9 @@ Contracts: `tests/distributed/test_minibatch_step.py`'s worker with its role on 
   reference (`transformers` + torch Adam, on the CPU) within 1e-5 and the loss within 1e-5;
 - bf16 (`--bf16`, the mixed-precision optimizer): both steps run, the loss is within 0.02 of the
   reference's, every weight is finite and some moved;
-- a qwen3_moe role in bf16 (MoE router and experts on CUDA, without Transformer Engine): the same.
+- a qwen3_moe role in bf16 (MoE router and experts on CUDA, without Transformer Engine): the same;
+- bf16 with the flags a cluster run sets and CPU runs cannot exercise: the distributed
+  optimizer, --overlap-grad-reduce, --overlap-param-gather, full activation recompute: the same.
 Marked `gpu`, skipped without one. Nothing is faked.
 """
 
@@ -20,9 +22,23 @@ from tests.distributed.test_minibatch_step import MODES, _batch, _reference, _wo
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize(("family", "precision"),
-                         [("llama", "fp32"), ("llama", "bf16"), ("qwen3_moe", "bf16")])  # fmt: skip
-def test_minibatch_steps_on_cuda(tiny_model, tmp_path, family, precision):
+CLUSTER_FLAGS = {
+    "use_distributed_optimizer": True, "overlap_grad_reduce": True,
+    "overlap_param_gather": True, "recompute_granularity": "full",
+    "recompute_method": "uniform", "recompute_num_layers": 1,
+}  # fmt: skip
+
+
+CASES = {
+    "llama-fp32": ("llama", "fp32", None),
+    "llama-bf16": ("llama", "bf16", None),
+    "moe-bf16": ("qwen3_moe", "bf16", None),
+    "llama-bf16-cluster": ("llama", "bf16", CLUSTER_FLAGS),
+}
+
+
+@pytest.mark.parametrize(("family", "precision", "extra"), CASES.values(), ids=CASES.keys())
+def test_minibatch_steps_on_cuda(tiny_model, tmp_path, family, precision, extra):
     import torch.distributed as dist
 
     from megatron_async_rl.distributed.platform import (
@@ -39,7 +55,8 @@ def test_minibatch_steps_on_cuda(tiny_model, tmp_path, family, precision):
     init_distributed(detect_platform("cuda", "nccl"), init_method=f"file://{tmp_path}/rdv",
                      rank=0, world_size=1)  # fmt: skip
     try:
-        got = _worker(0, 1, str(tmp_path), path, data, 2, device="cuda", bf16=precision == "bf16")
+        got = _worker(0, 1, str(tmp_path), path, data, 2, device="cuda",
+                      bf16=precision == "bf16", extra=extra)  # fmt: skip
     finally:
         dist.destroy_process_group()
     for mode in MODES:
