@@ -29,6 +29,13 @@ from tests.e2e.recipe_runs import RECIPE, launch_command, launch_env
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
+def _default_sigint() -> None:
+    """In the launcher's process: SIGINT as a terminal's shell leaves it. A test session
+    started in the background (`cmd &`, nohup, some CI runners) inherits SIGINT ignored, and
+    bash cannot trap a signal ignored on entry: the launcher would never see the Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _descendants(pid: int) -> list[psutil.Process]:
     try:
         return psutil.Process(pid).children(recursive=True)
@@ -44,6 +51,7 @@ def test_ctrl_c_saves_stops_and_leaves_nothing(task, tmp_path):
     proc = subprocess.Popen(
         launch_command(RECIPE, run_dir, *sets), env=launch_env(29672),
         stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+        preexec_fn=_default_sigint,
     )  # fmt: skip
     seen: dict[int, psutil.Process] = {}
     try:

@@ -387,6 +387,12 @@ while True:
 """
 
 
+def _default_sigint() -> None:
+    """SIGINT as a terminal's shell leaves it: a test session started in the background
+    inherits it ignored, and bash cannot trap a signal ignored on entry."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 83)])
 def test_torchrun_sh_hands_signals_to_the_ranks_alone(sandbox, sig, code):
     """Ctrl-C (SIGINT to the launcher's whole process group, as a terminal sends it) and SIGTERM
@@ -399,7 +405,7 @@ def test_torchrun_sh_hands_signals_to_the_ranks_alone(sandbox, sig, code):
     env = {**base, "PATH": f"{sandbox / 'bin'}{os.pathsep}{base['PATH']}", "PYTHON": str(agent),
            "LOG": str(log), "REAL_PYTHON": sys.executable, "RANK_CODE": RANK_CODE}  # fmt: skip
     proc = subprocess.Popen([str(TORCHRUN_SH), "recipe.yaml"], cwd=sandbox, env=env,
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True, preexec_fn=_default_sigint)  # fmt: skip
     try:
         deadline = time.monotonic() + 20
         while not (log.exists() and log.read_text().count("-up") == 2):
