@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 
 import torch
 
@@ -82,7 +83,9 @@ def install() -> None:
     _patch_rng()
     _patch_moe()
     _STATE["installed"] = True
-    logger.info("megatron-core %s CPU compatibility layer installed", version)
+    # Once per run, not once per rank (each rank installs it before its log lines are labelled).
+    log = logger.info if os.environ.get("RANK", "0") == "0" else logger.debug
+    log("megatron-core %s CPU compatibility layer installed", version)
 
 
 # ----------------------------------------------------------------------------------------------
