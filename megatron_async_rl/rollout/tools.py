@@ -1,0 +1,134 @@
+"""Tools a policy may call: declared in the recipe, described to the chat template, run bounded.
+
+Owned here: `load_tools(specs)` (Python callables or `module:function` strings -> `Tool`s, each
+with the JSON schema chat templates take, made by `transformers.utils.get_json_schema` from the
+signature and the Google-style docstring), and `ToolRunner`, which runs a turn's calls in
+worker processes (`rollout.worker_pool.WorkerPool`: code a tool runs cannot hang or crash the
+rank; a call past `timeout_s` is cut) and turns every outcome into the text of a `tool`
+message: the result as JSON (or text), or an error the model can read. Unknown tools, bad
+arguments, exceptions and timeouts are errors, each counted by kind (`counts`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.rollout.tool_calls import ToolCall
+from megatron_async_rl.rollout.worker_pool import CallTimeout, WorkerPool
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    spec: str
+    """`module:function` (what the worker process imports)."""
+    schema: dict
+    """`{"type": "function", "function": {name, description, parameters}}`."""
+
+
+def load_tools(specs: list, key: str = "tools") -> dict[str, Tool]:
+    """Tools by name from `module:function` strings or module-level functions; a bad spec is
+    a ConfigError naming `key[i]`."""
+    from transformers.utils import get_json_schema
+
+    tools: dict[str, Tool] = {}
+    for index, spec in enumerate(specs):
+        where = f"{key}[{index}]"
+        fn = _resolve(spec, where)
+        name = f"{fn.__module__}:{fn.__qualname__}"
+        if "<" in fn.__qualname__ or fn.__module__ == "__main__":
+            raise ConfigError(where, spec, "a tool must be a module-level function of an "
+                              "importable module (worker processes import it by name)")  # fmt: skip
+        try:
+            schema = get_json_schema(fn)
+        except Exception as err:  # noqa: BLE001 - transformers' own reasons, passed on
+            hint = "give it type hints and a docstring with an Args: section"
+            raise ConfigError(where, name, f"cannot describe it to the chat template: {err}",
+                              hint) from None  # fmt: skip
+        tool_name = schema["function"]["name"]
+        if tool_name in tools:
+            raise ConfigError(where, name, f"a second tool named {tool_name!r}")
+        tools[tool_name] = Tool(tool_name, name, schema)
+    return tools
+
+
+def _resolve(spec, where: str) -> Callable:
+    if callable(spec) and inspect.isfunction(spec):
+        return spec
+    if not isinstance(spec, str) or spec.count(":") != 1:
+        raise ConfigError(where, spec, "must be module:function or a function")
+    module_name, attr = spec.split(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(where, spec, f"cannot import it: {err}") from None
+    if not inspect.isfunction(fn):
+        raise ConfigError(where, spec, f"is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _run_tool(spec: str, arguments: dict):
+    module_name, attr = spec.split(":")
+    return getattr(importlib.import_module(module_name), attr)(**arguments)
+
+
+class ToolRunner:
+    """`run(calls)` -> one `tool` message text per call, in order, run in `workers`
+    processes, each within `timeout_s`."""
+
+    def __init__(self, tools: dict[str, Tool], workers: int = 2, timeout_s: float = 10.0):
+        self.tools = tools
+        self.pool = WorkerPool(workers, timeout_s, "tool call")
+        self.counts: Counter[str] = Counter()
+        """`calls`, `unknown_tool`, `bad_arguments`, `raised`, `timeout`."""
+
+    def run(self, calls: list[ToolCall]) -> list[str]:
+        out: list[str | None] = [None] * len(calls)
+        jobs: list[tuple[int, tuple]] = []
+        for index, call in enumerate(calls):
+            self.counts["calls"] += 1
+            tool = self.tools.get(call.name)
+            if tool is None:
+                self.counts["unknown_tool"] += 1
+                out[index] = (f"error: no tool named {call.name!r}; tools: "
+                              f"{', '.join(sorted(self.tools))}")  # fmt: skip
+                continue
+            problem = _check_arguments(tool, call.arguments)
+            if problem:
+                self.counts["bad_arguments"] += 1
+                out[index] = f"error: {call.name}: {problem}"
+                continue
+            jobs.append((index, (tool.spec, call.arguments)))
+        results = self.pool.run_many(_run_tool, [args for _, args in jobs])
+        for (index, _), result in zip(jobs, results, strict=True):
+            if isinstance(result, CallTimeout):
+                self.counts["timeout"] += 1
+                out[index] = f"error: {calls[index].name} did not answer within " \
+                             f"{self.pool.call_timeout_s:g} s"  # fmt: skip
+            elif isinstance(result, Exception):
+                self.counts["raised"] += 1
+                out[index] = f"error: {calls[index].name} raised {type(result).__name__}: {result}"
+            else:
+                out[index] = result if isinstance(result, str) else json.dumps(result)
+        return [text or "" for text in out]
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def _check_arguments(tool: Tool, arguments: dict) -> str | None:
+    params = tool.schema["function"].get("parameters", {})
+    known = set(params.get("properties", {}))
+    missing = [p for p in params.get("required", []) if p not in arguments]
+    unknown = [a for a in arguments if a not in known]
+    if missing:
+        return f"missing argument(s) {', '.join(missing)}"
+    if unknown:
+        return f"unknown argument(s) {', '.join(unknown)}; it takes {', '.join(sorted(known))}"
+    return None

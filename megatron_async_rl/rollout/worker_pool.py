@@ -1,0 +1,95 @@
+"""Worker processes that run calls which may hang, each bounded in time, for the rollout side.
+
+Owned here: `WorkerPool`, a `concurrent.futures.ProcessPoolExecutor` of spawned workers
+(SIGINT ignored: the rank handles Ctrl-C) whose `run_many` returns one result or exception
+per call. A call that does not answer within `call_timeout_s` of its batch's start comes back
+as `CallTimeout` (a `TimeoutError`), and the pool is replaced: its workers are killed (a thread
+cannot be), so one call cannot stall its stage. Used by the `math` reward's Math-Verify graders
+(`rewards/math_pool.py`) and by tool calls (`rollout/tools.py`). The pool starts at the first
+call. The target must be a module-level function (it is pickled by name).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+
+class CallTimeout(TimeoutError):
+    """A call did not answer within the pool's `call_timeout_s`."""
+
+
+def _ignore_sigint(init: Callable[[], None] | None) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the rank handles Ctrl-C
+    if init is not None:
+        init()
+
+
+class WorkerPool:
+    """`run_many(target, arg_tuples)` -> one result (or exception) per call, run by
+    `workers` processes, each within `call_timeout_s` of the batch's start."""
+
+    def __init__(self, workers: int = 2, call_timeout_s: float = 30.0, what: str = "call",
+                 initializer: Callable[[], None] | None = None):  # fmt: skip
+        self.workers, self.call_timeout_s, self.what = workers, call_timeout_s, what
+        self.initializer = initializer
+        self._pool: futures.ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _executor(self) -> futures.ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = futures.ProcessPoolExecutor(
+                self.workers, mp_context=mp.get_context("spawn"),
+                initializer=_ignore_sigint, initargs=(self.initializer,),
+            )  # fmt: skip
+        return self._pool
+
+    def run_many(self, target: Callable, calls: list[tuple]) -> list:
+        if not calls:
+            return []
+        with self._lock:  # one batch at a time; a replaced pool is not shared mid-batch
+            pool = self._executor()
+            jobs = [pool.submit(target, *args) for args in calls]
+            deadline = time.monotonic() + self.call_timeout_s
+            out: list = []
+            stuck = False
+            for job in jobs:
+                try:
+                    out.append(job.result(timeout=max(0.0, deadline - time.monotonic())))
+                except futures.TimeoutError:
+                    stuck = True
+                    out.append(CallTimeout(
+                        f"{self.what} did not answer within {self.call_timeout_s:g} s"
+                    ))  # fmt: skip
+                except Exception as err:  # noqa: BLE001 - reported per call
+                    out.append(err)
+            if stuck:
+                self._replace()
+            return out
+
+    def _replace(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        processes = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            try:
+                os.kill(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, AttributeError, TypeError):
+                pass
+        logger.warning("%s: a worker did not answer within %g s; the pool was replaced",
+                       self.what, self.call_timeout_s)  # fmt: skip
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
