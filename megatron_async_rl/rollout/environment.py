@@ -24,7 +24,6 @@ Owned here:
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import threading
 from collections.abc import Awaitable, Callable
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.config.plugins import import_named
 from megatron_async_rl.rollout.tool_calls import parse_tool_calls
 
 
@@ -179,13 +179,7 @@ class ToolEnvironment:
 def load_environment(spec: str, key: str = "environment.name", **kwargs) -> Callable[[], Any]:
     """A factory of fresh environments (one per trajectory) for `module:Class`; the built-in
     `tools` is made by the rollout side, which owns the tool runner and the reward."""
-    if not isinstance(spec, str) or spec.count(":") != 1:
-        raise ConfigError(key, spec, "must be module:Class (or the built-in 'tools')")
-    module_name, attr = spec.split(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(key, spec, f"cannot import it: {err}") from None
+    cls = import_named(spec, key, "module:Class (or the built-in 'tools')")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if missing:
         raise ConfigError(key, spec, f"lacks {' and '.join(missing)}: an environment has "

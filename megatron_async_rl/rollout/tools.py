@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.config.plugins import import_named
 from megatron_async_rl.rollout.tool_calls import ToolCall
 from megatron_async_rl.rollout.worker_pool import CallTimeout, WorkerPool
 
@@ -61,13 +62,7 @@ def load_tools(specs: list, key: str = "tools") -> dict[str, Tool]:
 def _resolve(spec, where: str) -> Callable:
     if callable(spec) and inspect.isfunction(spec):
         return spec
-    if not isinstance(spec, str) or spec.count(":") != 1:
-        raise ConfigError(where, spec, "must be module:function or a function")
-    module_name, attr = spec.split(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(where, spec, f"cannot import it: {err}") from None
+    fn = import_named(spec, where, "module:function or a function")
     if not inspect.isfunction(fn):
         raise ConfigError(where, spec, f"is a {type(fn).__name__}, not a function")
     return fn

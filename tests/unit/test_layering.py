@@ -19,6 +19,7 @@ bottom first:
     config          config/errors, config/checks, config/roles, config/megatron_flags,
                     config/megatron_lm (Megatron-LM's flag inventory and verdicts),
                     config/megatron_parse (flags and megatron: sections read through them),
+                    config/plugins (module:attribute names a recipe gives),
                     algorithms/minibatch (batch arithmetic the recipe checks) and
                     every <package>/config.py: the recipe's sections, pure and validated
     layout          distributed/layout (pure rank arithmetic), distributed/collective_errors
@@ -136,8 +137,8 @@ IMPURE = ("torch.distributed", "megatron", "sglang")
 # submodules; "*.config" matches every <package>.config. The longest matching pattern wins.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("config.errors", "config.checks", "config.roles", "config.megatron_flags",
-                "config.megatron_lm", "config.megatron_parse", "algorithms.minibatch",
-                "*.config")),
+                "config.megatron_lm", "config.megatron_parse", "config.plugins",
+                "algorithms.minibatch", "*.config")),
     ("layout", ("distributed.layout", "distributed.collective_errors")),
     ("groups", ("distributed.groups", "distributed.platform", "distributed.devices", "compat")),
     ("models", ("models",)),
