@@ -78,7 +78,8 @@ class BudgetSpent(Exception):
     """Raised by a policy whose trajectory has no tokens left (`max_total_tokens`)."""
 
 
-async def _call(fn: Callable, arg, timeout_s: float):
+async def call_bounded(fn: Callable, arg, timeout_s: float):
+    """`fn(arg)`, sync or async, within `timeout_s` (TimeoutError past it)."""
     if inspect.iscoroutinefunction(fn):
         return await asyncio.wait_for(fn(arg), timeout_s)
     return await asyncio.wait_for(_on_daemon_thread(fn, arg), timeout_s)
@@ -113,9 +114,9 @@ async def run_episode(env, policy: Callable[[Any], Awaitable[str] | str], sample
     """One trajectory (see the module docstring). `policy` may be sync or `async def`."""
     episode = Episode()
     try:
-        observation = await _call(env.reset, sample, limits.step_timeout_s)
+        observation = await call_bounded(env.reset, sample, limits.step_timeout_s)
     except Exception as err:  # noqa: BLE001 - the environment's failure ends this trajectory
-        return _failed(episode, err)
+        return fail_episode(episode, err)
     episode.observations.append(observation)
     for _ in range(limits.max_turns):
         try:
@@ -127,11 +128,11 @@ async def run_episode(env, policy: Callable[[Any], Awaitable[str] | str], sample
             return episode
         episode.actions.append(action)
         try:
-            result = await _call(env.step, action, limits.step_timeout_s)
+            result = await call_bounded(env.step, action, limits.step_timeout_s)
         except Exception as err:  # noqa: BLE001 - as above
-            return _failed(episode, err)
+            return fail_episode(episode, err)
         if not isinstance(result, StepResult):
-            return _failed(episode, TypeError(f"step returned {type(result).__name__}, "
+            return fail_episode(episode, TypeError(f"step returned {type(result).__name__}, "
                                               "expected StepResult"))  # fmt: skip
         episode.rewards.append(float(result.reward))
         episode.observations.append(result.observation)
@@ -143,7 +144,9 @@ async def run_episode(env, policy: Callable[[Any], Awaitable[str] | str], sample
     return episode
 
 
-def _failed(episode: Episode, err: Exception) -> Episode:
+def fail_episode(episode: Episode, err: BaseException) -> Episode:
+    """End `episode` on its environment's failure: reward 0, `finish_reason` env_timeout or
+    env_error."""
     timeout = isinstance(err, (TimeoutError, asyncio.TimeoutError))
     episode.finish_reason = "env_timeout" if timeout else "env_error"
     episode.error = f"{type(err).__name__}: {err}" if not timeout else "a step timed out"

@@ -1,12 +1,13 @@
 """Worker processes that run calls which may hang, each bounded in time, for the rollout side.
 
 Owned here: `WorkerPool`, a `concurrent.futures.ProcessPoolExecutor` of spawned workers
-(SIGINT ignored: the rank handles Ctrl-C) whose `run_many` returns one result or exception
-per call. A call that does not answer within `call_timeout_s` of its batch's start comes back
-as `CallTimeout` (a `TimeoutError`), and the pool is replaced: its workers are killed (a thread
-cannot be), so one call cannot stall its stage. Used by the `math` reward's Math-Verify graders
-(`rewards/math_pool.py`) and by tool calls (`rollout/tools.py`). The pool starts at the first
-call. The target must be a module-level function (it is pickled by name).
+(SIGINT ignored: the rank handles Ctrl-C; each ends when the rank is gone) whose `run_many`
+returns one result or exception per call. A call that does not answer within `call_timeout_s`
+of its batch's start comes back as `CallTimeout` (a `TimeoutError`), and the pool is
+replaced: its workers are killed (a thread cannot be), so one call cannot stall its stage.
+Used by the `math` reward's Math-Verify graders (`rewards/math_pool.py`) and by tool calls
+(`rollout/tools.py`). The pool starts at the first call. The target must be a module-level
+function (it is pickled by name).
 """
 
 from __future__ import annotations
@@ -27,8 +28,18 @@ class CallTimeout(TimeoutError):
     """A call did not answer within the pool's `call_timeout_s`."""
 
 
-def _ignore_sigint(init: Callable[[], None] | None) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the rank handles Ctrl-C
+def _worker_start(parent: int, init: Callable[[], None] | None) -> None:
+    """In each worker: ignore Ctrl-C (the rank handles it), end when the rank is gone (a rank
+    that stopped with `os._exit`, or was killed, never shuts its pool down, and a worker blocked
+    on the call queue would wait forever), then the target's own set-up."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
     if init is not None:
         init()
 
@@ -48,7 +59,7 @@ class WorkerPool:
         if self._pool is None:
             self._pool = futures.ProcessPoolExecutor(
                 self.workers, mp_context=mp.get_context("spawn"),
-                initializer=_ignore_sigint, initargs=(self.initializer,),
+                initializer=_worker_start, initargs=(os.getpid(), self.initializer),
             )  # fmt: skip
         return self._pool
 

@@ -323,6 +323,49 @@ def test_generate_timeout_is_reported_and_engine_recovers(served):
     assert len(served.engine.generate(_greedy(4, "recovered"))[0].output_ids) >= 1
 
 
+def test_multiturn_on_the_real_engine(served):
+    """`rollout.multiturn` on the real engine (the twin of `tests/unit/test_multiturn.py`):
+    every turn continues from the trajectory's token ids, so a `transformers` forward pass
+    over each whole trajectory gives the engine's log-prob for every model token (within
+    1e-3, environment tokens in between), and the model tokens carry the engine's version."""
+    import transformers
+
+    from megatron_async_rl.engines.protocol import version_number
+    from megatron_async_rl.models.tiny import build_tokenizer
+    from megatron_async_rl.rollout.environment import EpisodeSample
+    from megatron_async_rl.rollout.multiturn import MultiTurnLimits, generate_trajectories
+    from tests.unit.test_multiturn import ToolTurns
+
+    tok = build_tokenizer()
+    prompts = ["1+2=", "3+4="]
+    prompt_ids = [tok.encode(f"<|user|>{p}<eos><|assistant|>", add_special_tokens=False)
+                  for p in prompts]  # fmt: skip
+    sampling = SamplingParams(max_new_tokens=6, temperature=0.0)
+    trajs, episodes, counts = generate_trajectories(
+        served.engine, tok, ToolTurns, [EpisodeSample(p) for p in prompts], prompt_ids,
+        sampling, MultiTurnLimits(max_turns=4),
+    )  # fmt: skip
+    assert [e.finish_reason for e in episodes] == ["done", "done"] and counts["turns"] == 6
+    model = transformers.AutoModelForCausalLM.from_pretrained(served.model_dir, dtype=torch.float32)
+    model.load_state_dict(served.state)
+    diffs = []
+    with torch.no_grad():
+        for traj in trajs:
+            ids = torch.tensor([traj.context()])
+            logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+            start = len(traj.prompt_ids)
+            for offset, (token, mask) in enumerate(zip(traj.ids, traj.loss_mask, strict=True)):
+                if mask:
+                    ref = logp[start + offset - 1, token].item()
+                    diffs.append(abs(ref - traj.logprobs[offset]))
+            assert {v for v, m in zip(traj.versions, traj.loss_mask, strict=True) if m} == {
+                version_number(served.version)
+            }
+            assert 0 in traj.loss_mask and traj.turns == 3
+    print(f"multi-turn log-prob mean abs diff vs transformers: {sum(diffs) / len(diffs):.2e}")
+    assert sum(diffs) / len(diffs) <= 1e-3
+
+
 def test_shutdown_leaves_no_processes(served):
     pids = [served.engine.host_pid, *served.engine.engine_child_pids]
     files = served.engine._engine_files  # SGLang's load-snapshot file in /dev/shm

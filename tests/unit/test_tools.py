@@ -102,3 +102,34 @@ def test_runner_turns_every_outcome_into_a_message():
                                        "raised": 1, "timeout": 1}  # fmt: skip
     finally:
         runner.close()
+
+
+def test_workers_end_with_the_process_that_started_them(tmp_path):
+    """A rank that ends with os._exit (Ctrl-C, preemption) never shuts its pool down: its
+    workers must not outlive it."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    code = (
+        "import os, sys\n"
+        "from megatron_async_rl.rollout.worker_pool import WorkerPool\n"
+        "from tests.unit.tool_fixtures import add\n"
+        "pool = WorkerPool(workers=2)\n"
+        "assert pool.run_many(add, [(1, 2), (3, 4)]) == [3, 7]\n"
+        "print(' '.join(str(p.pid) for p in pool._pool._processes.values()), flush=True)\n"
+        "os._exit(0)\n"
+    )
+    repo = str(tool_fixtures.__file__).rsplit("/tests/", 1)[0]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=repo)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    workers = [int(pid) for pid in out.stdout.split()]
+    assert len(workers) == 2
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+              for p in workers):  # fmt: skip
+        assert time.monotonic() < deadline, f"workers {workers} outlived their parent"
+        time.sleep(0.2)

@@ -1,0 +1,87 @@
+"""Multi-turn rollouts on an engine, turn by turn (`rollout/multiturn.py`), on `FakeEngine`.
+
+Contracts: each turn continues from the trajectory's own token ids (prompt, the model's
+sampled tokens, the environment's template tokens), never from re-tokenised text; model tokens
+keep the engine's log-probs and versions (a weight update between turns shows in them);
+environment tokens are masked; a trajectory ends on done, max_turns or its token budget;
+an environment that raises ends only its trajectory (counted). The real engine's twin:
+`tests/distributed/test_sglang_engine.py::test_multiturn_on_the_real_engine`.
+"""
+
+from __future__ import annotations
+
+from megatron_async_rl.engines.fake import FakeEngine
+from megatron_async_rl.engines.protocol import SamplingParams
+from megatron_async_rl.models.tiny import build_tokenizer
+from megatron_async_rl.rollout.environment import EpisodeSample, StepResult
+from megatron_async_rl.rollout.multiturn import MultiTurnLimits, generate_trajectories
+from megatron_async_rl.rollout.turns import observation_ids
+
+
+class Recording(FakeEngine):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.requests = []
+
+    def generate(self, requests):
+        self.requests.append(list(requests))
+        return super().generate(requests)
+
+
+class ToolTurns:
+    """Answers two tool messages, then says done with reward 1; `fail_on` raises instead."""
+
+    def __init__(self, fail_on: str | None = None):
+        self.turn, self.fail_on = 0, fail_on
+
+    def reset(self, sample):
+        if sample.prompt == self.fail_on:
+            raise RuntimeError("broken environment")
+        return None
+
+    def step(self, action):
+        self.turn += 1
+        if self.turn == 3:
+            return StepResult(None, 1.0, True)
+        return StepResult([{"role": "tool", "content": f"result {self.turn}"}], 0.0, False)
+
+
+def _run(engine, limits, make_env=ToolTurns, prompts=("a", "b")):
+    tok = build_tokenizer()
+    samples = [EpisodeSample(prompt=p) for p in prompts]
+    prompt_ids = [tok.encode(f"<|user|>{p}<eos><|assistant|>", add_special_tokens=False)
+                  for p in prompts]  # fmt: skip
+    sampling = SamplingParams(max_new_tokens=5, temperature=1.0)
+    return tok, prompt_ids, generate_trajectories(engine, tok, make_env, samples, prompt_ids,
+                                                  sampling, limits)  # fmt: skip
+
+
+def test_turns_continue_from_the_trajectory_tokens():
+    engine = Recording(vocab_size=96)
+    tok, prompt_ids, (trajs, episodes, counts) = _run(engine, MultiTurnLimits(max_turns=4))
+    assert [e.finish_reason for e in episodes] == ["done", "done"]
+    assert [e.reward for e in episodes] == [1.0, 1.0] and counts["turns"] == 6
+    assert len(engine.requests) == 3  # one batch per turn
+    for turn, batch in enumerate(engine.requests):
+        for index, request in enumerate(batch):
+            seen = len(request.input_ids) - len(prompt_ids[index])
+            assert request.input_ids == trajs[index].context()[: len(request.input_ids)]
+            if turn:  # after a model turn and the tool's template tokens
+                assert trajs[index].loss_mask[seen - 1] == 0
+    traj = trajs[0]
+    first = traj.loss_mask.index(0)
+    tool = observation_ids(tok, [{"role": "tool", "content": "result 1"}])
+    assert traj.ids[first + 1 : first + 1 + len(tool)] == tool  # after <eos> closing the turn
+    for mask, version, logprob in zip(traj.loss_mask, traj.versions, traj.logprobs, strict=True):
+        assert (version >= 0 and logprob < 0) if mask else (version == -1 and logprob == 0.0)
+
+
+def test_budget_and_failures_end_only_their_trajectory():
+    engine = Recording(vocab_size=96)
+    _, _, (trajs, episodes, counts) = _run(engine, MultiTurnLimits(max_total_tokens=12))
+    assert {e.finish_reason for e in episodes} == {"budget"} and counts["budget"] == 2
+    assert all(len(t.ids) <= 12 + 20 for t in trajs)  # the last environment turn may overrun
+    _, _, (_, episodes, counts) = _run(Recording(vocab_size=96), MultiTurnLimits(),
+                                       make_env=lambda: ToolTurns(fail_on="b"))  # fmt: skip
+    assert [e.finish_reason for e in episodes] == ["done", "env_error"]
+    assert episodes[1].reward == 0.0 and counts["env_errors"] == 1
