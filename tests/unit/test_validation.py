@@ -38,9 +38,10 @@ def test_sampling_is_greedy_by_default_and_keeps_the_training_length():
     assert ValidationConfig(max_new_tokens=3).rollout_config(rollout).max_new_tokens == 3
 
 
-class _Record:
-    def __init__(self, uid, answer):
-        self.uid, self.answer, self.prompt_ids, self.metadata = uid, answer, [1, 2, 3], {}
+def _Record(uid, answer):  # a real row, its prompt already tokenised
+    from megatron_async_rl.rollout.dataset import PromptRecord
+
+    return PromptRecord(uid, [1, 2, 3], "1+0=", None, answer)
 
 
 class _Tokenizer:
