@@ -130,18 +130,29 @@ async def run_episode(env, policy: Callable[[Any], Awaitable[str] | str], sample
         try:
             result = await call_bounded(env.step, action, limits.step_timeout_s)
         except Exception as err:  # noqa: BLE001 - as above
-            return fail_episode(episode, err)
-        if not isinstance(result, StepResult):
-            return fail_episode(episode, TypeError(f"step returned {type(result).__name__}, "
-                                              "expected StepResult"))  # fmt: skip
-        episode.rewards.append(float(result.reward))
-        episode.observations.append(result.observation)
-        observation = result.observation
-        if result.done:
-            episode.finish_reason = "done"
+            result = err
+        if not record_step(episode, result):
             return episode
+        observation = result.observation
     episode.finish_reason = "max_turns"
     return episode
+
+
+def record_step(episode: Episode, outcome) -> bool:
+    """Add a step's outcome (a StepResult, or the exception the step raised) to `episode`;
+    whether the trajectory goes on. A failure or a wrong type ends it (`fail_episode`), as does
+    `done`."""
+    if not isinstance(outcome, StepResult):
+        if not isinstance(outcome, BaseException):
+            outcome = TypeError(f"step returned {type(outcome).__name__}, expected StepResult")
+        fail_episode(episode, outcome)
+        return False
+    episode.rewards.append(float(outcome.reward))
+    episode.observations.append(outcome.observation)
+    if outcome.done:
+        episode.finish_reason = "done"
+        return False
+    return True
 
 
 def fail_episode(episode: Episode, err: BaseException) -> Episode:

@@ -27,9 +27,9 @@ from megatron_async_rl.engines.protocol import GenerateRequest, SamplingParams, 
 from megatron_async_rl.rollout.environment import (
     Episode,
     EpisodeSample,
-    StepResult,
     call_bounded,
     fail_episode,
+    record_step,
 )
 from megatron_async_rl.rollout.turns import Trajectory, close_turn_ids, observation_ids
 
@@ -62,7 +62,8 @@ async def _run(engine, tokenizer, make_env, samples, prompt_ids, sampling, limit
     active = []
     for index, outcome in enumerate(resets):
         if isinstance(outcome, BaseException):
-            _fail(episodes[index], outcome, counts)
+            fail_episode(episodes[index], outcome)
+            _count_failure(episodes[index], counts)
         else:
             episodes[index].observations.append(outcome)
             active.append(index)
@@ -95,16 +96,9 @@ async def _run(engine, tokenizer, make_env, samples, prompt_ids, sampling, limit
         active = []
         for index, outcome in zip(running, steps, strict=True):
             episode, trajectory = episodes[index], trajectories[index]
-            if isinstance(outcome, BaseException) or not isinstance(outcome, StepResult):
-                if not isinstance(outcome, BaseException):
-                    outcome = TypeError(f"step returned {type(outcome).__name__}, expected "
-                                        "StepResult")  # fmt: skip
-                _fail(episode, outcome, counts)
-                continue
-            episode.rewards.append(float(outcome.reward))
-            episode.observations.append(outcome.observation)
-            if outcome.done:
-                episode.finish_reason = "done"
+            if not record_step(episode, outcome):
+                if episode.error:
+                    _count_failure(episode, counts)
                 continue
             messages = _as_messages(outcome.observation)
             trajectory.add_environment(close_turn_ids(tokenizer, trajectory.ids))
@@ -123,8 +117,7 @@ async def _guarded(fn, arg, limits: MultiTurnLimits):
         return err
 
 
-def _fail(episode: Episode, err: BaseException, counts: Counter) -> None:
-    fail_episode(episode, err)
+def _count_failure(episode: Episode, counts: Counter) -> None:
     counts["env_timeouts" if episode.finish_reason == "env_timeout" else "env_errors"] += 1
 
 
