@@ -114,20 +114,15 @@ def main(argv: list[str] | None = None) -> int:
         except Interrupted:
             leader_print(f"interrupted (Ctrl-C): checkpoint saved, outputs in {cfg.run_dir}; "
                          "the same command resumes", rank)  # fmt: skip
-            _end_now(_interrupted_exit(rank))
+            _end_now(_stop_exit(rank, "INTERRUPTED", INTERRUPTED_EXIT_CODE, "interrupted"))
         except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop took the signal
             if first_report_on_node("interrupted"):
                 sys.stderr.write("interrupted (Ctrl-C): stopped at once, without a checkpoint; "
                                  f"outputs so far in {cfg.run_dir}\n")  # fmt: skip
-            _end_now(_interrupted_exit(rank))
+            _end_now(_stop_exit(rank, "INTERRUPTED", INTERRUPTED_EXIT_CODE, "interrupted"))
         except Preempted as stop:
             leader_print(f"preempted ({stop}): checkpoint saved; exit {PREEMPTED_EXIT_CODE}", rank)
-            marker = os.environ.get("MEGATRON_ASYNC_RL_PREEMPTED_FILE")
-            if marker and rank == 0:  # what the launchers read to exit 83
-                Path(marker).write_text(f"{stop}\n")
-            # Under a launcher (the marker set) every rank exits 0, so torchrun ends quietly
-            # instead of reporting failed workers (or restarting them, with --max-restarts).
-            _end_now(0 if marker else PREEMPTED_EXIT_CODE)
+            _end_now(_stop_exit(rank, "PREEMPTED", PREEMPTED_EXIT_CODE, str(stop)))
         except Exception:
             if reported_on_node():  # a peer printed why the run stops; this is its echo
                 logger.debug("stopping after a peer's error", exc_info=True)
@@ -152,15 +147,17 @@ def _end_now(code: int) -> None:
     os._exit(code)
 
 
-def _interrupted_exit(rank: int) -> int:
-    """The ranks' exit code after Ctrl-C. Under `launch/torchrun.sh`
-    (MEGATRON_ASYNC_RL_INTERRUPTED_FILE set) rank 0 leaves that marker and every rank exits 0,
-    so torchrun ends quietly and the launcher exits 130; under plain torchrun, 130."""
-    marker = os.environ.get("MEGATRON_ASYNC_RL_INTERRUPTED_FILE")
+def _stop_exit(rank: int, kind: str, code: int, text: str) -> int:
+    """The ranks' exit code after a stop of `kind` (INTERRUPTED: Ctrl-C, 130; PREEMPTED: a
+    save-and-exit signal, 83). Under a launcher (MEGATRON_ASYNC_RL_<kind>_FILE set) rank 0
+    leaves that marker, which the launcher turns into `code`, and every rank exits 0, so
+    torchrun ends quietly instead of reporting failed workers (or restarting them, with
+    --max-restarts); under plain torchrun, `code`."""
+    marker = os.environ.get(f"MEGATRON_ASYNC_RL_{kind}_FILE")
     if not marker:
-        return INTERRUPTED_EXIT_CODE
+        return code
     if rank == 0:
-        Path(marker).write_text("interrupted\n")
+        Path(marker).write_text(f"{text}\n")
     return 0
 
 

@@ -58,16 +58,14 @@ class SignalFlag:
     STOP, SAVE = 1, 2
     """`any_rank`'s answer: 0 none, STOP Ctrl-C only, SAVE a save-and-exit signal or deadline."""
 
-    def __init__(self, names: list[str], exit_after_s: float | None = None,
-                 interrupt: bool = True):  # fmt: skip
+    def __init__(self, names: list[str], exit_after_s: float | None = None):
         self.raised: str | None = None
         self.deadline = None if exit_after_s is None else time.monotonic() + exit_after_s
         """Megatron's --exit-duration-in-mins: past it, the run saves and stops as on a signal."""
         self._interrupted_at: float | None = None
         for name in names:
             signal.signal(getattr(signal, name), self._on_signal)
-        if interrupt and "SIGINT" not in names:
-            signal.signal(signal.SIGINT, self._on_interrupt)
+        signal.signal(signal.SIGINT, self._on_interrupt)  # never a save_on_signal name
 
     def _on_signal(self, signum, frame) -> None:
         self.raised = signal.Signals(signum).name
