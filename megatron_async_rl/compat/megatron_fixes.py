@@ -10,9 +10,30 @@ defect is absent.
   Transformer Engine the name is unbound and every MoE forward raises NameError. Seen on an H100
   without Transformer Engine (`tests/gpu/test_parity_cuda.py`, qwen3_moe, 2026-11-25); bound to
   None, the router takes its torch.mm path.
+- Multi-latent attention on the local (non-Transformer-Engine) spec cannot be built: MLA passes
+  `k_channels` / `v_channels` (query-key and value head sizes differ) to its core attention, and
+  the local `DotProductAttention` takes neither, and sizes its output by `kv_channels`. Seen
+  building a tiny DeepSeek-V3 on CPU (`tests/distributed/test_hf_parity.py`, 2026-11-26).
+  `mla_local_spec` swaps in `MLADotProductAttention`, which computes the same attention with the
+  value head size for the output (its forward is upstream's: scores need only q and k to agree).
+- Without Transformer Engine, `multi_latent_attention` still finds `HAVE_TE` true (megatron-core's
+  `extensions.transformer_engine` imports, with MagicMock placeholders), and its `isinstance(...,
+  TELinear)` raises TypeError for every MLA layer. `HAVE_TE` is set false there when `TELinear`
+  is not a class. Seen with the previous defect.
+- On the local spec with TP > 1, MLA gathers its column-split down projections with
+  `gather_from_tensor_model_parallel_region(x)` (and scatters with
+  `scatter_to_sequence_parallel_region(x)`) without a group, i.e. from megatron's global
+  parallel state, which roles built from explicit process groups never initialise (None.size()).
+  `mla_local_spec` builds `MLASelfAttentionWithGroups`, which supplies its own TP group to those
+  calls. Seen in the TP=2 MLA parity test (2026-11-26).
 """
 
 from __future__ import annotations
+
+import contextvars
+import functools
+
+_MLA_TP_GROUP: contextvars.ContextVar = contextvars.ContextVar("mla_tp_group", default=None)
 
 
 def install() -> None:
@@ -21,3 +42,78 @@ def install() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.HAVE_TE = False
+
+
+@functools.cache
+def _mla_dot_product_attention():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.utils import divide
+
+    class MLADotProductAttention(DotProductAttention):
+        """Local core attention with query-key heads of `k_channels` and value heads of
+        `v_channels` (the context is sized by the latter)."""
+
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                heads = self.num_attention_heads_per_partition
+                self.hidden_size_per_partition = v_channels * heads
+                self.hidden_size_per_attention_head = divide(
+                    self.hidden_size_per_partition, heads
+                )
+
+    return MLADotProductAttention
+
+
+def _group_defaults_to_mla_tp(fn):
+    """`fn(input_, group=None, ...)` with group defaulting to the calling MLA layer's TP group."""
+    if getattr(fn, "_mla_tp_default", False):
+        return fn
+
+    @functools.wraps(fn)
+    def call(input_, group=None, *args, **kwargs):
+        return fn(input_, group if group is not None else _MLA_TP_GROUP.get(), *args, **kwargs)
+
+    call._mla_tp_default = True
+    return call
+
+
+@functools.cache
+def _mla_self_attention_with_groups():
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    for name in ("gather_from_tensor_model_parallel_region", "scatter_to_sequence_parallel_region"):
+        setattr(mla, name, _group_defaults_to_mla_tp(getattr(mla, name)))
+
+    class MLASelfAttentionWithGroups(mla.MLASelfAttention):
+        """MLASelfAttention whose q/kv gathers use this layer's TP group."""
+
+        def get_query_key_value_tensors(self, *args, **kwargs):
+            token = _MLA_TP_GROUP.set(self.tp_group)
+            try:
+                return super().get_query_key_value_tensors(*args, **kwargs)
+            finally:
+                _MLA_TP_GROUP.reset(token)
+
+    return MLASelfAttentionWithGroups
+
+
+def mla_local_spec(block_spec):
+    """`block_spec` (a TransformerBlockSubmodules of the local spec) with every MLA layer built as
+    `MLASelfAttentionWithGroups` around `MLADotProductAttention`. Returns the same object, edited
+    (megatron-core builds fresh specs per call; editing twice is a no-op)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    core, attention_cls = _mla_dot_product_attention(), _mla_self_attention_with_groups()
+    for layer in block_spec.layer_specs:
+        attention = layer.submodules.self_attention
+        if attention.module is MLASelfAttention:
+            attention.module = attention_cls
+            if attention.submodules.core_attention is DotProductAttention:
+                attention.submodules.core_attention = core
+    return block_spec

@@ -647,11 +647,11 @@ def check_args(args: dict[str, Any], role: str | None = None) -> None:
     freq = a["moe_layer_freq"]
     rules += (
         (
-            experts is not None and freq != 1 and (not isinstance(freq, list) or 0 in freq),
+            experts is not None and isinstance(freq, list) and len(freq) != a["num_layers"],
             "--moe-layer-freq",
             freq,
-            "dense layers among MoE layers are not built here yet (their weights are not mapped)",
-            "every layer MoE: --moe-layer-freq 1",
+            f"a pattern needs one 0 (dense) or 1 (MoE) per layer: {a['num_layers']} of them",
+            None,
         ),
     )
     pp = a["pipeline_model_parallel_size"]

@@ -222,6 +222,8 @@ IGNORED: dict[str, str] = {
     "local_rank": "the local rank (torchrun's LOCAL_RANK is used)",
     "scatter_gather_tensors_in_pipeline": "a no-op in megatron-core models",
     "distributed_backend": "the backend (nccl on GPUs, gloo on CPU: platform.device)",
+    "cache_mla_latents": "the KV cache of Megatron-LM's own inference engine (the SGLang "
+    "engines keep their own MLA cache)",
     "fp16_lm_cross_entropy": "the output loss (log-probs are computed from the logits in fp32)",
     "use_legacy_tokenizer": _TOKENIZER,
     "eval_iters": _VALIDATION,
@@ -348,26 +350,11 @@ NOT_KNOBS_IN_MEGATRON_LM = {
 figure's second denominator; their verdicts above stand)."""
 
 
-_MLA = (
-    "multi-latent attention (DeepSeek-V2/V3, Kimi-K2) is not built here yet: its HF weight "
-    "names and tensor-parallel shards are not mapped (models/name_map.py)"
-)
 NOT_BUILT: dict[str, tuple[str, str]] = {
-    "multi_latent_attention": (_MLA, "drop the flag: GPT, Llama, Qwen and Qwen-MoE models"),
-    **{
-        dest: (_MLA, "drop the flag")
-        for dest in (
-            "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
-            "rotary_scaling_factor", "mscale", "mscale_all_dim", "cache_mla_latents",
-        )
-    },
     "mtp_num_layers": (
-        "multi-token prediction layers are not built here yet (their weights are not mapped)",
+        "multi-token prediction layers are not built here (an RL trainer samples from the "
+        "engines, not MTP heads; a checkpoint's MTP layers are skipped on load)",
         "drop the flag",
-    ),
-    "moe_shared_expert_intermediate_size": (
-        "shared experts are not built here yet (their weights are not mapped)",
-        "drop the flag: MoE models whose experts are all routed",
     ),
 }  # fmt: skip
 """Megatron-core config fields of model structures the HF name map does not cover yet: refused

@@ -372,7 +372,12 @@ _CHECKPOINT_DEFINES = (
     "norm_epsilon", "position_embedding_type", "rotary_base", "rotary_percent",
     "rotary_interleaved", "untie_embeddings_and_output_weights", "add_bias_linear",
     "add_qkv_bias", "qk_layernorm", "vocab_size", "num_experts", "moe_ffn_hidden_size",
-    "moe_router_topk",
+    "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
+    "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "moe_router_num_groups",
+    "moe_router_group_topk", "moe_layer_freq", "moe_shared_expert_intermediate_size",
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+    "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale",
+    "mscale_all_dim", "original_max_position_embeddings", "beta_fast", "beta_slow",
 )  # fmt: skip
 # Megatron args the HF config has no word for, whose non-default values change the numerics.
 _CHECKPOINT_EXCLUDES = (

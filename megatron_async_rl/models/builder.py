@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_async_rl.compat import megatron_fixes
 from megatron_async_rl.config import megatron_flags
 from megatron_async_rl.distributed.layout import Parallelism
 from megatron_async_rl.distributed.platform import Platform
@@ -115,8 +116,19 @@ def model_spec(args: dict[str, Any], par: Parallelism, platform: Platform) -> Mo
     )
 
 
-def layer_spec(config, spec: ModelSpec):
+def layer_spec(config, spec: ModelSpec, pp_rank: int = 0):
+    """One layer spec for uniform models; megatron-core's block spec (this stage's layers, each
+    dense or MoE by --moe-layer-freq) for multi-latent attention and mixed dense/MoE stacks."""
     from megatron.core.models.gpt import gpt_layer_specs
+
+    freq = config.moe_layer_freq
+    mixed = config.num_moe_experts and not (freq == 1 or (isinstance(freq, list) and 0 not in freq))
+    if config.multi_latent_attention or mixed:
+        block = gpt_layer_specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=spec.use_te, normalization=config.normalization,
+            pp_rank=pp_rank,
+        )  # fmt: skip
+        return block if spec.use_te else megatron_fixes.mla_local_spec(block)
 
     common = dict(
         num_experts=config.num_moe_experts,
@@ -158,7 +170,7 @@ def build_gpt_model(config, spec: ModelSpec, pg_collection, seed: int, device=No
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config, spec),
+        transformer_layer_spec=layer_spec(config, spec, pp_rank),
         vocab_size=spec.padded_vocab_size,
         max_sequence_length=spec.max_sequence_length,
         pre_process=pp_rank == 0,

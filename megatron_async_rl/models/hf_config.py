@@ -6,7 +6,8 @@ model builder (`megatron_args_from_hf` before building a `GPTModel` from a HF di
 export / `tiny.py` (`hf_config_from_megatron_args`, `legacy_compatible`). Pure Python.
 
 Families: `llama`, `qwen2` (q/k/v bias), `qwen3` (per-head q/k RMSNorm), `qwen3_moe` (all layers
-MoE, no shared expert). Anything the Megatron model would compute differently raises `ValueError`
+MoE, no shared expert), `deepseek_v3` (DeepSeek-V3/R1, Kimi-K2, Moonlight: multi-latent attention,
+dense first layers, MoE with shared experts and sigmoid group-limited routing with an expert bias). Anything the Megatron model would compute differently raises `ValueError`
 naming the key, the value and the rule: better no model than a silently different one.
 
 Qwen3-MoE routing (transformers 5.12.1 `Qwen3MoeTopKRouter`): `p = softmax(logits)` over all
@@ -25,12 +26,13 @@ from __future__ import annotations
 
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 # Keys carried over from a source config on export: they describe tokens, not shapes.
 _PASSTHROUGH_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -125,6 +127,10 @@ def megatron_args_from_hf(hf_config: dict) -> dict[str, Any]:
     model_type = hf_config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise _unsupported("model_type", model_type, f"supported: {SUPPORTED_MODEL_TYPES}")
+    if model_type == "deepseek_v3":
+        from megatron_async_rl.models import hf_deepseek
+
+        return hf_deepseek.megatron_args_from_hf(hf_config)
     _check_attention(hf_config, model_type)
     hidden = int(_require(hf_config, "hidden_size"))
     num_heads = int(_require(hf_config, "num_attention_heads"))
@@ -190,7 +196,12 @@ def hf_config_from_megatron_args(
     """
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise _unsupported("model_type", model_type, f"supported: {SUPPORTED_MODEL_TYPES}")
+    if model_type == "deepseek_v3":
+        from megatron_async_rl.models import hf_deepseek
+
+        return hf_deepseek.hf_config_from_megatron_args(args, base)
     for key, wanted in (
+        ("multi_latent_attention", False),
         ("swiglu", True),
         ("normalization", "RMSNorm"),
         ("position_embedding_type", "rope"),
@@ -266,6 +277,18 @@ def legacy_compatible(hf_config: dict) -> dict[str, Any]:
     SGLang may pin) ignores both and would silently fall back to class defaults (128 experts).
     """
     cfg = dict(hf_config)
+    if cfg.get("model_type") == "deepseek_v3":
+        # transformers 5 writes neither: its DeepseekV3 routes by sigmoid with the expert bias
+        # ("noaux_tc") always, while SGLang reads the keys (greedy softmax routing without them)
+        cfg.setdefault("scoring_func", "sigmoid")
+        cfg.setdefault("topk_method", "noaux_tc")
+        params = cfg.get("rope_parameters") or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type != "default" and not cfg.get("rope_scaling"):
+            cfg["rope_scaling"] = {"type": rope_type, **{k: v for k, v in params.items()
+                                                           if k != "rope_theta"}}  # fmt: skip
+        cfg.setdefault("rope_theta", float(params.get("rope_theta", 10000.0)))
+        return {**cfg, **({"torch_dtype": cfg["dtype"]} if "dtype" in cfg else {})}
     cfg.setdefault("rope_theta", rope_theta(hf_config))
     if "dtype" in cfg:
         cfg.setdefault("torch_dtype", cfg["dtype"])

@@ -1,4 +1,4 @@
-"""Names and layouts between Megatron-core GPT (0.16.1) and HF llama/qwen2/qwen3/qwen3_moe.
+"""Names and layouts between Megatron-core GPT (0.16.1) and HF llama/qwen2/qwen3/qwen3_moe/deepseek_v3.
 
 The single source of truth for: which HF tensors a Megatron parameter becomes (and back), how a
 full Megatron tensor is split across tensor-parallel ranks (and gathered back), and how stage-local
@@ -21,6 +21,14 @@ Megatron layouts (read from megatron-core 0.16.1, logits-checked by the lead):
   `pre_mlp_layernorm`. Both spellings are parsed; `ModelDims.te_fused_norms` picks the one
   produced. Experts are SequentialMLP's `experts.local_experts.{j}` (`moe_grouped_gemm=False`);
   TE grouped-GEMM names (`experts.linear_fc1.weight{j}`) are not handled yet.
+- Multi-latent attention (deepseek_v3; `hf_deepseek` has the numerics): each HF tensor is one
+  Megatron parameter, in the same row order. TP splits `linear_q_proj`/`linear_q_up_proj`/
+  `linear_kv_up_proj` rows by head and `linear_proj` columns; the local spec also splits the
+  down projections' rows (column-parallel, gathered in the forward), the TE spec keeps them whole
+  ('duplicated'), and fuses `q_layernorm`/`kv_layernorm` into the up projections.
+- Mixed stacks (`--moe-layer-freq` as a list: dense first layers) have dense MLP names on dense
+  layers and MoE names on MoE layers; shared experts (`mlp.shared_experts.linear_fc1/2`) split
+  as a dense MLP over TP, and the router's `expert_bias` buffer is HF's `e_score_correction_bias`.
 HF experts are named per expert (`mlp.experts.{j}.gate_proj.weight`): the hub format on disk,
 which transformers 5.12.1 fuses on load into `gate_up_proj` (E, 2F, H) = [gate; up] and SGLang
 loads as is.
@@ -45,6 +53,33 @@ _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.
 
 
 @dataclass(frozen=True)
+class MLADims:
+    """Multi-latent attention sizes (Megatron names; HF: q_lora_rank, kv_lora_rank,
+    qk_nope_head_dim, qk_rope_head_dim, v_head_dim)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_head_dim: int
+    qk_pos_emb_head_dim: int
+    v_head_dim: int
+
+    @property
+    def q_head_dim(self) -> int:
+        return self.qk_head_dim + self.qk_pos_emb_head_dim
+
+
+def moe_layer_pattern(freq: Any, num_layers: int) -> tuple[int, ...]:
+    """1 for a MoE layer, 0 for a dense one, as megatron-core reads --moe-layer-freq (an int N:
+    every N-th layer from 0; a list: the pattern itself)."""
+    if isinstance(freq, int):
+        return tuple(1 if i % freq == 0 else 0 for i in range(num_layers))
+    pattern = tuple(int(x) for x in freq)
+    if len(pattern) != num_layers or set(pattern) - {0, 1}:
+        raise ValueError(f"moe_layer_freq={list(freq)} must be {num_layers} zeros and ones")
+    return pattern
+
+
+@dataclass(frozen=True)
 class ModelDims:
     """Shapes and switches that decide names and layouts; `head_dim` is Megatron `kv_channels`."""
 
@@ -66,6 +101,18 @@ class ModelDims:
     """--decoder-first-pipeline-num-layers (megatron-core num_layers_in_first_pipeline_stage)."""
     last_stage_layers: int | None = None
     """--decoder-last-pipeline-num-layers (num_layers_in_last_pipeline_stage)."""
+    mla: MLADims | None = None
+    moe_layers: tuple[int, ...] | None = None
+    """Which layers are MoE (1) or dense (0), when num_experts is set; None: every layer."""
+    shared_expert_ffn: int | None = None
+    """--moe-shared-expert-intermediate-size."""
+    expert_bias: bool = False
+    """--moe-router-enable-expert-bias (a router buffer the engines read)."""
+
+    def is_moe(self, layer: int) -> bool:
+        if self.num_experts is None:
+            return False
+        return self.moe_layers is None or bool(self.moe_layers[layer])
 
     def stage_layers(self, pp_rank: int, pp_size: int) -> range:
         """Global indices of the decoder layers pipeline stage `pp_rank` holds."""
@@ -92,6 +139,17 @@ class ModelDims:
         a = args if isinstance(args, Mapping) else vars(args)
         heads = int(a["num_attention_heads"])
         num_experts = a.get("num_experts") or None
+        mla = None
+        if a.get("multi_latent_attention"):
+            q_lora = a.get("q_lora_rank")
+            mla = MLADims(
+                int(q_lora) if q_lora else None, int(a["kv_lora_rank"]), int(a["qk_head_dim"]),
+                int(a["qk_pos_emb_head_dim"]), int(a["v_head_dim"]),
+            )  # fmt: skip
+        moe_layers = None
+        if num_experts and a.get("moe_layer_freq", 1) != 1:
+            moe_layers = moe_layer_pattern(a["moe_layer_freq"], int(a["num_layers"]))
+            moe_layers = None if all(moe_layers) else moe_layers
         return cls(
             num_layers=int(a["num_layers"]),
             hidden_size=int(a["hidden_size"]),
@@ -111,6 +169,11 @@ class ModelDims:
             padded_vocab_size=a.get("padded_vocab_size"),
             first_stage_layers=a.get("num_layers_in_first_pipeline_stage"),
             last_stage_layers=a.get("num_layers_in_last_pipeline_stage"),
+            mla=mla,
+            moe_layers=moe_layers,
+            shared_expert_ffn=(a.get("moe_shared_expert_intermediate_size") or None)
+            if num_experts else None,
+            expert_bias=bool(num_experts and a.get("moe_router_enable_expert_bias")),
         )
 
 
@@ -149,10 +212,33 @@ _LAYER_TABLE: dict[str, tuple[tuple[str, ...], str, int | None, int]] = {
     "mlp.linear_fc1.layer_norm_weight": (("post_attention_layernorm.weight",), "copy", None, 1),
     "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "glu", 0, 2),
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "copy", 1, 1),
-    "mlp.router.weight": (("mlp.gate.weight",), "copy", None, 1),
     "linear_fc1": (("gate_proj.weight", "up_proj.weight"), "glu", 0, 2),  # expert j
     "linear_fc2": (("down_proj.weight",), "copy", 1, 1),  # expert j
 }
+# The same for multi-latent attention layers (te: the TE spec's spelling / split).
+_MLA_TABLE: dict[str, tuple[tuple[str, ...], str, int | None, int]] = {
+    "self_attention.linear_q_proj.weight": (("self_attn.q_proj.weight",), "copy", 0, 1),
+    "self_attention.linear_q_down_proj.weight": (("self_attn.q_a_proj.weight",), "copy", 0, 1),
+    "self_attention.linear_q_up_proj.weight": (("self_attn.q_b_proj.weight",), "copy", 0, 1),
+    "self_attention.q_layernorm.weight": (("self_attn.q_a_layernorm.weight",), "copy", None, 1),
+    "self_attention.linear_q_up_proj.layer_norm_weight": (
+        ("self_attn.q_a_layernorm.weight",), "copy", None, 1),
+    "self_attention.linear_kv_down_proj.weight": (
+        ("self_attn.kv_a_proj_with_mqa.weight",), "copy", 0, 1),
+    "self_attention.linear_kv_up_proj.weight": (("self_attn.kv_b_proj.weight",), "copy", 0, 1),
+    "self_attention.kv_layernorm.weight": (("self_attn.kv_a_layernorm.weight",), "copy", None, 1),
+    "self_attention.linear_kv_up_proj.layer_norm_weight": (
+        ("self_attn.kv_a_layernorm.weight",), "copy", None, 1),
+}  # fmt: skip
+_MLA_DOWN = {"self_attention.linear_q_down_proj.weight", "self_attention.linear_kv_down_proj.weight"}
+_MOE_TABLE: dict[str, tuple[tuple[str, ...], str, int | None, int]] = {
+    "mlp.router.weight": (("mlp.gate.weight",), "copy", None, 1),
+    "mlp.router.expert_bias": (("mlp.gate.e_score_correction_bias",), "copy", None, 1),
+    "mlp.shared_experts.linear_fc1.weight": (
+        ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"), "glu", 0, 2),
+    "mlp.shared_experts.linear_fc2.weight": (
+        ("mlp.shared_experts.down_proj.weight",), "copy", 1, 1),
+}  # fmt: skip
 _GLOBAL_TABLE = {
     "embedding.word_embeddings.weight": (("model.embed_tokens.weight",), "vocab", 0, 1),
     "output_layer.weight": (("lm_head.weight",), "vocab", 0, 1),
@@ -180,23 +266,55 @@ def _rule(name: str, dims: ModelDims) -> tuple[tuple[str, ...], str, ShardSpec]:
     layer, suffix = int(m.group(1)), m.group(2)
     if layer >= dims.num_layers:
         raise ValueError(f"{name}: layer {layer} outside num_layers={dims.num_layers}")
-    moe, expert, prefix = dims.num_experts is not None, None, f"model.layers.{layer}."
+    moe, expert, prefix = dims.is_moe(layer), None, f"model.layers.{layer}."
     e = _EXPERT_RE.match(suffix)
     if e and moe:
         expert, suffix = int(e.group(1)), e.group(2)
         prefix = f"{prefix}mlp.experts.{expert}."
         if expert >= dims.num_experts:
             raise ValueError(f"{name}: expert {expert} outside num_experts={dims.num_experts}")
-    if (
-        suffix not in _LAYER_TABLE
-        or (suffix in _DENSE_ONLY and moe)
-        or (suffix == "mlp.router.weight" and not moe)
-        or (suffix.startswith("linear_fc") and expert is None)
-        or (suffix in _SWITCHES and not getattr(dims, _SWITCHES[suffix]))
-    ):
+    table = _layer_table(dims, layer)
+    if suffix not in table or (suffix.startswith("linear_fc") and expert is None):
         raise ValueError(f"unknown Megatron parameter {name!r} for {dims}")
-    hf, kind, dim, stride = _LAYER_TABLE[suffix]
+    hf, kind, dim, stride = table[suffix]
+    if dims.te_fused_norms and suffix in _MLA_DOWN:
+        dim = None  # the TE spec's down projections are 'duplicated' on every TP rank
     return tuple(prefix + n for n in hf), kind, ShardSpec(dim, stride, False, layer, expert)
+
+
+_ATTENTION_KEYS = {"input_layernorm.weight", "self_attention.linear_proj.weight"}
+_MLP_NORM_KEYS = {"pre_mlp_layernorm.weight"}
+
+
+def _layer_table(dims: ModelDims, layer: int) -> dict:
+    """The suffix rules valid for one layer of `dims` (both the local and the TE spellings)."""
+    table = {k: v for k, v in _LAYER_TABLE.items() if k in _ATTENTION_KEYS | _MLP_NORM_KEYS}
+    if dims.mla is None:
+        table.update(
+            (k, v) for k, v in _LAYER_TABLE.items()
+            if k.startswith("self_attention.") and (k not in _SWITCHES
+                                                    or getattr(dims, _SWITCHES[k]))
+        )  # fmt: skip
+    else:
+        lora = dims.mla.q_lora_rank is not None
+        for k, v in _MLA_TABLE.items():
+            query_side = "q_proj" in k or "q_down" in k or "q_up" in k or "q_layernorm" in k
+            if "q_layernorm" in k or "kv_layernorm" in k or "layer_norm_weight" in k:
+                if not dims.qk_layernorm:
+                    continue
+            if query_side and (k == "self_attention.linear_q_proj.weight") == lora:
+                continue
+            table[k] = v
+    if dims.is_moe(layer):
+        table["mlp.router.weight"] = _MOE_TABLE["mlp.router.weight"]
+        if dims.expert_bias:
+            table["mlp.router.expert_bias"] = _MOE_TABLE["mlp.router.expert_bias"]
+        if dims.shared_expert_ffn:
+            table.update((k, v) for k, v in _MOE_TABLE.items() if "shared_experts" in k)
+        table.update((k, _LAYER_TABLE[k]) for k in ("linear_fc1", "linear_fc2"))
+    else:
+        table.update((k, _LAYER_TABLE[k]) for k in _DENSE_ONLY)
+    return table
 
 
 def shard_spec(megatron_name: str, dims: ModelDims) -> ShardSpec:
@@ -209,26 +327,57 @@ def hf_names_for(megatron_name: str, dims: ModelDims) -> tuple[str, ...]:
     return _rule(megatron_name, dims)[0]
 
 
-def _layer_param_names(dims: ModelDims, layer: int, experts: range) -> list[str]:
-    te, moe = dims.te_fused_norms, dims.num_experts is not None
-    suffixes = [
-        "self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight",
-        "self_attention.linear_qkv.weight",
-        *(["self_attention.linear_qkv.bias"] if dims.add_qkv_bias else []),
-        *(
-            ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
-            if dims.qk_layernorm
-            else []
-        ),
+def _attention_suffixes(dims: ModelDims) -> list[str]:
+    te, mla = dims.te_fused_norms, dims.mla
+    if mla is None:
+        return [
+            "self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight",
+            "self_attention.linear_qkv.weight",
+            *(["self_attention.linear_qkv.bias"] if dims.add_qkv_bias else []),
+            *(
+                ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+                if dims.qk_layernorm
+                else []
+            ),
+            "self_attention.linear_proj.weight",
+        ]
+    norms = dims.qk_layernorm
+    if mla.q_lora_rank is None:
+        query = ["self_attention.linear_q_proj.weight"]
+    else:
+        query = [
+            "self_attention.linear_q_down_proj.weight",
+            "self_attention.linear_q_up_proj.weight",
+            *(["self_attention.linear_q_up_proj.layer_norm_weight" if te
+               else "self_attention.q_layernorm.weight"] if norms else []),
+        ]  # fmt: skip
+    return [
+        "input_layernorm.weight",  # MLA's TE spec keeps it whole: two projections read it
+        *query,
+        "self_attention.linear_kv_down_proj.weight",
+        "self_attention.linear_kv_up_proj.weight",
+        *(["self_attention.linear_kv_up_proj.layer_norm_weight" if te
+           else "self_attention.kv_layernorm.weight"] if norms else []),
         "self_attention.linear_proj.weight",
+    ]  # fmt: skip
+
+
+def _layer_param_names(dims: ModelDims, layer: int, experts: range) -> list[str]:
+    te, moe = dims.te_fused_norms, dims.is_moe(layer)
+    suffixes = [
+        *_attention_suffixes(dims),
         "mlp.linear_fc1.layer_norm_weight" if te and not moe else "pre_mlp_layernorm.weight",
     ]
     if not moe:
         suffixes += ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
     else:
         suffixes.append("mlp.router.weight")
+        if dims.expert_bias:
+            suffixes.append("mlp.router.expert_bias")
         for j in experts:
             suffixes += [f"mlp.experts.local_experts.{j}.linear_fc{k}.weight" for k in (1, 2)]
+        if dims.shared_expert_ffn:
+            suffixes += [f"mlp.shared_experts.linear_fc{k}.weight" for k in (1, 2)]
     return [f"decoder.layers.{layer}.{s}" for s in suffixes]
 
 
@@ -518,6 +667,8 @@ def hf_shape(hf_name: str, dims: ModelDims) -> tuple[int, ...]:
     """Full shape of one HF tensor, from HF conventions (independent of Megatron's layouts)."""
     h, d, nq, ng = dims.hidden_size, dims.head_dim, dims.num_attention_heads, dims.num_query_groups
     ffn = dims.moe_ffn_hidden_size if ".experts." in hf_name else dims.ffn_hidden_size
+    if ".shared_experts." in hf_name:
+        ffn = dims.shared_expert_ffn
     shapes = {
         "embed_tokens.weight": (dims.vocab_size, h),
         "lm_head.weight": (dims.vocab_size, h),
@@ -537,7 +688,20 @@ def hf_shape(hf_name: str, dims: ModelDims) -> tuple[int, ...]:
         "up_proj.weight": (ffn, h),
         "down_proj.weight": (h, ffn),
         "gate.weight": (dims.num_experts, h),
+        "gate.e_score_correction_bias": (dims.num_experts,),
     }
+    if dims.mla is not None:
+        m = dims.mla
+        shapes.update({
+            "q_proj.weight": (nq * m.q_head_dim, h),
+            "q_a_proj.weight": (m.q_lora_rank, h),
+            "q_a_layernorm.weight": (m.q_lora_rank,),
+            "q_b_proj.weight": (nq * m.q_head_dim, m.q_lora_rank),
+            "kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_pos_emb_head_dim, h),
+            "kv_a_layernorm.weight": (m.kv_lora_rank,),
+            "kv_b_proj.weight": (nq * (m.qk_head_dim + m.v_head_dim), m.kv_lora_rank),
+            "o_proj.weight": (h, nq * m.v_head_dim),
+        })  # fmt: skip
     suffix = ".".join(hf_name.split(".")[-2:])
     if suffix not in shapes:
         raise ValueError(f"no HF shape rule for tensor {hf_name!r}")
@@ -554,9 +718,19 @@ def check_hf_names(names: Iterable[str], dims: ModelDims) -> None:
         raise ValueError(f"HF state dict lacks {missing[:8]} needed for Megatron parameters")
     # A tied checkpoint may still carry lm_head; old ones carry rotary buffers.
     ignorable = {"lm_head.weight"} if dims.tied_embeddings else set()
-    extra = sorted(n for n in names - needed - ignorable if not n.endswith("rotary_emb.inv_freq"))
+    extra = sorted(
+        n for n in names - needed - ignorable
+        if not n.endswith("rotary_emb.inv_freq") and not _beyond_layers(n, dims)
+    )  # fmt: skip
     if extra:
         raise ValueError(f"HF state dict has tensors with no Megatron counterpart: {extra[:8]}")
+
+
+def _beyond_layers(hf_name: str, dims: ModelDims) -> bool:
+    """A tensor of a layer past num_layers: DeepSeek-V3's multi-token-prediction layers, which
+    transformers and the engines' causal LM do not load either."""
+    m = re.match(r"^model\.layers\.(\d+)\.", hf_name)
+    return bool(m) and int(m.group(1)) >= dims.num_layers
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Tiny, locally made HF model directories (llama, qwen2, qwen3, qwen3_moe) for tests and CI.
+"""Tiny, locally made HF model directories (llama, qwen2, qwen3, qwen3_moe, deepseek_v3) for tests.
 
 Owns `write_tiny_model` and its command line:
 
@@ -27,7 +27,7 @@ from megatron_async_rl.models.hf_config import legacy_compatible
 
 logger = logging.getLogger(__name__)
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>")
 CHARACTERS = (
     string.digits + "+-*/=?.,:;()!'\"%<>" + string.ascii_lowercase + string.ascii_uppercase + " \n"
@@ -74,6 +74,7 @@ def _config(family: str, vocab_size: int, overrides: dict[str, Any]) -> Any:
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "qwen3_moe": transformers.Qwen3MoeConfig,
+        "deepseek_v3": transformers.DeepseekV3Config,
     }[family]
     kwargs: dict[str, Any] = {
         "vocab_size": vocab_size,
@@ -95,11 +96,21 @@ def _config(family: str, vocab_size: int, overrides: dict[str, Any]) -> Any:
         kwargs.update(
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
         )
+    if family == "deepseek_v3":
+        # MLA (query LoRA, shared rope key), one dense layer then MoE with a shared expert and
+        # sigmoid routing over 2 groups (top-2 = 2 x topk_group, see hf_deepseek)
+        kwargs.update(
+            num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, n_shared_experts=1, n_group=2, topk_group=1,
+            first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        )  # fmt: skip
     unknown = sorted(k for k in overrides if k not in kwargs and not hasattr(cls(), k))
     if unknown:
         raise ValueError(f"unknown {cls.__name__} field(s) in overrides: {unknown}")
     kwargs.update(overrides)
-    kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+    if family != "deepseek_v3":  # its head_dim is the rope head size, set by the config
+        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
     return cls(**kwargs)
 
 
@@ -124,6 +135,9 @@ def write_tiny_model(out_dir: str | Path, family: str, seed: int = 0, **override
                 param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
             elif name.endswith(".bias"):
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # the routing bias counts in routing
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     make_loadable_everywhere(out)

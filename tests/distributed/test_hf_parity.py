@@ -1,6 +1,7 @@
 """Megatron models built from a HF checkpoint reproduce `transformers` and export back exactly.
 
-Contract: for tiny Llama, Qwen2, Qwen3 and Qwen3-MoE models written by `transformers` itself, the
+Contract: for tiny Llama, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V3 (MLA, dense + MoE layers, shared
+expert, sigmoid group routing with an expert bias) models written by `transformers` itself, the
 Megatron model of each role layout (TP=1, TP=2, PP=2, MoE EP=2) gives logits within 1e-4 max abs
 of the `transformers` forward pass (fp32); gathering the sharded model back to HF names gives
 tensors byte-identical to the checkpoint, and `save_hf_checkpoint` -> `from_pretrained` -> the
@@ -12,7 +13,7 @@ import torch
 
 from tests.distributed.harness import spawn
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 TOLERANCE = 1e-4
 
 
@@ -74,7 +75,7 @@ def _worker(rank, world_size, tmp_dir, path, role_parallel):
 
 
 def _layouts(family):
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "deepseek_v3"):
         return {
             "train": {"expert_model_parallel_size": 2},
             "logp": {"pipeline_model_parallel_size": 2},
@@ -160,6 +161,25 @@ def test_uneven_pipeline_stages_match_transformers(tiny_model, tmp_path):
     reference = _hf_logits(path)
     results = spawn(_worker, 4, tmp_path, path, layouts)
     _check_logits(results, reference, "uneven stages")
+    original = hf_checkpoint.load_hf_state_dict(path)
+    for exported in (r["exported"] for r in results if r["exported"] is not None):
+        assert exported.keys() == original.keys()
+        assert all(torch.equal(exported[name], t) for name, t in original.items())
+
+
+def test_mla_split_over_tensor_parallel_ranks_matches_transformers(tiny_model, tmp_path):
+    """Multi-latent attention over TP=2 (every projection split, the down projections gathered
+    in the forward), dense layers only: MoE with TP needs sequence parallelism, which the torch
+    norms of the CPU path do not do."""
+    from megatron_async_rl.models import hf_checkpoint
+
+    path = str(tiny_model("deepseek_v3", first_k_dense_replace=2))
+    layouts = {
+        "train": {"tensor_model_parallel_size": 2},
+        "logp": {"tensor_model_parallel_size": 2},
+    }
+    results = spawn(_worker, 4, tmp_path, path, layouts)
+    _check_logits(results, _hf_logits(path), "MLA TP=2")
     original = hf_checkpoint.load_hf_state_dict(path)
     for exported in (r["exported"] for r in results if r["exported"] is not None):
         assert exported.keys() == original.keys()

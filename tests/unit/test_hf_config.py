@@ -183,3 +183,69 @@ def test_legacy_compatible_adds_classic_keys_transformers_still_reads():
     reloaded = transformers.Qwen3MoeConfig(**cfg)
     assert reloaded.num_experts == 8
     assert reloaded.rope_parameters["rope_theta"] == 500000.0
+
+
+DEEPSEEK = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
+    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+    num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=2, first_k_dense_replace=1,
+    routed_scaling_factor=2.5, max_position_embeddings=256,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0,
+                     "mscale_all_dim": 0.707, "original_max_position_embeddings": 64},
+)  # fmt: skip
+
+
+def test_deepseek_v3_args_match_the_config():
+    args = megatron_args_from_hf(transformers.DeepseekV3Config(**DEEPSEEK).to_dict())
+    assert args["multi_latent_attention"] and args["qk_layernorm"]
+    assert (args["q_lora_rank"], args["kv_lora_rank"], args["qk_head_dim"],
+            args["qk_pos_emb_head_dim"], args["v_head_dim"]) == (24, 32, 16, 8, 16)  # fmt: skip
+    assert args["moe_layer_freq"] == [0, 1, 1]
+    assert args["moe_shared_expert_intermediate_size"] == 64  # 2 shared experts of 32
+    assert (args["moe_router_score_function"], args["moe_router_enable_expert_bias"],
+            args["moe_router_num_groups"], args["moe_router_group_topk"],
+            args["moe_router_topk_scaling_factor"]) == ("sigmoid", True, 4, 2, 2.5)  # fmt: skip
+    assert (args["rope_type"], args["rotary_scaling_factor"], args["mscale"],
+            args["mscale_all_dim"], args["original_max_position_embeddings"]) == (
+        "yarn", 40.0, 1.0, 0.707, 64)  # fmt: skip
+    plain = megatron_args_from_hf(transformers.DeepseekV3Config(
+        **{**DEEPSEEK, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+           "q_lora_rank": None, "n_group": 1, "topk_group": 1}).to_dict())  # fmt: skip
+    # the MLA softmax scale reads the scaling factor whatever the rope type: 1 for plain RoPE
+    assert (plain["rope_type"], plain["rotary_scaling_factor"], plain["mscale_all_dim"]) == (
+        "rope", 1.0, 0.0)  # fmt: skip
+    assert plain["q_lora_rank"] is None and plain["moe_router_num_groups"] is None
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"rope_interleave": False}, "rope_interleave=False"),
+        ({"topk_group": 1}, "topk_group=1.*top 2"),
+        ({"norm_topk_prob": False}, "norm_topk_prob=False"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 1.0}},
+         "rope_parameters.mscale=None"),
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 4.0}}, "'default' or 'yarn'"),
+    ],
+)  # fmt: skip
+def test_deepseek_v3_unsupported_configs_raise(change, match):
+    cfg = {**transformers.DeepseekV3Config(**DEEPSEEK).to_dict(), **change}
+    with pytest.raises(ValueError, match=match):
+        megatron_args_from_hf(cfg)
+
+
+def test_deepseek_v3_export_describes_the_same_model():
+    source = transformers.DeepseekV3Config(**DEEPSEEK, eos_token_id=2).to_dict()
+    args = megatron_args_from_hf(source)
+    exported = hf_config_from_megatron_args(args, "deepseek_v3", base=source)
+    assert exported["eos_token_id"] == 2 and exported["topk_method"] == "noaux_tc"
+    assert megatron_args_from_hf(exported) == args
+    reread = transformers.DeepseekV3Config(**exported)  # transformers reads the hub spelling
+    assert reread.rope_parameters["rope_type"] == "yarn" and reread.first_k_dense_replace == 1
+    assert megatron_args_from_hf(legacy_compatible(reread.to_dict())) == args
+    with pytest.raises(ValueError, match="dense layers must come first"):
+        hf_config_from_megatron_args({**args, "moe_layer_freq": [1, 0, 1]}, "deepseek_v3")
+    with pytest.raises(ValueError, match="multi_latent_attention=True cannot be exported as llama"):
+        hf_config_from_megatron_args(args, "llama")

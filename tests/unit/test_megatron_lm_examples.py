@@ -27,9 +27,6 @@ EXAMPLES = Path(__file__).parents[1] / "data" / "megatron_lm_examples"
 NOT_BUILT = {
     "mamba_800m": "hybrid Mamba models (pretrain_mamba.py) are not built by this trainer",
     "rl_nemotron5_8b": "hybrid Mamba models (--hybrid-override-pattern) are not built here",
-    "modelopt_deepseek_v2_lite": "multi-latent attention is not built here yet (refused: "
-    "test_megatron_lm_flags)",
-    "modelopt_deepseek_r1": "multi-latent attention is not built here yet (refused)",
     "rl_nemotron6_3b_moe": "its architecture comes from the checkpoint (--use-checkpoint-args); "
     "here from model.hf_path's config.json, absent in this test",
 }

@@ -563,19 +563,43 @@ def test_structures_without_weight_names_are_refused():
     from megatron_async_rl.config.recipe import build_config
 
     with pytest.raises(ConfigErrors) as info:
-        mp.parse_megatron_flags(["--multi-latent-attention", "--kv-lora-rank", "512",
-                                 "--mtp-num-layers", "1",
-                                 "--moe-shared-expert-intermediate-size", "64"])  # fmt: skip
-    assert [e.key for e in info.value.errors] == [
-        "--multi-latent-attention", "--kv-lora-rank", "--mtp-num-layers",
-        "--moe-shared-expert-intermediate-size",
-    ]  # fmt: skip
-    assert "multi-latent attention (DeepSeek-V2/V3, Kimi-K2) is not built here yet" in str(
-        info.value
-    )
+        mp.parse_megatron_flags(["--mtp-num-layers", "1", "--use-legacy-models"])
+    assert [e.key for e in info.value.errors] == ["--mtp-num-layers", "--use-legacy-models"]
+    assert "multi-token prediction layers are not built here" in str(info.value)
     moe = ["--num-experts", "4", "--moe-ffn-hidden-size", "32"]
     build_config(_tree(), [*moe, "--moe-layer-freq", "1"])
     build_config(_tree(), [*moe, "--moe-layer-freq", "[1]*2"])
-    with pytest.raises(ConfigError, match=r"--moe-layer-freq = \[0, 1\]: dense layers among MoE "
-                       "layers are not built here yet"):  # fmt: skip
-        build_config(_tree(), [*moe, "--moe-layer-freq", "[0]+[1]"])
+    with pytest.raises(ConfigError, match=r"--moe-layer-freq = \[0, 1, 1\]: a pattern needs one "
+                       "0 \\(dense\\) or 1 \\(MoE\\) per layer: 2 of them"):  # fmt: skip
+        build_config(_tree(), [*moe, "--moe-layer-freq", "[0]+[1]*2"])
+
+
+def test_mla_and_mixed_moe_flags_reach_the_config_and_the_name_map():
+    """The DeepSeek structures (multi-latent attention, dense first layers, shared experts,
+    expert bias) are applied: they reach megatron-core's MLATransformerConfig and the name map
+    (whose logits parity with transformers is tests/distributed/test_hf_parity.py's)."""
+    from megatron_async_rl.config.recipe import build_config
+    from megatron_async_rl.models.name_map import ModelDims, hf_names_for, stage_param_names
+
+    flags = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[0]+[1]",
+             "--moe-shared-expert-intermediate-size", "64", "--moe-router-enable-expert-bias",
+             "--moe-router-score-function", "sigmoid", "--multi-latent-attention",
+             "--q-lora-rank", "24", "--kv-lora-rank", "32", "--qk-head-dim", "16",
+             "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--qk-layernorm",
+             "--rotary-scaling-factor", "4", "--mscale", "0.9", "--mscale-all-dim", "0.8"]  # fmt: skip
+    args = build_config(_tree(), flags).role_megatron_args["train"]
+    kwargs = mf.transformer_config_kwargs(args)
+    assert mf.transformer_config_class(args).__name__ == "MLATransformerConfig"
+    assert (kwargs["q_lora_rank"], kwargs["kv_lora_rank"], kwargs["qk_pos_emb_head_dim"]) == (
+        24, 32, 8)  # fmt: skip
+    assert (kwargs["rotary_scaling_factor"], kwargs["mscale"], kwargs["mscale_all_dim"]) == (
+        4.0, 0.9, 0.8)  # fmt: skip
+    assert kwargs["moe_layer_freq"] == [0, 1] and kwargs["moe_shared_expert_intermediate_size"] == 64
+    dims = ModelDims.from_megatron_args(args)
+    names = stage_param_names(dims)
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in names  # dense first layer
+    assert "decoder.layers.1.mlp.shared_experts.linear_fc1.weight" in names
+    assert hf_names_for("decoder.layers.1.mlp.router.expert_bias", dims) == (
+        "model.layers.1.mlp.gate.e_score_correction_bias",)  # fmt: skip
+    assert hf_names_for("decoder.layers.0.self_attention.linear_kv_down_proj.weight", dims) == (
+        "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",)  # fmt: skip
