@@ -32,14 +32,17 @@ def vocab_parallel_logprobs(
     tp_group,
     vocab_size: int,
     with_entropy: bool = True,
+    fp32: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each target token and the entropy of each position's distribution.
 
     `logits_BTV` is this TP rank's contiguous vocab shard (rank r holds ids
     [r * V_local, (r + 1) * V_local)). Ids >= `vocab_size` are Megatron's vocab padding and are
-    excluded from the softmax. Computed in fp32 whatever the logits dtype.
+    excluded from the softmax. Computed in fp32 whatever the logits dtype; with `fp32=False`
+    (--fp16-lm-cross-entropy) in the logits' own dtype, which saves the fp32 copy of the
+    [B, T, V_local] logits at the cost of precision (results are returned in fp32 either way).
     """
-    logits = logits_BTV.float()
+    logits = logits_BTV.float() if fp32 else logits_BTV
     v_local = logits.shape[-1]
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
     start = tp_rank * v_local
@@ -67,5 +70,5 @@ def vocab_parallel_logprobs(
     if with_entropy:
         # H = log Z - E_p[z]; padded ids have exp = 0 and contribute nothing.
         p_times_z = torch.where(exp > 0, exp * shifted, torch.zeros_like(exp)).sum(dim=-1)
-        entropy = log_z - _sum(p_times_z, tp_group) / sum_exp
-    return logp, entropy
+        entropy = (log_z - _sum(p_times_z, tp_group) / sum_exp).float()
+    return logp.float(), entropy

@@ -26,6 +26,11 @@ defect is absent.
   parallel state, which roles built from explicit process groups never initialise (None.size()).
   `mla_local_spec` builds `MLASelfAttentionWithGroups`, which supplies its own TP group to those
   calls. Seen in the TP=2 MLA parity test (2026-11-26).
+- With --pipeline-model-parallel-layout, `get_transformer_layer_offset(config, vp_stage,
+  pp_rank)` and `get_num_layers_to_build(config, vp_stage, pp_rank)` drop the `pp_rank` they are
+  given and ask the layout for the global parallel state's pipeline rank (uninitialised with
+  explicit groups). The fixed versions pass it on; installed into every megatron-core module that
+  imported the originals. Seen in the layout parity test (2026-11-26).
 """
 
 from __future__ import annotations
@@ -46,6 +51,46 @@ def install() -> None:
 
     if not isinstance(multi_latent_attention.TELinear, type):
         multi_latent_attention.HAVE_TE = False
+    _install_layout_rank_fix()
+
+
+def _install_layout_rank_fix() -> None:
+    import sys
+
+    from megatron.core.transformer import transformer_block, transformer_layer
+    from megatron.core.transformer.enums import LayerType
+
+    offset, count = transformer_layer.get_transformer_layer_offset, (
+        transformer_block.get_num_layers_to_build
+    )
+    if getattr(offset, "_layout_rank_fix", False):
+        return
+
+    @functools.wraps(offset)
+    def layer_offset(config, vp_stage=None, pp_rank=None):
+        layout = config.pipeline_model_parallel_layout
+        if layout and pp_rank is not None and config.pipeline_model_parallel_size > 1:
+            return layout.get_layer_offset(
+                layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank
+            )
+        return offset(config, vp_stage, pp_rank)
+
+    @functools.wraps(count)
+    def layers_to_build(config, vp_stage=None, pp_rank=None):
+        layout = config.pipeline_model_parallel_layout
+        if layout is not None and pp_rank is not None:
+            return layout.get_num_layers_to_build(
+                layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank
+            )
+        return count(config, vp_stage, pp_rank)
+
+    layer_offset._layout_rank_fix = layers_to_build._layout_rank_fix = True
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core") and module is not None:
+            if getattr(module, "get_transformer_layer_offset", None) is offset:
+                module.get_transformer_layer_offset = layer_offset
+            if getattr(module, "get_num_layers_to_build", None) is count:
+                module.get_num_layers_to_build = layers_to_build
 
 
 @functools.cache

@@ -171,8 +171,10 @@ APPLIED_HERE = {
         "attention_backend", "window_size", "hierarchical_context_parallel_sizes",
         "recompute_modules", "mrope_section", "offload_modules", "squared_relu", "quick_geglu",
         "init_method_xavier_uniform", "add_position_embedding",
-        "moe_layer_freq", "fp8_param_gather",
+        "moe_layer_freq", "fp8_param_gather", "pipeline_model_parallel_layout",
     ),
+    # roles/megatron_role.py: log-probs in the logits' dtype, the JIT fuser off
+    "role": ("fp16_lm_cross_entropy", "disable_jit_fuser"),
     # gpt_model_kwargs: GPTModel arguments
     "gpt": ("rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor"),
 }  # fmt: skip
@@ -563,6 +565,50 @@ def warn_once(message: str) -> None:
     logger.warning(message)
 
 
+def layout_stage_layers(layout: str, pp: int, num_layers: int) -> tuple[int, ...]:
+    """Decoder layers per pipeline stage of a --pipeline-model-parallel-layout (megatron-core's
+    parser and validation); ValueError naming the rule it breaks."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import (
+        PipelineParallelLayerLayout,
+    )
+
+    try:
+        stages = PipelineParallelLayerLayout.get_num_stages_from_str(layout)
+        if stages != pp:
+            raise ValueError(
+                f"has {stages} stages; one per pipeline rank ({pp}) is built here (virtual "
+                "pipeline stages are not)"
+            )
+        parsed = PipelineParallelLayerLayout(layout, pp)
+        parsed.validate_layer_layout(num_layers, None)
+    except (AssertionError, ValueError, SyntaxError, TypeError, NameError) as error:
+        raise ValueError(str(error) or "is not a layout megatron-core can parse") from None
+    return tuple(stage[0].count(LayerType.decoder) for stage in parsed.layout)
+
+
+def _layout_rules(a: dict[str, Any], pp: int) -> tuple:
+    layout = a.get("pipeline_model_parallel_layout")
+    if layout is None:
+        return ()
+    uneven = a.get("num_layers_in_first_pipeline_stage") is not None or (
+        a.get("num_layers_in_last_pipeline_stage") is not None
+    )
+    problem = None
+    if uneven:
+        problem = "cannot be combined with --decoder-first/last-pipeline-num-layers"
+    else:
+        try:
+            layout_stage_layers(layout, pp, a["num_layers"])
+        except ValueError as error:
+            problem = str(error)
+    return ((
+        problem is not None, "--pipeline-model-parallel-layout", layout, problem or "",
+        "e.g. 'Et*3|t*4L' for 7 layers on 2 stages: E embedding, t a decoder layer, L the loss,"
+        " | between stages",
+    ),)  # fmt: skip
+
+
 def check_args(args: dict[str, Any], role: str | None = None) -> None:
     """Cross-field rules on one role's resolved args, as Megatron-LM and megatron-core apply them.
 
@@ -655,6 +701,7 @@ def check_args(args: dict[str, Any], role: str | None = None) -> None:
         ),
     )
     pp = a["pipeline_model_parallel_size"]
+    rules += _layout_rules(a, pp)
     rules += tuple(
         (
             pp > 1 and a.get(name),

@@ -217,14 +217,12 @@ IGNORED: dict[str, str] = {
     "data_parallel_random_init": "random init per data-parallel rank (weights load from HF)",
     "exit_signal_handler_for_dataloader": _DATA,
     "result_rejected_tracker_filename": _MONITORING,
-    "dump_param_to_param_group_map": _MONITORING,
     "dataloader_type": _DATA,
     "local_rank": "the local rank (torchrun's LOCAL_RANK is used)",
     "scatter_gather_tensors_in_pipeline": "a no-op in megatron-core models",
     "distributed_backend": "the backend (nccl on GPUs, gloo on CPU: platform.device)",
     "cache_mla_latents": "the KV cache of Megatron-LM's own inference engine (the SGLang "
     "engines keep their own MLA cache)",
-    "fp16_lm_cross_entropy": "the output loss (log-probs are computed from the logits in fp32)",
     "use_legacy_tokenizer": _TOKENIZER,
     "eval_iters": _VALIDATION,
     "sft": "supervised fine-tuning data (RL prompts come from the data: section)",
@@ -276,10 +274,6 @@ REFUSED: dict[str, tuple[str, str]] = {
         "virtual (interleaved) pipeline stages are not scheduled by this trainer",
         "use --pipeline-model-parallel-size alone",
     ),
-    "pipeline_model_parallel_layout": (
-        "custom pipeline layouts are not mapped by the weight resharder",
-        "use --decoder-first/last-pipeline-num-layers for uneven stages",
-    ),
     "use_torch_fsdp2": ("FSDP2 is not supported (DDP + distributed optimizer)", "drop the flag"),
     "torch_fsdp2_reshard_after_forward": ("FSDP2 is not supported", "drop the flag"),
     "lazy_mpu_init": ("lazy model-parallel init is not supported", "drop the flag"),
@@ -293,7 +287,16 @@ REFUSED: dict[str, tuple[str, str]] = {
         "rank order inside a role window is fixed by distributed/layout.py",
         "drop the flag",
     ),
-    "create_all_gather_group": ("is not applied here", "drop the flag"),
+    "dump_param_to_param_group_map": (
+        "megatron-core 0.16.1 writes the map through its global parallel state (the expert "
+        "groups), which roles built from explicit process groups do not initialise",
+        "drop the flag",
+    ),
+    "create_all_gather_group": (
+        "megatron-core 0.16.1 reads the separate all-gather group from its global parallel "
+        "state only, which roles (built from explicit process groups) do not use",
+        "drop the flag",
+    ),
     "enable_full_sharding_in_hsdp": ("HSDP is not supported", "drop the flag"),
     "fake_process_group": ("fake process groups are for benchmarking Megatron-LM", "drop it"),
     "heterogeneous_layers_config_path": ("heterogeneous layer configs are not built", "drop it"),
@@ -303,10 +306,6 @@ REFUSED: dict[str, tuple[str, str]] = {
     ),
     "moe_use_upcycling": ("MoE upcycling from a dense checkpoint is not supported", "drop it"),
     "moe_upcycling_granularity": ("MoE upcycling is not supported", "drop it"),
-    "disable_jit_fuser": (
-        "is not applied: megatron-core fixes its fusers when its modules are imported",
-        "drop the flag",
-    ),
     "tp_comm_overlap_cfg": (
         "Transformer Engine userbuffers are not initialised by this trainer",
         "drop the flag",

@@ -118,12 +118,13 @@ def model_spec(args: dict[str, Any], par: Parallelism, platform: Platform) -> Mo
 
 def layer_spec(config, spec: ModelSpec, pp_rank: int = 0):
     """One layer spec for uniform models; megatron-core's block spec (this stage's layers, each
-    dense or MoE by --moe-layer-freq) for multi-latent attention and mixed dense/MoE stacks."""
+    dense or MoE by --moe-layer-freq) for multi-latent attention, mixed dense/MoE stacks and
+    --pipeline-model-parallel-layout."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     freq = config.moe_layer_freq
     mixed = config.num_moe_experts and not (freq == 1 or (isinstance(freq, list) and 0 not in freq))
-    if config.multi_latent_attention or mixed:
+    if config.multi_latent_attention or mixed or config.pipeline_model_parallel_layout:
         block = gpt_layer_specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=spec.use_te, normalization=config.normalization,
             pp_rank=pp_rank,
@@ -138,6 +139,18 @@ def layer_spec(config, spec: ModelSpec, pp_rank: int = 0):
     if spec.use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**common)
     return gpt_layer_specs.get_gpt_layer_local_spec(**common, normalization=config.normalization)
+
+
+def disable_jit_fuser() -> None:
+    """--disable-jit-fuser, process-wide as in Megatron-LM: megatron-core's `jit_fuser` is
+    `torch.compile` (torch >= 2.2) applied when its modules are imported, so besides its own
+    switch (for modules imported later) TorchDynamo itself is disabled: the functions already
+    decorated then run eagerly."""
+    import torch._dynamo
+    from megatron.core import jit
+
+    jit.disable_jit_fuser()
+    torch._dynamo.config.disable = True
 
 
 def seed_generators(seed: int, pp_rank: int) -> None:

@@ -4,7 +4,8 @@ The single source of truth for: which HF tensors a Megatron parameter becomes (a
 full Megatron tensor is split across tensor-parallel ranks (and gathered back), and how stage-local
 layer / expert indices map to global ones. Called by HF loading and export (`hf_to_megatron`,
 `megatron_to_hf`), sharded loading (`stage_state_dict`) and weight sync (`shard_spec`, `unshard`,
-`megatron_param_to_hf`, `to_global_name`). Pure torch: no `torch.distributed`, no megatron.
+`megatron_param_to_hf`, `to_global_name`). Pure torch: no `torch.distributed`, no megatron
+(but megatron-core's parser for a --pipeline-model-parallel-layout).
 
 Megatron layouts (read from megatron-core 0.16.1, logits-checked by the lead):
 - `linear_qkv` rows are interleaved per query group g: `[q heads of g (nq/ng of them); k_g; v_g]`
@@ -108,6 +109,9 @@ class ModelDims:
     """--moe-shared-expert-intermediate-size."""
     expert_bias: bool = False
     """--moe-router-enable-expert-bias (a router buffer the engines read)."""
+    layout_layers: tuple[int, ...] | None = None
+    """Decoder layers per pipeline stage from --pipeline-model-parallel-layout (None: even or
+    first/last splits)."""
 
     def is_moe(self, layer: int) -> bool:
         if self.num_experts is None:
@@ -116,6 +120,11 @@ class ModelDims:
 
     def stage_layers(self, pp_rank: int, pp_size: int) -> range:
         """Global indices of the decoder layers pipeline stage `pp_rank` holds."""
+        if self.layout_layers is not None and pp_size > 1:  # pp_size 1: the whole model
+            if len(self.layout_layers) != pp_size:
+                raise ValueError(f"the layout has {len(self.layout_layers)} stages, not {pp_size}")
+            start = sum(self.layout_layers[:pp_rank])
+            return range(start, start + self.layout_layers[pp_rank])
         return stage_layers(
             pp_rank, pp_size, self.num_layers, self.first_stage_layers, self.last_stage_layers
         )
@@ -146,6 +155,14 @@ class ModelDims:
                 int(q_lora) if q_lora else None, int(a["kv_lora_rank"]), int(a["qk_head_dim"]),
                 int(a["qk_pos_emb_head_dim"]), int(a["v_head_dim"]),
             )  # fmt: skip
+        layout_layers = None
+        if a.get("pipeline_model_parallel_layout"):  # megatron-core's own parser
+            from megatron_async_rl.config.megatron_flags import layout_stage_layers
+
+            layout_layers = layout_stage_layers(
+                a["pipeline_model_parallel_layout"], int(a["pipeline_model_parallel_size"]),
+                int(a["num_layers"]),
+            )  # fmt: skip
         moe_layers = None
         if num_experts and a.get("moe_layer_freq", 1) != 1:
             moe_layers = moe_layer_pattern(a["moe_layer_freq"], int(a["num_layers"]))
@@ -174,6 +191,7 @@ class ModelDims:
             shared_expert_ffn=(a.get("moe_shared_expert_intermediate_size") or None)
             if num_experts else None,
             expert_bias=bool(num_experts and a.get("moe_router_enable_expert_bias")),
+            layout_layers=layout_layers,
         )
 
 

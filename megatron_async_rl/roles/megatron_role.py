@@ -80,6 +80,10 @@ class MegatronRole:
         if not groups.is_member:
             raise RuntimeError(f"role {role}: rank {dist.get_rank()} is not in its window")
         self.role, self.args, self.par, self.platform = role, args, par, platform
+        self.logprobs_in_fp32 = not args.get("fp16_lm_cross_entropy")
+        """False with --fp16-lm-cross-entropy: log-probs in the logits' dtype (saves memory)."""
+        if args.get("disable_jit_fuser"):
+            builder.disable_jit_fuser()
         self.device = platform.device()
         """Where the model lives; every input enters through `devices.to_device`."""
         self.pgc = groups.pg_collection
@@ -210,7 +214,8 @@ class MegatronRole:
 
         def reduce(logits, tokens):
             logp, entropy = vocab_parallel_logprobs(
-                logits[:, :-1], tokens[:, 1:], tp_group=tp_group, vocab_size=vocab_size
+                logits[:, :-1], tokens[:, 1:], tp_group=tp_group, vocab_size=vocab_size,
+                fp32=self.logprobs_in_fp32,
             )
             return {"logp": logp, "entropy": entropy}
 
@@ -266,7 +271,8 @@ class MegatronRole:
 
             def loss_func(logits_BTV):
                 logp, entropy = vocab_parallel_logprobs(
-                    logits_BTV[:, :-1], tokens[:, 1:], tp_group=tp_group, vocab_size=vocab_size
+                    logits_BTV[:, :-1], tokens[:, 1:], tp_group=tp_group, vocab_size=vocab_size,
+                    fp32=self.logprobs_in_fp32,
                 )
                 loss, metrics = loss_fn(logp, entropy, batch)
                 return loss * scale, {k: float(v) for k, v in metrics.items()}

@@ -184,3 +184,22 @@ def test_mla_split_over_tensor_parallel_ranks_matches_transformers(tiny_model, t
     for exported in (r["exported"] for r in results if r["exported"] is not None):
         assert exported.keys() == original.keys()
         assert all(torch.equal(exported[name], t) for name, t in original.items())
+
+
+def test_pipeline_layout_matches_transformers(tiny_model, tmp_path):
+    """--pipeline-model-parallel-layout: 4 layers as 'Et|tttL' (train) and 'Ettt|tL' (logp);
+    the weights land in the layers megatron-core builds from the layout, so the logits match
+    `transformers` and the export round-trips byte for byte."""
+    from megatron_async_rl.models import hf_checkpoint
+
+    path = str(tiny_model("llama", num_hidden_layers=4))
+    layouts = {
+        "train": {"pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Et|tttL"},
+        "logp": {"pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Ettt|tL"},
+    }
+    results = spawn(_worker, 4, tmp_path, path, layouts)
+    _check_logits(results, _hf_logits(path), "pipeline layout")
+    original = hf_checkpoint.load_hf_state_dict(path)
+    for exported in (r["exported"] for r in results if r["exported"] is not None):
+        assert exported.keys() == original.keys()
+        assert all(torch.equal(exported[name], t) for name, t in original.items())
