@@ -282,6 +282,7 @@ def legacy_compatible(hf_config: dict) -> dict[str, Any]:
         # ("noaux_tc") always, while SGLang reads the keys (greedy softmax routing without them)
         cfg.setdefault("scoring_func", "sigmoid")
         cfg.setdefault("topk_method", "noaux_tc")
+        cfg.setdefault("moe_layer_freq", 1)  # DeepSeek's own key, read by SGLang
         params = cfg.get("rope_parameters") or {}
         rope_type = params.get("rope_type", "default")
         if rope_type != "default" and not cfg.get("rope_scaling"):

@@ -104,6 +104,10 @@ def _config(family: str, vocab_size: int, overrides: dict[str, Any]) -> Any:
             qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=32, n_shared_experts=1, n_group=2, topk_group=1,
             first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+            # YaRN as DeepSeek's checkpoints (SGLang's CPU MLA builds no other RoPE)
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8},
         )  # fmt: skip
     unknown = sorted(k for k in overrides if k not in kwargs and not hasattr(cls(), k))
     if unknown:
