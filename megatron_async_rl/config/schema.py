@@ -27,7 +27,12 @@ from megatron_async_rl.config.roles import (  # noqa: F401 - re-exported
 from megatron_async_rl.engines.config import EngineConfig, FaultsConfig
 from megatron_async_rl.observability.config import ObservabilityConfig
 from megatron_async_rl.rewards.config import RewardConfig
-from megatron_async_rl.rollout.config import DatasetConfig, RolloutConfig, ValidationConfig
+from megatron_async_rl.rollout.config import (
+    DatasetConfig,
+    EnvironmentConfig,
+    RolloutConfig,
+    ValidationConfig,
+)
 from megatron_async_rl.scheduler.config import SchedulerConfig
 from megatron_async_rl.weight_sync.config import WeightSyncConfig
 
@@ -193,6 +198,8 @@ class RunConfig:
     data: DatasetConfig | None = None
     """The prompt dataset (needed by the grpo job)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    """Multi-turn, tool-using rollouts (absent: single-turn)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: GRPOConfig = field(default_factory=GRPOConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)

@@ -7,7 +7,8 @@ export / `tiny.py` (`hf_config_from_megatron_args`, `legacy_compatible`). Pure P
 
 Families: `llama`, `qwen2` (q/k/v bias), `qwen3` (per-head q/k RMSNorm), `qwen3_moe` (all layers
 MoE, no shared expert), `deepseek_v3` (DeepSeek-V3/R1, Kimi-K2, Moonlight: multi-latent attention,
-dense first layers, MoE with shared experts and sigmoid group-limited routing with an expert bias). Anything the Megatron model would compute differently raises `ValueError`
+dense first layers, MoE with shared experts and sigmoid group-limited routing with an expert bias).
+Anything the Megatron model would compute differently raises `ValueError`
 naming the key, the value and the rule: better no model than a silently different one.
 
 Qwen3-MoE routing (transformers 5.12.1 `Qwen3MoeTopKRouter`): `p = softmax(logits)` over all

@@ -189,7 +189,8 @@ def hf_config_from_megatron_args(args: Any, base: dict | None = None) -> dict[st
             "factor": float(get(args, "rotary_scaling_factor")),
             "original_max_position_embeddings": int(get(args, "original_max_position_embeddings")),
             "beta_fast": float(get(args, "beta_fast")), "beta_slow": float(get(args, "beta_slow")),
-            "mscale": float(get(args, "mscale")), "mscale_all_dim": float(get(args, "mscale_all_dim")),
+            "mscale": float(get(args, "mscale")),
+            "mscale_all_dim": float(get(args, "mscale_all_dim")),
         }  # fmt: skip
     elif float(get(args, "rotary_scaling_factor", 1.0)) != 1.0:
         raise ValueError("Megatron arg rotary_scaling_factor != 1 with rope_type 'rope' cannot "

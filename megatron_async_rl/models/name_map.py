@@ -1,4 +1,4 @@
-"""Names and layouts between Megatron-core GPT (0.16.1) and HF llama/qwen2/qwen3/qwen3_moe/deepseek_v3.
+"""Names and layouts between Megatron-core GPT (0.16.1) and HF llama/qwen2/qwen3(_moe)/deepseek_v3.
 
 The single source of truth for: which HF tensors a Megatron parameter becomes (and back), how a
 full Megatron tensor is split across tensor-parallel ranks (and gathered back), and how stage-local
@@ -248,7 +248,10 @@ _MLA_TABLE: dict[str, tuple[tuple[str, ...], str, int | None, int]] = {
     "self_attention.linear_kv_up_proj.layer_norm_weight": (
         ("self_attn.kv_a_layernorm.weight",), "copy", None, 1),
 }  # fmt: skip
-_MLA_DOWN = {"self_attention.linear_q_down_proj.weight", "self_attention.linear_kv_down_proj.weight"}
+_MLA_DOWN = {
+    "self_attention.linear_q_down_proj.weight",
+    "self_attention.linear_kv_down_proj.weight",
+}
 _MOE_TABLE: dict[str, tuple[tuple[str, ...], str, int | None, int]] = {
     "mlp.router.weight": (("mlp.gate.weight",), "copy", None, 1),
     "mlp.router.expert_bias": (("mlp.gate.e_score_correction_bias",), "copy", None, 1),

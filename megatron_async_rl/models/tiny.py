@@ -31,7 +31,10 @@ FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>")
 CHARACTERS = (
     string.digits + "+-*/=?.,:;()!'\"%<>" + string.ascii_lowercase + string.ascii_uppercase + " \n"
+    + "{}[]_|"  # JSON tool calls (`<tool_call>{...}</tool_call>`); appended: ids above unchanged
 )
+TOOL_ROLE_TOKEN = "<|tool|>"
+"""The chat template's tool-message header, one special token (after the characters)."""
 # The vocab is filled with reserved tokens up to a multiple of this, so that TP=2/4 split it
 # evenly and every id the model can sample decodes to something.
 VOCAB_MULTIPLE = 16
@@ -46,7 +49,7 @@ def build_tokenizer() -> Any:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tokens = list(SPECIAL_TOKENS) + list(CHARACTERS)
+    tokens = list(SPECIAL_TOKENS) + list(CHARACTERS) + [TOOL_ROLE_TOKEN]
     num_reserved = -len(tokens) % VOCAB_MULTIPLE
     reserved = [f"<|reserved_{i}|>" for i in range(num_reserved)]
     tokens += reserved
@@ -55,7 +58,7 @@ def build_tokenizer() -> Any:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(list(SPECIAL_TOKENS) + reserved)
+    tok.add_special_tokens(list(SPECIAL_TOKENS) + [TOOL_ROLE_TOKEN] + reserved)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<bos>",

@@ -31,5 +31,27 @@ def dump_rollouts(
                 "finish_reason": sample.finish_reason,
                 "versions": [min(tokens), max(tokens)] if tokens else None,
             }  # fmt: skip
+            if sample.loss_mask is not None:  # a multi-turn trajectory: the whole conversation
+                row.update(_conversation(sample, tokenizer))
             handle.write(json.dumps(row, ensure_ascii=False) + "\n")
     return out
+
+
+def _conversation(sample, tokenizer) -> dict:
+    """A trajectory's turns as `[{"by": "model"|"environment", "text": ...}]` (runs of equal
+    loss mask), its final answer as `response`, its turns and environment reward."""
+    runs: list[tuple[int, list[int]]] = []
+    for token, mask in zip(sample.response_ids, sample.loss_mask, strict=True):
+        if runs and runs[-1][0] == mask:
+            runs[-1][1].append(token)
+        else:
+            runs.append((mask, [token]))
+    text = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else str
+    meta = sample.metadata or {}
+    return {
+        "conversation": [{"by": "model" if m else "environment", "text": text(ids)}
+                         for m, ids in runs],  # fmt: skip
+        "turns": meta.get("turns"),
+        "env_reward": meta.get("env_reward"),
+        "env_finish": meta.get("finish"),
+    }

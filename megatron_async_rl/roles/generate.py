@@ -31,8 +31,10 @@ class GenerateSide:
     """One engine and what feeds it: dataset, reward, validator (on an engine-host rank)."""
 
     def __init__(self, cfg, engine, tokenizer, dataset, reward, validator, engine_index: int,
-                 num_engines: int):  # fmt: skip
+                 num_engines: int, multi_turn=None):  # fmt: skip
         self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
+        self.multi_turn = multi_turn
+        """`rollout.agentic.MultiTurnRollout` when the recipe has an `environment:`."""
         self.dataset, self.reward, self.validator = dataset, reward, validator
         self.engine_index, self.num_engines = engine_index, num_engines
         self.faults = None
@@ -55,6 +57,8 @@ class GenerateSide:
         with `work.partial` set when `cut` stopped it (the samples hold the prefixes)."""
         cfg, records = self.cfg, work.records
         mine = served_prompts(len(records), self.engine_index, self.num_engines)
+        if self.multi_turn is not None:
+            return self._generate_trajectories(work, mine)
         ids = {i: records[i].prompt_ids or self.encode(records[i]) for i in mine}
         # A request cut short keeps its prefix if it is in the step's window.
         oldest = max(0, work.step - cfg.scheduler.generate_ahead_steps)
@@ -87,6 +91,40 @@ class GenerateSide:
             "and nothing asked it to; see the engine's log"
         )
 
+    def _generate_trajectories(self, work: StepWork, mine: list[int]) -> StepWork:
+        """generate, multi-turn: whole trajectories (`rollout.agentic`). Cut (a save), the
+        step's trajectories are dropped (`work.partial`, no samples) and generated again."""
+        from megatron_async_rl.rollout.multiturn import Cut
+
+        cfg, records = self.cfg, work.records
+        ids = {i: self.multi_turn.encode(records[i], self.tokenizer,
+                                         cfg.rollout.use_chat_template) for i in mine}  # fmt: skip
+        if hasattr(self.engine, "set_step"):
+            self.engine.set_step(work.step, max(0, work.step - cfg.scheduler.generate_ahead_steps))
+        with self._cut_lock:
+            self._generating, self._cut = True, False
+
+        def cut_asked() -> bool:
+            with self._cut_lock:
+                return self._cut
+
+        try:
+            work.samples, sums = self.multi_turn.samples(
+                self.engine, self.tokenizer, records, ids, mine,
+                cfg.algorithm.num_samples_per_prompt, cfg.rollout, step=work.step,
+                run_seed=cfg.seed, should_stop=cut_asked,
+            )  # fmt: skip
+        except Cut:
+            work.samples, work.partial = [], True
+            work.report.add_sums({"multiturn/trajectories_dropped_by_cut": 1.0})
+            return work
+        finally:
+            with self._cut_lock:
+                self._generating = False
+        work.partial = False
+        work.report.add_sums(sums)
+        return work
+
     def cut(self) -> bool:
         """Stop the generation in progress (from another thread): its responses come back as
         prefixes and `generate` returns the work partial. False when none was running."""
@@ -118,6 +156,12 @@ class GenerateSide:
         """reward: every sample scored; the engine host's report of the step."""
         fault = self.faults.reward_fault(work.step) if self.faults is not None else None
         values = self.reward.score(work.samples, fault=fault)
+        if self.multi_turn is not None:  # the environment's rewards, plus the function's
+            from megatron_async_rl.rollout.agentic import mixed_reward
+
+            weight = self.cfg.environment.reward_fn_weight
+            values = [mixed_reward(s, v, weight) for s, v in zip(work.samples, values,
+                                                                  strict=True)]  # fmt: skip
         for sample, value in zip(work.samples, values, strict=True):
             sample.reward = value
         work.report.add_sums(self.reward.take_metrics())
@@ -144,6 +188,8 @@ class GenerateSide:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        if self.multi_turn is not None:
+            self.multi_turn.close()
 
 
 def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None:
@@ -158,6 +204,11 @@ def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None
     # Data and rewards first: a mistake in them is reported before the engine's start-up.
     dataset = PromptDataset(cfg.data, tokenizer=tokenizer, use_chat_template=use_template)
     reward = safe_reward(cfg.reward)
+    multi_turn = None
+    if cfg.environment.multi_turn:
+        from megatron_async_rl.rollout.agentic import MultiTurnRollout
+
+        multi_turn = MultiTurnRollout(cfg.environment)
     validator = None
     if cfg.scheduler.validation_every > 0:
         val = cfg.validation
@@ -205,4 +256,5 @@ def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None
         ),
         board=board, generate_timeout_s=e.generate_timeout_s,
     )  # fmt: skip
-    return GenerateSide(cfg, engine, tokenizer, dataset, reward, validator, index, num_engines)
+    return GenerateSide(cfg, engine, tokenizer, dataset, reward, validator, index, num_engines,
+                        multi_turn)

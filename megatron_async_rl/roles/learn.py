@@ -25,6 +25,7 @@ from megatron_async_rl.observability.plots import plot_reward_curve
 from megatron_async_rl.observability.progress import Progress
 from megatron_async_rl.observability.rollouts import dump_rollouts
 from megatron_async_rl.roles.work import StepReport, StepWork
+from megatron_async_rl.rollout.agentic import ratio_metrics
 from megatron_async_rl.rollout.batch import build_batch
 
 logger = logging.getLogger(__name__)
@@ -283,6 +284,7 @@ class LearnSide:
         if not self.is_leader:
             return
         metrics = StepReport.merge([*parts, *work.gen_reports])
+        metrics.update(ratio_metrics(metrics))  # multi-turn means from the engines' counts
         metrics.update(work.batch_metrics)
         metrics.update(self.pending_metrics)
         self.pending_metrics = {}

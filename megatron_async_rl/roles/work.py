@@ -121,8 +121,9 @@ class StepWork:
     """Metrics of the whole batch, the same on every Megatron rank (rewards, lengths, lag)."""
 
     def token_versions(self) -> list[list[int]]:
-        """The policy version of every response token, per sample."""
-        return [[version_number(v) for v in s.token_versions] for s in self.samples]
+        """The policy version of every trained response token, per sample (a multi-turn
+        trajectory's environment tokens have none)."""
+        return [[version_number(v) for v in s.trained_versions()] for s in self.samples]
 
     def state_dict(self) -> dict:
         """Plain containers and tensors only (`torch.save(..., weights_only)` loads it)."""

@@ -15,7 +15,7 @@ from megatron_async_rl.engines.protocol import version_number
 
 
 def build_batch(samples, pad_id: int, multiple: int = 8) -> dict[str, torch.Tensor]:
-    """tokens_BT, mask_BT1 (response tokens), behaviour_logp_BT1, version_BT1, rewards_B,
+    """tokens_BT, mask_BT1 (trained response tokens), behaviour_logp_BT1, version_BT1, rewards_B,
     response_len_B, prompt_len_B."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     seq_len = -(-max(lengths) // multiple) * multiple
@@ -30,10 +30,12 @@ def build_batch(samples, pad_id: int, multiple: int = 8) -> dict[str, torch.Tens
         if r:
             tokens[i, p : p + r] = torch.tensor(s.response_ids)
             # response token j sits at position p + j and is predicted by column p + j - 1
-            mask[i, p - 1 : p - 1 + r] = 1.0
+            # (a multi-turn trajectory's environment tokens are not trained: mask 0)
+            trained = s.loss_mask if s.loss_mask is not None else [1.0] * r
+            mask[i, p - 1 : p - 1 + r] = torch.tensor(trained, dtype=mask.dtype)
             behaviour[i, p - 1 : p - 1 + r] = torch.tensor(s.response_logprobs)
             versions[i, p - 1 : p - 1 + r] = torch.tensor(
-                [version_number(v) for v in s.token_versions]
+                [version_number(v) for v in s.token_versions]  # "" (environment): 0, masked
             )
     return {
         "tokens": tokens,

@@ -1,4 +1,4 @@
-"""The recipe's `data:`, `rollout:` and `validation:` sections: pure, validated dataclasses.
+"""The recipe's `data:`, `rollout:`, `environment:`, `validation:` sections: validated dataclasses.
 
 Owned here: `DatasetConfig` (where the prompts are and how to read them), `RolloutConfig` (how
 prompts become samples each step) and `ValidationConfig` (the held-out set and how it is
@@ -10,13 +10,15 @@ Error keys are relative (`num_prompts`); the recipe loader prefixes them
 
     data: {path: runs/arith/train.jsonl}
     rollout: {num_prompts_per_step: 8, max_new_tokens: 16}
+    environment: {name: tools, tools: [megatron_async_rl.rollout.calculator:add]}
     validation: {data: {path: runs/arith/val.jsonl, shuffle: false}, num_prompts: 64}
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from megatron_async_rl.config.checks import (
     require_bool,
@@ -143,3 +145,61 @@ class ValidationConfig:
             top_k=rollout.top_k if self.temperature > 0 else -1,
             use_chat_template=rollout.use_chat_template,
         )
+
+
+TOOL_FORMATS = ("hermes",)
+
+
+@dataclass
+class EnvironmentConfig:
+    """Multi-turn rollouts (`rollout/multiturn.py`): set `name` and every sample is a trajectory
+    of model turns and environment observations; absent, generation is single-turn."""
+
+    name: str | None = None
+    """`tools` (the built-in tool-calling environment) or `module:Class` (a plug-in with
+    `reset(sample)` and `step(action)`); None: single-turn."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of a plug-in environment's constructor."""
+    tools: list[str] = field(default_factory=list)
+    """`module:function` tools the model may call (`name: tools`), described to the chat
+    template from their signatures and docstrings."""
+    tool_format: str = "hermes"
+    """How calls are written: `hermes` (Qwen/Hermes `<tool_call>{json}</tool_call>`)."""
+    tool_timeout_s: float = 10.0
+    """A tool call past this is cut and answered with an error (it runs in a worker process)."""
+    tool_workers: int = 2
+    """Worker processes per generate rank that run tool calls."""
+    max_turns: int = 4
+    """Model turns per trajectory."""
+    max_total_tokens: int = 512
+    """Tokens after the prompt, model and environment tokens together, per trajectory."""
+    step_timeout_s: float = 30.0
+    """An environment step (or reset) past this ends its trajectory: reward 0, counted."""
+    reward_fn_weight: float = 1.0
+    """Weight of the run's `reward:` function on the trajectory's final answer, added to the
+    environment's own rewards (0: the environment's rewards alone)."""
+
+    def __post_init__(self) -> None:
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise ConfigError("name", self.name, "must be 'tools' or module:Class")
+        if not isinstance(self.kwargs, dict):
+            raise ConfigError("kwargs", self.kwargs, "must be a mapping")
+        if not isinstance(self.tools, list) or not all(isinstance(t, str) for t in self.tools):
+            raise ConfigError("tools", self.tools, "must be a list of module:function strings")
+        if self.name == "tools" and not self.tools:
+            raise ConfigError("tools", self.tools, "the tools environment needs at least one "
+                              "tool", "tools: [my_module:my_function]")  # fmt: skip
+        if self.tools and self.name != "tools":
+            raise ConfigError("tools", self.tools, f"are called by the 'tools' environment, "
+                              f"not by name {self.name!r}", "name: tools")  # fmt: skip
+        require_choice("tool_format", self.tool_format, TOOL_FORMATS)
+        require_number("tool_timeout_s", self.tool_timeout_s, gt=0)
+        require_int("tool_workers", self.tool_workers, 1)
+        require_int("max_turns", self.max_turns, 1)
+        require_int("max_total_tokens", self.max_total_tokens, 1)
+        require_number("step_timeout_s", self.step_timeout_s, gt=0)
+        require_number("reward_fn_weight", self.reward_fn_weight, ge=0)
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.name is not None

@@ -78,21 +78,24 @@ class DataCursor:
 
 
 def encode_prompt(
-    record: PromptRecord, tokenizer: Any, use_chat_template: bool = False
+    record: PromptRecord, tokenizer: Any, use_chat_template: bool = False,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Token ids of a record's prompt, ending where the response begins.
 
     `messages` rows (and text rows with `use_chat_template`) go through the tokenizer's chat
     template with the generation prompt; text rows otherwise through `tokenizer.encode` with the
-    tokenizer's own special tokens (a BOS where the model expects one).
+    tokenizer's own special tokens (a BOS where the model expects one). `tools` (JSON schemas)
+    go to the chat template, which describes them to the model (multi-turn tool use).
     """
     messages = record.messages
-    if messages is None and use_chat_template:
+    if messages is None and (use_chat_template or tools):
         messages = [{"role": "user", "content": record.prompt_text}]
     if messages is None:
         return list(tokenizer.encode(record.prompt_text, add_special_tokens=True))
     ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+        **({"tools": tools} if tools else {}),
     )
     if isinstance(ids, Mapping):  # some tokenizer versions return a BatchEncoding regardless
         ids = ids["input_ids"]

@@ -33,6 +33,15 @@ class Sample:
     metadata: dict = field(default_factory=dict)
     response_text: str = ""
     reward: float = 0.0
+    loss_mask: list[int] | None = None
+    """Per response token, 1 where it is trained: None = every token (single-turn); a
+    multi-turn trajectory has 0 on its environment's tokens (`rollout.agentic`)."""
+
+    def trained_versions(self) -> list[str]:
+        """The versions of the tokens trained (the staleness bound holds on these)."""
+        if self.loss_mask is None:
+            return list(self.token_versions)
+        return [v for v, m in zip(self.token_versions, self.loss_mask, strict=True) if m]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -10,28 +10,44 @@ environment says done, at `max_turns`, when its `max_total_tokens` (everything a
 prompt) are spent, or when its environment fails (reward 0, counted). The weight version of
 every model token is the engine's, so a trajectory that spans a weight update carries both.
 
-What is not here yet (issue 17): the generate stage does not call this (single-turn only);
-the learner does not read a per-token loss mask; GRPO groups of whole trajectories,
-continuation across a weight update that arrives during a tool call, and the learning tasks.
+A turn the engine returns cut short (an abort: a restart, an in-place pause) is continued
+from its partial output, whose tokens keep their versions; when `should_stop()` says the stage
+itself was cut (a checkpoint save), `Cut` is raised instead and the step's trajectories are
+generated again on resume. Called by `rollout.agentic` (the generate stage's multi-turn path).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from megatron_async_rl.engines.protocol import GenerateRequest, SamplingParams, version_number
+from megatron_async_rl.engines.protocol import (
+    GenerateRequest,
+    GenerateResult,
+    SamplingParams,
+    version_number,
+)
 from megatron_async_rl.rollout.environment import (
     Episode,
     EpisodeSample,
+    StepResult,
     call_bounded,
     fail_episode,
     record_step,
 )
 from megatron_async_rl.rollout.turns import Trajectory, close_turn_ids, observation_ids
+
+FINISHED = ("stop", "length")
+MAX_CONTINUATIONS = 3
+"""Times a turn cut short by the engine is continued before its trajectory fails."""
+
+
+class Cut(Exception):
+    """The generate stage was cut (a save): the trajectories in progress are dropped."""
 
 
 @dataclass(frozen=True)
@@ -44,15 +60,20 @@ class MultiTurnLimits:
 
 def generate_trajectories(engine, tokenizer: Any, make_env: Callable[[], Any],
                           samples: list[EpisodeSample], prompt_ids: list[list[int]],
-                          sampling: SamplingParams, limits: MultiTurnLimits,
-                          rid_prefix: str = "mt") -> tuple[list, list, Counter]:  # fmt: skip
+                          sampling: SamplingParams | list[SamplingParams],
+                          limits: MultiTurnLimits, rid_prefix: str = "mt",
+                          should_stop: Callable[[], bool] | None = None,
+                          ) -> tuple[list, list, Counter]:  # fmt: skip
     """The `Trajectory`s and `Episode`s of `samples`, in order, and counts (`turns`,
-    `env_errors`, `env_timeouts`, `budget`)."""
-    return asyncio.run(_run(engine, tokenizer, make_env, samples, prompt_ids, sampling,
-                            limits, rid_prefix))  # fmt: skip
+    `env_errors`, `env_timeouts`, `budget`, `malformed_calls`, `continued`, `env_s`).
+    `sampling`: one for all, or one per sample (its seed then advances by one per turn)."""
+    per_sample = sampling if isinstance(sampling, list) else [sampling] * len(samples)
+    return asyncio.run(_run(engine, tokenizer, make_env, samples, prompt_ids, per_sample,
+                            limits, rid_prefix, should_stop or (lambda: False)))  # fmt: skip
 
 
-async def _run(engine, tokenizer, make_env, samples, prompt_ids, sampling, limits, rid_prefix):
+async def _run(engine, tokenizer, make_env, samples, prompt_ids, sampling, limits, rid_prefix,
+               should_stop):  # fmt: skip
     counts: Counter[str] = Counter()
     trajectories = [Trajectory(list(ids)) for ids in prompt_ids]
     episodes = [Episode() for _ in samples]
@@ -75,13 +96,15 @@ async def _run(engine, tokenizer, make_env, samples, prompt_ids, sampling, limit
                 episodes[index].finish_reason = "budget"
                 counts["budget"] += 1
                 continue
-            budget = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, left))
+            own = sampling[index]
+            budget = replace(own, max_new_tokens=min(own.max_new_tokens, left),
+                             seed=None if own.seed is None else own.seed + turn)  # fmt: skip
             requests.append(GenerateRequest(trajectories[index].context(), budget,
                                             f"{rid_prefix}-{index}-t{turn}"))  # fmt: skip
             running.append(index)
         if not running:
             return trajectories, episodes, counts
-        results = await asyncio.to_thread(engine.generate, requests)
+        results = await asyncio.to_thread(_whole_turns, engine, requests, should_stop, counts)
         actions = []
         for index, result in zip(running, results, strict=True):
             versions = [version_number(v) for v in result.token_versions]
@@ -91,11 +114,15 @@ async def _run(engine, tokenizer, make_env, samples, prompt_ids, sampling, limit
             episodes[index].actions.append(action)
             actions.append(action)
         counts["turns"] += len(running)
+        started = time.perf_counter()
         steps = await asyncio.gather(*(_guarded(envs[i].step, a, limits) for i, a in
                                        zip(running, actions, strict=True)))  # fmt: skip
+        counts["env_s"] += time.perf_counter() - started
         active = []
         for index, outcome in zip(running, steps, strict=True):
             episode, trajectory = episodes[index], trajectories[index]
+            if isinstance(outcome, StepResult):
+                counts["malformed_calls"] += int(outcome.info.get("malformed_calls", 0))
             if not record_step(episode, outcome):
                 if episode.error:
                     _count_failure(episode, counts)
@@ -108,6 +135,44 @@ async def _run(engine, tokenizer, make_env, samples, prompt_ids, sampling, limit
     for index in active:
         episodes[index].finish_reason = "max_turns"
     return trajectories, episodes, counts
+
+
+def _whole_turns(engine, requests: list[GenerateRequest], should_stop, counts) -> list:
+    """`engine.generate(requests)`, a result cut short continued from its partial output (its
+    tokens kept, with their versions) up to `MAX_CONTINUATIONS` times; `Cut` when the stage was
+    cut."""
+    results = engine.generate(requests)
+    for _ in range(MAX_CONTINUATIONS):
+        short = [i for i, r in enumerate(results) if r.finish_reason not in FINISHED]
+        if not short:
+            return results
+        if should_stop():
+            raise Cut
+        counts["continued"] += len(short)
+        again = []
+        for i in short:
+            request, got = requests[i], results[i]
+            left = request.sampling.max_new_tokens - len(got.output_ids)
+            again.append(GenerateRequest(request.input_ids + list(got.output_ids),
+                                         replace(request.sampling, max_new_tokens=max(left, 1)),
+                                         request.rid))  # fmt: skip
+        for i, more in zip(short, engine.generate(again), strict=True):
+            got = results[i]
+            results[i] = GenerateResult(
+                rid=got.rid, output_ids=list(got.output_ids) + list(more.output_ids),
+                output_logprobs=list(got.output_logprobs) + list(more.output_logprobs),
+                token_versions=list(got.token_versions) + list(more.token_versions),
+                finish_reason=more.finish_reason,
+            )  # fmt: skip
+    if should_stop():
+        raise Cut
+    short = [r.rid for r in results if r.finish_reason not in FINISHED]
+    if short:
+        raise RuntimeError(
+            f"the engine cut turn(s) {short[:4]} short {MAX_CONTINUATIONS + 1} times in a row, "
+            "and nothing asked it to; see the engine's log"
+        )
+    return results
 
 
 async def _guarded(fn, arg, limits: MultiTurnLimits):

@@ -586,7 +586,8 @@ def test_mla_and_mixed_moe_flags_reach_the_config_and_the_name_map():
              "--moe-router-score-function", "sigmoid", "--multi-latent-attention",
              "--q-lora-rank", "24", "--kv-lora-rank", "32", "--qk-head-dim", "16",
              "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--qk-layernorm",
-             "--rotary-scaling-factor", "4", "--mscale", "0.9", "--mscale-all-dim", "0.8"]  # fmt: skip
+             "--rotary-scaling-factor", "4", "--mscale", "0.9",
+             "--mscale-all-dim", "0.8"]  # fmt: skip
     args = build_config(_tree(), flags).role_megatron_args["train"]
     kwargs = mf.transformer_config_kwargs(args)
     assert mf.transformer_config_class(args).__name__ == "MLATransformerConfig"
@@ -594,7 +595,8 @@ def test_mla_and_mixed_moe_flags_reach_the_config_and_the_name_map():
         24, 32, 8)  # fmt: skip
     assert (kwargs["rotary_scaling_factor"], kwargs["mscale"], kwargs["mscale_all_dim"]) == (
         4.0, 0.9, 0.8)  # fmt: skip
-    assert kwargs["moe_layer_freq"] == [0, 1] and kwargs["moe_shared_expert_intermediate_size"] == 64
+    assert kwargs["moe_layer_freq"] == [0, 1]
+    assert kwargs["moe_shared_expert_intermediate_size"] == 64
     dims = ModelDims.from_megatron_args(args)
     names = stage_param_names(dims)
     assert "decoder.layers.0.mlp.linear_fc1.weight" in names  # dense first layer
