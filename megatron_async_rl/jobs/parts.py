@@ -91,6 +91,8 @@ def build_parts(cfg, groups, platform) -> RankParts:
             learn.close()
         raise
     clock = RankClock(groups.rank, groups.local_roles())
+    if gen is not None:
+        gen.trace = clock.trace  # environment spans of multi-turn rollouts
     faults = None
     if cfg.faults.any():
         world = groups.layout.world_size

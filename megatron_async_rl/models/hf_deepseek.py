@@ -116,6 +116,13 @@ def megatron_args_from_hf(cfg: dict) -> dict[str, Any]:
         )
     if cfg.get("pretraining_tp", 1) not in (1, None):
         raise hc._unsupported("pretraining_tp", cfg["pretraining_tp"], "must be 1")
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "?")
+        raise hc._unsupported(
+            "quantization_config", method,
+            "a quantized checkpoint (DeepSeek's are fp8 with block scales) is trained from its "
+            "bf16 weights: dequantize it first (e.g. DeepSeek's fp8_cast_bf16.py)",
+        )  # fmt: skip
     num_layers = int(hc._require(cfg, "num_hidden_layers"))
     q_lora = cfg.get("q_lora_rank")
     return {

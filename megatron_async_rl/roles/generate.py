@@ -42,6 +42,8 @@ class GenerateSide:
         set by the job when the recipe asks for some."""
         self._cut_lock = threading.Lock()
         self._generating = self._cut = False
+        self.trace = None
+        """The rank's `TraceRecorder`, set by the job: multi-turn environment spans go there."""
 
     # -- stages ----------------------------------------------------------------------------
     def load(self, step: int) -> StepWork:
@@ -112,7 +114,7 @@ class GenerateSide:
             work.samples, sums = self.multi_turn.samples(
                 self.engine, self.tokenizer, records, ids, mine,
                 cfg.algorithm.num_samples_per_prompt, cfg.rollout, step=work.step,
-                run_seed=cfg.seed, should_stop=cut_asked,
+                run_seed=cfg.seed, should_stop=cut_asked, trace=self.trace,
             )  # fmt: skip
         except Cut:
             work.samples, work.partial = [], True

@@ -46,7 +46,8 @@ class MultiTurnRollout:
 
             tools = load_tools(cfg.tools, key="environment.tools")
             self.tool_schemas = [tool.schema for tool in tools.values()]
-            self.runner = ToolRunner(tools, cfg.tool_workers, cfg.tool_timeout_s)
+            self.runner = ToolRunner(tools, cfg.tool_workers, cfg.tool_timeout_s,
+                                     cfg.tool_max_chars)  # fmt: skip
             self.make_env = lambda: ToolEnvironment(self.runner, None, cfg.tool_format)
         else:
             self.make_env = load_environment(cfg.name, "environment.name", **cfg.kwargs)
@@ -60,11 +61,12 @@ class MultiTurnRollout:
 
     def samples(self, engine, tokenizer, records, prompt_ids: dict[int, list[int]],
                 indices: list[int], num_samples: int, rollout: RolloutConfig, *, step: int,
-                run_seed: int, should_stop=None,
+                run_seed: int, should_stop=None, trace=None,
                 ) -> tuple[list[Sample], dict[str, float]]:  # fmt: skip
         """`num_samples` trajectories for each prompt in `indices`, as Samples, and the step's
         sums for the report (`multiturn/...`). `should_stop()`: true when the stage was cut
-        (then `multiturn.Cut` is raised)."""
+        (then `multiturn.Cut` is raised). `trace`: a `TraceRecorder` that gets an
+        `environment` span per turn (the environments of a turn stepping together)."""
         from megatron_async_rl.engines.protocol import SamplingParams
 
         stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
@@ -87,6 +89,8 @@ class MultiTurnRollout:
         trajectories, episodes, counts = generate_trajectories(
             engine, tokenizer, self.make_env, episode_samples, ids, sampling, self.limits,
             rid_prefix=f"s{step}", should_stop=should_stop,
+            on_env_span=None if trace is None else (
+                lambda start, end: trace.add("environment", start, end, step=step)),
         )  # fmt: skip
         samples = []
         for (index, k), trajectory, episode in zip(owners, trajectories, episodes, strict=True):
@@ -110,7 +114,7 @@ class MultiTurnRollout:
 
     def _metrics(self, samples, counts: Counter, calls_before: Counter, env_s: float) -> dict:
         calls = (Counter(self.runner.counts) - calls_before) if self.runner else Counter()
-        errors = sum(v for k, v in calls.items() if k != "calls")
+        errors = sum(v for k, v in calls.items() if k not in ("calls", "truncated"))
         masked = sum(len(s.loss_mask) - sum(s.loss_mask) for s in samples)
         total = sum(len(s.loss_mask) for s in samples)
         return {
@@ -118,6 +122,7 @@ class MultiTurnRollout:
             "multiturn/turns": float(counts["turns"]),
             "multiturn/tool_calls": float(calls["calls"]),
             "multiturn/tool_errors": float(errors + counts["malformed_calls"]),
+            "multiturn/tool_results_truncated": float(calls["truncated"]),
             "multiturn/env_errors": float(counts["env_errors"]),
             "multiturn/env_timeouts": float(counts["env_timeouts"]),
             "multiturn/env_s": float(counts["env_s"]),

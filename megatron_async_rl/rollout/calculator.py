@@ -6,8 +6,8 @@ is made from them, `rollout/tools.py`), and the task's rows:
 
 - `add(a, b)`: `{"prompt": "348+576=", "answer": "924"}` rows; the model calls
   `add` with the prompt's numbers and copies the result.
-- `price(item)` then `add`: `{"prompt": "pear+fig=", "answer": "..."}` rows (two steps: look
-  up each price, then add them): more than one turn matters.
+- `price(item)` then `add`: `{"prompt": "pear+348=", "answer": "371"}` rows (two steps: look
+  up the price, then add it to the number): more than one turn matters.
 
     python -m megatron_async_rl.rollout.calculator --out runs/calc/train.jsonl --num-rows 2000
 
@@ -57,14 +57,14 @@ def sum_rows(num_rows: int, seed: int, digits: int = 3) -> list[dict]:
     return rows
 
 
-def price_rows(num_rows: int, seed: int) -> list[dict]:
-    """`x+y=` rows over fruit names (the answer: the sum of their prices)."""
+def price_rows(num_rows: int, seed: int, digits: int = 3) -> list[dict]:
+    """`fruit+n=` rows (the answer: the fruit's price plus n, a `digits`-digit number)."""
     rng = random.Random(seed)
     names = sorted(PRICES)
     rows = []
     for _ in range(num_rows):
-        x, y = rng.choice(names), rng.choice(names)
-        rows.append({"prompt": f"{x}+{y}=", "answer": str(PRICES[x] + PRICES[y])})
+        name, n = rng.choice(names), rng.randint(10 ** (digits - 1), 10**digits - 1)
+        rows.append({"prompt": f"{name}+{n}=", "answer": str(PRICES[name] + n)})
     return rows
 
 
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> Path:
     if args.task == "sum":
         rows = sum_rows(args.num_rows, args.seed, args.digits)
     else:
-        rows = price_rows(args.num_rows, args.seed)
+        rows = price_rows(args.num_rows, args.seed, args.digits)
     return write_rows(args.out, rows)
 
 

@@ -169,6 +169,8 @@ class EnvironmentConfig:
     """A tool call past this is cut and answered with an error (it runs in a worker process)."""
     tool_workers: int = 2
     """Worker processes per generate rank that run tool calls."""
+    tool_max_chars: int = 4096
+    """A tool result longer than this is cut (with a note to the model, counted)."""
     max_turns: int = 4
     """Model turns per trajectory."""
     max_total_tokens: int = 512
@@ -195,6 +197,7 @@ class EnvironmentConfig:
         require_choice("tool_format", self.tool_format, TOOL_FORMATS)
         require_number("tool_timeout_s", self.tool_timeout_s, gt=0)
         require_int("tool_workers", self.tool_workers, 1)
+        require_int("tool_max_chars", self.tool_max_chars, 16)
         require_int("max_turns", self.max_turns, 1)
         require_int("max_total_tokens", self.max_total_tokens, 1)
         require_number("step_timeout_s", self.step_timeout_s, gt=0)

@@ -63,17 +63,20 @@ def generate_trajectories(engine, tokenizer: Any, make_env: Callable[[], Any],
                           sampling: SamplingParams | list[SamplingParams],
                           limits: MultiTurnLimits, rid_prefix: str = "mt",
                           should_stop: Callable[[], bool] | None = None,
+                          on_env_span: Callable[[float, float], None] | None = None,
                           ) -> tuple[list, list, Counter]:  # fmt: skip
     """The `Trajectory`s and `Episode`s of `samples`, in order, and counts (`turns`,
     `env_errors`, `env_timeouts`, `budget`, `malformed_calls`, `continued`, `env_s`).
-    `sampling`: one for all, or one per sample (its seed then advances by one per turn)."""
+    `sampling`: one for all, or one per sample (its seed then advances by one per turn).
+    `on_env_span(start, end)` (wall-clock seconds) gets each turn's environment steps."""
     per_sample = sampling if isinstance(sampling, list) else [sampling] * len(samples)
     return asyncio.run(_run(engine, tokenizer, make_env, samples, prompt_ids, per_sample,
-                            limits, rid_prefix, should_stop or (lambda: False)))  # fmt: skip
+                            limits, rid_prefix, should_stop or (lambda: False),
+                            on_env_span))  # fmt: skip
 
 
 async def _run(engine, tokenizer, make_env, samples, prompt_ids, sampling, limits, rid_prefix,
-               should_stop):  # fmt: skip
+               should_stop, on_env_span=None):  # fmt: skip
     counts: Counter[str] = Counter()
     trajectories = [Trajectory(list(ids)) for ids in prompt_ids]
     episodes = [Episode() for _ in samples]
@@ -114,10 +117,12 @@ async def _run(engine, tokenizer, make_env, samples, prompt_ids, sampling, limit
             episodes[index].actions.append(action)
             actions.append(action)
         counts["turns"] += len(running)
-        started = time.perf_counter()
+        started, wall = time.perf_counter(), time.time()
         steps = await asyncio.gather(*(_guarded(envs[i].step, a, limits) for i, a in
                                        zip(running, actions, strict=True)))  # fmt: skip
         counts["env_s"] += time.perf_counter() - started
+        if on_env_span is not None:
+            on_env_span(wall, max(time.time(), wall))
         active = []
         for index, outcome in zip(running, steps, strict=True):
             episode, trajectory = episodes[index], trajectories[index]

@@ -5,8 +5,9 @@ with the JSON schema chat templates take, made by `transformers.utils.get_json_s
 signature and the Google-style docstring), and `ToolRunner`, which runs a turn's calls in
 worker processes (`rollout.worker_pool.WorkerPool`: code a tool runs cannot hang or crash the
 rank; a call past `timeout_s` is cut) and turns every outcome into the text of a `tool`
-message: the result as JSON (or text), or an error the model can read. Unknown tools, bad
-arguments, exceptions and timeouts are errors, each counted by kind (`counts`).
+message: the result as JSON (or text; past `max_chars` cut, with a note), or an error the
+model can read. Unknown tools, bad arguments, exceptions and timeouts are errors, each counted
+by kind (`counts`), as are truncated results.
 """
 
 from __future__ import annotations
@@ -77,11 +78,12 @@ class ToolRunner:
     """`run(calls)` -> one `tool` message text per call, in order, run in `workers`
     processes, each within `timeout_s`."""
 
-    def __init__(self, tools: dict[str, Tool], workers: int = 2, timeout_s: float = 10.0):
-        self.tools = tools
+    def __init__(self, tools: dict[str, Tool], workers: int = 2, timeout_s: float = 10.0,
+                 max_chars: int = 4096):  # fmt: skip
+        self.tools, self.max_chars = tools, max_chars
         self.pool = WorkerPool(workers, timeout_s, "tool call")
         self.counts: Counter[str] = Counter()
-        """`calls`, `unknown_tool`, `bad_arguments`, `raised`, `timeout`."""
+        """`calls`, `unknown_tool`, `bad_arguments`, `raised`, `timeout`, `truncated`."""
 
     def run(self, calls: list[ToolCall]) -> list[str]:
         out: list[str | None] = [None] * len(calls)
@@ -110,8 +112,16 @@ class ToolRunner:
                 self.counts["raised"] += 1
                 out[index] = f"error: {calls[index].name} raised {type(result).__name__}: {result}"
             else:
-                out[index] = result if isinstance(result, str) else json.dumps(result)
+                out[index] = self._bounded(result if isinstance(result, str)
+                                           else json.dumps(result))  # fmt: skip
         return [text or "" for text in out]
+
+    def _bounded(self, text: str) -> str:
+        """A result past `max_chars` is cut there, with a note the model reads (counted)."""
+        if len(text) <= self.max_chars:
+            return text
+        self.counts["truncated"] += 1
+        return f"{text[: self.max_chars]}... [truncated: {len(text)} characters in all]"
 
     def close(self) -> None:
         self.pool.close()

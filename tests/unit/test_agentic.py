@@ -111,6 +111,16 @@ def test_trajectories_become_masked_samples_with_mixed_rewards(tmp_path):
     StalenessController(1).check_batch(1, work.token_versions())
 
 
+def test_environment_steps_are_timeline_spans(tmp_path):
+    from megatron_async_rl.observability.trace import TraceRecorder
+
+    side = _side(tmp_path, FakeEngine(vocab_size=96))
+    side.trace = TraceRecorder(0, ("generate",))
+    side.generate(side.load(step=4))
+    spans = [s for s in side.trace.spans() if s["stage"] == "environment"]
+    assert len(spans) == 2  # one per turn: the environments of a turn step together
+
+
 def test_failed_environment_scores_zero(tmp_path):
     side = _side(tmp_path, FakeEngine(vocab_size=96), kwargs={"broken": True})
     work = side.score(side.generate(side.load(step=1)))

@@ -228,6 +228,8 @@ def test_deepseek_v3_args_match_the_config():
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 1.0}},
          "rope_parameters.mscale=None"),
         ({"rope_parameters": {"rope_type": "llama3", "factor": 4.0}}, "'default' or 'yarn'"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config='fp8'.*"
+         "dequantize it first"),
     ],
 )  # fmt: skip
 def test_deepseek_v3_unsupported_configs_raise(change, match):

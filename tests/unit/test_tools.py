@@ -100,6 +100,10 @@ def test_runner_turns_every_outcome_into_a_message():
         assert runner.run([ToolCall("slow", {"seconds": 0})]) == ["slept"]  # fresh workers
         assert dict(runner.counts) == {"calls": 7, "unknown_tool": 1, "bad_arguments": 2,
                                        "raised": 1, "timeout": 1}  # fmt: skip
+        runner.tools.update(load_tools(["tests.unit.tool_fixtures:huge"]))
+        (big,) = runner.run([ToolCall("huge", {"n": 2**20})])  # 1 MB of text
+        assert big == "x" * runner.max_chars + f"... [truncated: {2**20} characters in all]"
+        assert runner.counts["truncated"] == 1
     finally:
         runner.close()
 

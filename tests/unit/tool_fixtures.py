@@ -23,6 +23,15 @@ def slow(seconds: float) -> str:
     return "slept"
 
 
+def huge(n: int) -> str:
+    """Answer with n characters.
+
+    Args:
+        n: how many
+    """
+    return "x" * n
+
+
 def broken(x: int) -> int:
     """Always raise.
 

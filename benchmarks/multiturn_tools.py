@@ -1,0 +1,152 @@
+"""Multi-turn tool use on CPU: learning (sync vs async) and tool-latency overlap, side by side.
+
+    .venv/bin/python benchmarks/multiturn_tools.py [--steps 40] [--throughput-steps 12]
+        [--out runs/bench-tools] [--skip-learning] [--skip-throughput] [--task sum|price]
+
+Writes the calculator task and the tool-call warm start (`scripts/tools_quickstart.sh`'s), then
+runs `yaml_configs/tiny-tools-cpu.yaml` through `launch/torchrun.sh` on 2 ranks:
+- learning: the synchronous loop and the asynchronous loop (`generate_ahead_steps: 1`,
+  in-flight updates), `--steps` each; prints the reward of the first and last 5 steps and the
+  wall time of each, and writes `<out>/learning.png` (reward against step and against time);
+- throughput: the asynchronous loop with `add` (instant) and with the same tool sleeping 100 ms
+  per call (`benchmarks/slow_tools.py:add`), `--throughput-steps` each, 16 tool workers, and
+  the ratio of their mean step times after 2 warm-up steps (overlap works when it is near 1).
+`--task price` is the two-step task instead (rows `pear+348=`: `price(item)`, then
+`add(price, n)`, then the answer; 3 turns, tools `price` and `add`).
+Last line: `RESULT sync_gain=<float> async_gain=<float> slow_tool_step_ratio=<float>`.
+A benchmark, not a test: the runs share this machine's noise; read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def _prepare(out: Path, task: str) -> tuple[Path, Path]:
+    model, data, warm = out / "tiny-llama", out / "calc.jsonl", out / "tiny-llama-tools-warm"
+    if not (model / "config.json").exists():
+        subprocess.run([PY, "-m", "megatron_async_rl.models.tiny", "--family", "llama",
+                        "--out", str(model), "--seed", "0"], check=True, cwd=REPO)  # fmt: skip
+    if not data.exists():
+        subprocess.run([PY, "-m", "megatron_async_rl.rollout.calculator", "--out", str(data),
+                        "--num-rows", "2000", "--seed", "0", "--task", task],
+                       check=True, cwd=REPO)  # fmt: skip
+    if not (warm / "config.json").exists():
+        subprocess.run([PY, "-m", "megatron_async_rl.rollout.tool_warm_start", "--model",
+                        str(model), "--data", str(data), "--out", str(warm), "--seed", "0",
+                        "--task", task], check=True, cwd=REPO)  # fmt: skip
+    return warm, data
+
+
+def _run(name: str, out: Path, warm: Path, data: Path, port: int, *sets: str) -> list[dict]:
+    run_dir = out / name
+    cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), str(REPO / "yaml_configs" /
+           "tiny-tools-cpu.yaml"), "--run-dir", str(run_dir)]  # fmt: skip
+    for item in (f"model.hf_path={warm}", f"data.path={data}", *sets):
+        cmd += ["--set", item]
+    env = dict(os.environ, PYTHON=PY, NPROC_PER_NODE="2", MASTER_PORT=str(port),
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))  # fmt: skip
+    log = out / f"{name}.log"
+    with log.open("w") as handle:
+        proc = subprocess.run(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name}: exit {proc.returncode}; see {log}")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _plot(curves: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, rows in curves.items():
+        steps = [r["step"] for r in rows]
+        rewards = [r["reward/mean"] for r in rows]
+        elapsed, total = [], 0.0
+        for r in rows:
+            total += r["timing/step_s"]
+            elapsed.append(total / 60)
+        by_step.plot(steps, rewards, label=name)
+        by_time.plot(elapsed, rewards, label=name)
+    by_step.set_xlabel("RL step")
+    by_time.set_xlabel("minutes (sum of step times)")
+    for ax in (by_step, by_time):
+        ax.set_ylabel("reward/mean (final answer right)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("tiny Llama + calculator tool, GRPO on 2 CPU ranks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--throughput-steps", type=int, default=12)
+    parser.add_argument("--out", default="runs/bench-tools")
+    parser.add_argument("--skip-learning", action="store_true")
+    parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--task", choices=("sum", "price"), default="sum")
+    args = parser.parse_args(argv)
+    out = (REPO / args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    warm, data = _prepare(out, args.task)
+    task_sets = () if args.task == "sum" else (
+        "environment.tools=[megatron_async_rl.rollout.calculator:price,"
+        "megatron_async_rl.rollout.calculator:add]",
+        "environment.max_turns=3", "environment.max_total_tokens=256",
+        "megatron.seq_length=320",
+    )  # fmt: skip
+    result = {}
+    if not args.skip_learning:
+        curves = {}
+        for name, port, sets in (
+            ("sync", 29811, ()),
+            ("async", 29812, ("scheduler.generate_ahead_steps=1",
+                              "scheduler.weight_update_mode=in_flight")),
+        ):  # fmt: skip
+            rows = _run(name, out, warm, data, port, f"trainer.num_steps={args.steps}",
+                        *task_sets, *sets)
+            curves[name] = rows
+            first, last = (_mean([r["reward/mean"] for r in part])
+                           for part in (rows[:5], rows[-5:]))  # fmt: skip
+            wall = sum(r["timing/step_s"] for r in rows)
+            print(f"{name}: reward first 5 steps {first:.3f}, last 5 {last:.3f} (gain "
+                  f"{last - first:+.3f}); {len(rows)} steps in {wall / 60:.1f} min")
+            result[f"{name}_gain"] = last - first
+        _plot(curves, out / "learning.png")
+        print(f"curves: {out / 'learning.png'}")
+    if not args.skip_throughput:
+        steps = {}
+        tools = (("instant", 29813, "megatron_async_rl.rollout.calculator:add"),
+                 ("slow", 29814, "benchmarks.slow_tools:add"))
+        for name, port, tool in tools:
+            rows = _run(f"tool-{name}", out, warm, data, port,
+                        f"trainer.num_steps={args.throughput_steps}",
+                        f"environment.tools=[{tool}]",
+                        "environment.tool_workers=16", "scheduler.generate_ahead_steps=1",
+                        "scheduler.weight_update_mode=in_flight")  # fmt: skip
+            steps[name] = _mean([r["timing/step_s"] for r in rows[2:]])
+            calls = _mean([r["multiturn/tool_calls"] for r in rows[2:]])
+            print(f"async, {name} tool: mean step {steps[name]:.2f} s over {len(rows) - 2} steps "
+                  f"({calls:.0f} tool calls per step)")  # fmt: skip
+        result["slow_tool_step_ratio"] = steps["slow"] / steps["instant"]
+    print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items()))
+
+
+if __name__ == "__main__":
+    main()
