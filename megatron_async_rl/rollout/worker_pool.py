@@ -2,9 +2,11 @@
 
 Owned here: `WorkerPool`, a `concurrent.futures.ProcessPoolExecutor` of spawned workers
 (SIGINT ignored: the rank handles Ctrl-C; each ends when the rank is gone) whose `run_many`
-returns one result or exception per call. A call that does not answer within `call_timeout_s`
-of its batch's start comes back as `CallTimeout` (a `TimeoutError`), and the pool is
-replaced: its workers are killed (a thread cannot be), so one call cannot stall its stage.
+returns one result or exception per call, for callers on many threads at once (their calls
+share the workers). A call that does not answer within `call_timeout_s` of its batch's start
+comes back as `CallTimeout` (a `TimeoutError`), and the pool is replaced: its workers are
+killed (a thread cannot be), so one call cannot stall its stage; other callers' calls that
+were on it run again on the new pool.
 Used by the `math` reward's Math-Verify graders (`rewards/math_pool.py`) and by tool calls
 (`rollout/tools.py`). The pool starts at the first call. The target must be a module-level
 function (it is pickled by name).
@@ -20,6 +22,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +56,8 @@ class WorkerPool:
         self.workers, self.call_timeout_s, self.what = workers, call_timeout_s, what
         self.initializer = initializer
         self._pool: futures.ProcessPoolExecutor | None = None
+        self._generation = 0
+        """Counts replacements: a caller replaces only the pool its own calls ran on."""
         self._lock = threading.Lock()
 
     def _executor(self) -> futures.ProcessPoolExecutor:
@@ -64,30 +69,45 @@ class WorkerPool:
         return self._pool
 
     def run_many(self, target: Callable, calls: list[tuple]) -> list:
+        """Callers on several threads share the workers (a step's tool calls of every
+        trajectory run at once). A caller whose calls were on a pool that another caller
+        replaced (a call of its timed out) runs them again on the new pool, within its own
+        deadline."""
         if not calls:
             return []
-        with self._lock:  # one batch at a time; a replaced pool is not shared mid-batch
-            pool = self._executor()
-            jobs = [pool.submit(target, *args) for args in calls]
-            deadline = time.monotonic() + self.call_timeout_s
-            out: list = []
-            stuck = False
-            for job in jobs:
+        out: list = [None] * len(calls)
+        pending = list(range(len(calls)))
+        deadline = time.monotonic() + self.call_timeout_s
+        for _ in range(3):
+            with self._lock:  # the pool in use now; replacing it also takes the lock
+                pool, generation = self._executor(), self._generation
+                jobs = [(i, pool.submit(target, *calls[i])) for i in pending]
+            pending, stuck = [], False
+            for i, job in jobs:
                 try:
-                    out.append(job.result(timeout=max(0.0, deadline - time.monotonic())))
+                    out[i] = job.result(timeout=max(0.0, deadline - time.monotonic()))
                 except futures.TimeoutError:
                     stuck = True
-                    out.append(CallTimeout(
+                    out[i] = CallTimeout(
                         f"{self.what} did not answer within {self.call_timeout_s:g} s"
-                    ))  # fmt: skip
+                    )  # fmt: skip
+                except (BrokenProcessPool, futures.CancelledError):
+                    pending.append(i)  # its pool was replaced under it: run it again
                 except Exception as err:  # noqa: BLE001 - reported per call
-                    out.append(err)
+                    out[i] = err
             if stuck:
-                self._replace()
-            return out
+                with self._lock:
+                    if self._generation == generation:  # not replaced by another caller yet
+                        self._replace()
+            if not pending:
+                return out
+        for i in pending:
+            out[i] = CallTimeout(f"{self.what}: its workers were replaced three times")
+        return out
 
     def _replace(self) -> None:
         pool, self._pool = self._pool, None
+        self._generation += 1
         if pool is None:
             return
         processes = list((getattr(pool, "_processes", None) or {}).values())

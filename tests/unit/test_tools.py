@@ -137,3 +137,43 @@ def test_workers_end_with_the_process_that_started_them(tmp_path):
               for p in workers):  # fmt: skip
         assert time.monotonic() < deadline, f"workers {workers} outlived their parent"
         time.sleep(0.2)
+
+
+def test_callers_on_many_threads_share_the_workers_and_survive_a_replacement():
+    """Every trajectory's environment calls the runner from its own thread: their calls run
+    at once on the workers (the calls' own start and end stamps overlap), and a call of one
+    caller that times out (its pool replaced) costs the other callers nothing."""
+    import threading
+    import time
+
+    from megatron_async_rl.rollout.worker_pool import CallTimeout, WorkerPool
+    from tests.unit import tool_fixtures
+
+    pool = WorkerPool(workers=4, call_timeout_s=20.0, what="test call")
+    results = {}
+    try:
+        pool.run_many(tool_fixtures.stamped, [(0,)])  # workers up before the measured calls
+
+        def call(name, seconds):
+            results[name] = pool.run_many(tool_fixtures.stamped, [(seconds,)])[0]
+
+        threads = [threading.Thread(target=call, args=(n, 1.0)) for n in "ab"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        (a0, a1), (b0, b1) = results["a"], results["b"]
+        assert a0 < b1 and b0 < a1, results  # they overlapped, not one after the other
+        pool.call_timeout_s = 2.0
+        threads = [threading.Thread(target=call, args=("hung", 60.0)),
+                   threading.Thread(target=call, args=("fine", 3.5))]  # fmt: skip
+        threads[0].start()
+        time.sleep(0.5)  # the fine call starts on the pool the hung call will take down
+        pool.call_timeout_s = 20.0
+        threads[1].start()
+        for t in threads:
+            t.join()
+        assert isinstance(results["hung"], CallTimeout)
+        assert isinstance(results["fine"], list), results["fine"]  # run again, on the new pool
+    finally:
+        pool.close()

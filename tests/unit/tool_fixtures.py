@@ -64,3 +64,14 @@ class CountdownEnv:
 class NotAnEnv:
     def reset(self, sample):
         return None
+
+
+def stamped(seconds: float) -> list:
+    """Sleep, and say when (wall clock) the call started and ended.
+
+    Args:
+        seconds: how long to sleep
+    """
+    start = time.time()
+    time.sleep(seconds)
+    return [start, time.time()]
