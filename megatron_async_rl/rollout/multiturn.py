@@ -1,11 +1,12 @@
 """Multi-turn rollouts on an engine: many trajectories, turn by turn, token-in/token-out.
 
 Owned here: `generate_trajectories(engine, tokenizer, make_env, samples, prompt_ids,
-sampling, limits)`. Every trajectory gets its own environment (`make_env()`). Turn by turn,
-the engine generates for every trajectory still running in one batch, each continuing from
-its own token ids (`rollout/turns.py`); then every environment steps at once (tool calls and
-environment work of all trajectories overlap; a step is bounded by `step_timeout_s`); their
-messages are appended as template tokens, masked out of the loss. A trajectory ends when its
+sampling, limits)`. Every trajectory gets its own environment (`make_env()`) and runs on
+its own: each of its turns goes to the engine (continuing from its own token ids,
+`rollout/turns.py`) as soon as its environment answered the last one, so the engine batches
+whatever turns are in flight while other trajectories wait for their tools (tool latency
+overlaps generation; a step is bounded by `step_timeout_s`); the environment's messages are
+appended as template tokens, masked out of the loss. A trajectory ends when its
 environment says done, at `max_turns`, when its `max_total_tokens` (everything after the
 prompt) are spent, or when its environment fails (reward 0, counted). The weight version of
 every model token is the engine's, so a trajectory that spans a weight update carries both.
@@ -19,6 +20,7 @@ generated again on resume. Called by `rollout.agentic` (the generate stage's mul
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -80,66 +82,85 @@ async def _run(engine, tokenizer, make_env, samples, prompt_ids, sampling, limit
     counts: Counter[str] = Counter()
     trajectories = [Trajectory(list(ids)) for ids in prompt_ids]
     episodes = [Episode() for _ in samples]
-    envs = [make_env() for _ in samples]
-    resets = await asyncio.gather(*(_guarded(env.reset, s, limits) for env, s in
-                                    zip(envs, samples, strict=True)))  # fmt: skip
-    active = []
-    for index, outcome in enumerate(resets):
-        if isinstance(outcome, BaseException):
-            fail_episode(episodes[index], outcome)
-            _count_failure(episodes[index], counts)
-        else:
-            episodes[index].observations.append(outcome)
-            active.append(index)
-    for turn in range(limits.max_turns):
-        requests, running = [], []
-        for index in active:
-            left = limits.max_total_tokens - len(trajectories[index].ids)
-            if left < 1:
-                episodes[index].finish_reason = "budget"
-                counts["budget"] += 1
-                continue
-            own = sampling[index]
-            budget = replace(own, max_new_tokens=min(own.max_new_tokens, left),
-                             seed=None if own.seed is None else own.seed + turn)  # fmt: skip
-            requests.append(GenerateRequest(trajectories[index].context(), budget,
-                                            f"{rid_prefix}-{index}-t{turn}"))  # fmt: skip
-            running.append(index)
-        if not running:
-            return trajectories, episodes, counts
-        results = await asyncio.to_thread(_whole_turns, engine, requests, should_stop, counts)
-        actions = []
-        for index, result in zip(running, results, strict=True):
-            versions = [version_number(v) for v in result.token_versions]
-            trajectories[index].add_model(list(result.output_ids),
-                                          list(result.output_logprobs), versions)  # fmt: skip
-            action = tokenizer.decode(result.output_ids, skip_special_tokens=True)
-            episodes[index].actions.append(action)
-            actions.append(action)
-        counts["turns"] += len(running)
-        started, wall = time.perf_counter(), time.time()
-        steps = await asyncio.gather(*(_guarded(envs[i].step, a, limits) for i, a in
-                                       zip(running, actions, strict=True)))  # fmt: skip
-        counts["env_s"] += time.perf_counter() - started
-        if on_env_span is not None:
-            on_env_span(wall, max(time.time(), wall))
-        active = []
-        for index, outcome in zip(running, steps, strict=True):
-            episode, trajectory = episodes[index], trajectories[index]
-            if isinstance(outcome, StepResult):
-                counts["malformed_calls"] += int(outcome.info.get("malformed_calls", 0))
-            if not record_step(episode, outcome):
-                if episode.error:
-                    _count_failure(episode, counts)
-                continue
-            messages = _as_messages(outcome.observation)
-            trajectory.add_environment(close_turn_ids(tokenizer, trajectory.ids))
-            if messages:
-                trajectory.add_environment(observation_ids(tokenizer, messages))
-            active.append(index)
-    for index in active:
-        episodes[index].finish_reason = "max_turns"
+    spans: dict[int, list[float]] = {}  # turn -> [first environment start, last end]
+    loop = asyncio.get_running_loop()
+    # One thread per trajectory for its engine calls: the engine batches whatever is in flight
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(samples)), "turn") as threads:
+
+        async def generate(request: GenerateRequest) -> GenerateResult:
+            result, continued = await loop.run_in_executor(
+                threads, _whole_turn, engine, request, should_stop)
+            counts["continued"] += continued
+            return result
+
+        async def one(index: int) -> None:
+            await _trajectory(index, samples[index], make_env(), trajectories[index],
+                              episodes[index], sampling[index], generate, tokenizer, limits,
+                              rid_prefix, counts, spans)  # fmt: skip
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(samples))]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+    if on_env_span is not None:
+        for turn in sorted(spans):
+            on_env_span(*spans[turn])
     return trajectories, episodes, counts
+
+
+async def _trajectory(index, sample, env, trajectory, episode, own, generate, tokenizer, limits,
+                      rid_prefix, counts, spans) -> None:  # fmt: skip
+    """One trajectory, turn after turn, on its own: its next turn goes to the engine as soon as
+    its environment answered, whatever the other trajectories are doing (tool latency overlaps
+    their generation)."""
+    outcome = await _guarded(env.reset, sample, limits)
+    if isinstance(outcome, BaseException):
+        fail_episode(episode, outcome)
+        _count_failure(episode, counts)
+        return
+    episode.observations.append(outcome)
+    for turn in range(limits.max_turns):
+        left = limits.max_total_tokens - len(trajectory.ids)
+        if left < 1:
+            episode.finish_reason = "budget"
+            counts["budget"] += 1
+            return
+        budget = replace(own, max_new_tokens=min(own.max_new_tokens, left),
+                         seed=None if own.seed is None else own.seed + turn)  # fmt: skip
+        result = await generate(GenerateRequest(trajectory.context(), budget,
+                                                f"{rid_prefix}-{index}-t{turn}"))  # fmt: skip
+        trajectory.add_model(list(result.output_ids), list(result.output_logprobs),
+                             [version_number(v) for v in result.token_versions])  # fmt: skip
+        action = tokenizer.decode(result.output_ids, skip_special_tokens=True)
+        episode.actions.append(action)
+        counts["turns"] += 1
+        started, wall = time.perf_counter(), time.time()
+        outcome = await _guarded(env.step, action, limits)
+        counts["env_s"] += time.perf_counter() - started
+        span = spans.setdefault(turn, [wall, wall])
+        span[0], span[1] = min(span[0], wall), max(span[1], time.time())
+        if isinstance(outcome, StepResult):
+            counts["malformed_calls"] += int(outcome.info.get("malformed_calls", 0))
+        if not record_step(episode, outcome):
+            if episode.error:
+                _count_failure(episode, counts)
+            return
+        messages = _as_messages(outcome.observation)
+        trajectory.add_environment(close_turn_ids(tokenizer, trajectory.ids))
+        if messages:
+            trajectory.add_environment(observation_ids(tokenizer, messages))
+    episode.finish_reason = "max_turns"
+
+
+def _whole_turn(engine, request: GenerateRequest, should_stop) -> tuple[GenerateResult, int]:
+    """`_whole_turns` of one request: (its result, how many times it was continued)."""
+    counts: Counter[str] = Counter()
+    (result,) = _whole_turns(engine, [request], should_stop, counts)
+    return result, counts["continued"]
 
 
 def _whole_turns(engine, requests: list[GenerateRequest], should_stop, counts) -> list:

@@ -61,13 +61,15 @@ def test_turns_continue_from_the_trajectory_tokens():
     tok, prompt_ids, (trajs, episodes, counts) = _run(engine, MultiTurnLimits(max_turns=4))
     assert [e.finish_reason for e in episodes] == ["done", "done"]
     assert [e.reward for e in episodes] == [1.0, 1.0] and counts["turns"] == 6
-    assert len(engine.requests) == 3  # one batch per turn
-    for turn, batch in enumerate(engine.requests):
-        for index, request in enumerate(batch):
-            seen = len(request.input_ids) - len(prompt_ids[index])
-            assert request.input_ids == trajs[index].context()[: len(request.input_ids)]
-            if turn:  # after a model turn and the tool's template tokens
-                assert trajs[index].loss_mask[seen - 1] == 0
+    requests = [r for call in engine.requests for r in call]
+    assert len(requests) == 6  # each trajectory's turns go to the engine on their own
+    for request in requests:
+        _, index, turn = request.rid.split("-")
+        index, turn = int(index), int(turn[1:])
+        seen = len(request.input_ids) - len(prompt_ids[index])
+        assert request.input_ids == trajs[index].context()[: len(request.input_ids)]
+        if turn:  # after a model turn and the tool's template tokens
+            assert trajs[index].loss_mask[seen - 1] == 0
     traj = trajs[0]
     first = traj.loss_mask.index(0)
     tool = observation_ids(tok, [{"role": "tool", "content": "result 1"}])
