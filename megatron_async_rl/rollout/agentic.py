@@ -37,7 +37,8 @@ def version_label(number: int) -> str:
 class MultiTurnRollout:
     """The environments and tools of one generate rank (see the module docstring)."""
 
-    def __init__(self, cfg: EnvironmentConfig):
+    def __init__(self, cfg: EnvironmentConfig, context_tokens: int | None = None):
+        """`context_tokens`: the engine's context length (a trajectory never outgrows it)."""
         self.cfg = cfg
         self.runner = None
         self.tool_schemas: list[dict] | None = None
@@ -51,7 +52,8 @@ class MultiTurnRollout:
             self.make_env = lambda: ToolEnvironment(self.runner, None, cfg.tool_format)
         else:
             self.make_env = load_environment(cfg.name, "environment.name", **cfg.kwargs)
-        self.limits = MultiTurnLimits(cfg.max_turns, cfg.max_total_tokens, cfg.step_timeout_s)
+        self.limits = MultiTurnLimits(cfg.max_turns, cfg.max_total_tokens, cfg.step_timeout_s,
+                                      context_tokens)  # fmt: skip
 
     def encode(self, record, tokenizer, use_chat_template: bool) -> list[int]:
         """A prompt's ids, with the tools in its chat template."""

@@ -58,6 +58,9 @@ class MultiTurnLimits:
     max_total_tokens: int = 1024
     """Tokens after the prompt, model and environment tokens together."""
     step_timeout_s: float = 30.0
+    max_context_tokens: int | None = None
+    """The engine's context length (prompt and everything after it): a turn never asks for
+    more, and a trajectory with no room left ends (`budget`); None: no limit."""
 
 
 def generate_trajectories(engine, tokenizer: Any, make_env: Callable[[], Any],
@@ -125,6 +128,8 @@ async def _trajectory(index, sample, env, trajectory, episode, own, generate, to
     episode.observations.append(outcome)
     for turn in range(limits.max_turns):
         left = limits.max_total_tokens - len(trajectory.ids)
+        if limits.max_context_tokens is not None:
+            left = min(left, limits.max_context_tokens - len(trajectory.context()))
         if left < 1:
             episode.finish_reason = "budget"
             counts["budget"] += 1

@@ -87,3 +87,15 @@ def test_budget_and_failures_end_only_their_trajectory():
                                        make_env=lambda: ToolTurns(fail_on="b"))  # fmt: skip
     assert [e.finish_reason for e in episodes] == ["done", "env_error"]
     assert episodes[1].reward == 0.0 and counts["env_errors"] == 1
+
+
+def test_a_trajectory_never_outgrows_the_engines_context():
+    """Turns ask for no more tokens than the engine's context leaves (SGLang refuses a request
+    past it, and that would end the step), and a trajectory with no room left ends."""
+    engine = Recording(vocab_size=96)
+    tok, prompt_ids, (trajs, episodes, counts) = _run(
+        engine, MultiTurnLimits(max_turns=4, max_context_tokens=24))
+    for call in engine.requests:
+        for request in call:
+            assert len(request.input_ids) + request.sampling.max_new_tokens <= 24
+    assert {e.finish_reason for e in episodes} == {"budget"} and counts["budget"] == 2
