@@ -130,6 +130,10 @@ class SGLangEngine:
         info = self._wait_ready(start)
         self.host_pid: int = self._proc.pid
         self.engine_child_pids: list[int] = info["child_pids"]
+        self.max_input_tokens: int | None = info.get("max_input_tokens")
+        """SGLang refuses a request whose input has this many tokens or more."""
+        self.context_tokens: int | None = info.get("context_tokens")
+        """SGLang refuses a request whose input plus max_new_tokens is longer."""
         self._engine_procs = processes(self.engine_child_pids)
         self._engine_files: list[str] = info.get("files", [])
         self.startup_s = time.monotonic() - start

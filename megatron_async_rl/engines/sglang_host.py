@@ -132,7 +132,10 @@ class _EngineHost:
         loop.remove_signal_handler(signal.SIGTERM)  # SGLang's drains and exits: see host_main
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         threading.Thread(target=self._read_calls, args=(loop,), daemon=True).start()
-        self.conn.send(("ready", {"child_pids": self.child_pids, "files": self._own_files()}))
+        limits = {"max_input_tokens": self.tm.max_req_input_len,
+                  "context_tokens": self.tm.context_len}  # what SGLang accepts per request
+        self.conn.send(("ready", {"child_pids": self.child_pids, "files": self._own_files(),
+                                  **limits}))  # fmt: skip
         await self.stopped.wait()
 
     def _own_files(self) -> list[str]:

@@ -194,16 +194,6 @@ class GenerateSide:
             self.multi_turn.close()
 
 
-def _context_tokens(cfg) -> int | None:
-    """The engines' context length: `engine.server_args.context_length`, else the model's
-    `max_position_embeddings` (what SGLang takes)."""
-    if cfg.engine.server_args.get("context_length"):
-        return int(cfg.engine.server_args["context_length"])
-    from megatron_async_rl.models.hf_checkpoint import read_hf_config
-
-    return read_hf_config(cfg.model.hf_path).get("max_position_embeddings")
-
-
 def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None:
     """This rank's generate side, its engine started; None off the engine hosts (an engine
     follower's devices belong to its host's engine)."""
@@ -220,7 +210,7 @@ def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None
     if cfg.environment.multi_turn:
         from megatron_async_rl.rollout.agentic import MultiTurnRollout
 
-        multi_turn = MultiTurnRollout(cfg.environment, _context_tokens(cfg))
+        multi_turn = MultiTurnRollout(cfg.environment)
     validator = None
     if cfg.scheduler.validation_every > 0:
         val = cfg.validation

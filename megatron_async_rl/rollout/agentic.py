@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 from megatron_async_rl.rollout.config import EnvironmentConfig, RolloutConfig
@@ -37,8 +38,7 @@ def version_label(number: int) -> str:
 class MultiTurnRollout:
     """The environments and tools of one generate rank (see the module docstring)."""
 
-    def __init__(self, cfg: EnvironmentConfig, context_tokens: int | None = None):
-        """`context_tokens`: the engine's context length (a trajectory never outgrows it)."""
+    def __init__(self, cfg: EnvironmentConfig):
         self.cfg = cfg
         self.runner = None
         self.tool_schemas: list[dict] | None = None
@@ -52,8 +52,7 @@ class MultiTurnRollout:
             self.make_env = lambda: ToolEnvironment(self.runner, None, cfg.tool_format)
         else:
             self.make_env = load_environment(cfg.name, "environment.name", **cfg.kwargs)
-        self.limits = MultiTurnLimits(cfg.max_turns, cfg.max_total_tokens, cfg.step_timeout_s,
-                                      context_tokens)  # fmt: skip
+        self.limits = MultiTurnLimits(cfg.max_turns, cfg.max_total_tokens, cfg.step_timeout_s)
 
     def encode(self, record, tokenizer, use_chat_template: bool) -> list[int]:
         """A prompt's ids, with the tools in its chat template."""
@@ -88,8 +87,11 @@ class MultiTurnRollout:
                 ))  # fmt: skip
         calls_before = Counter(self.runner.counts) if self.runner else Counter()
         start = time.perf_counter()
+        inner = getattr(engine, "inner", engine)  # a RestartingEngine's current engine
+        limits = replace(self.limits, max_context_tokens=getattr(inner, "context_tokens", None),
+                         max_input_tokens=getattr(inner, "max_input_tokens", None))  # fmt: skip
         trajectories, episodes, counts = generate_trajectories(
-            engine, tokenizer, self.make_env, episode_samples, ids, sampling, self.limits,
+            engine, tokenizer, self.make_env, episode_samples, ids, sampling, limits,
             rid_prefix=f"s{step}", should_stop=should_stop,
             on_env_span=None if trace is None else (
                 lambda start, end: trace.add("environment", start, end, step=step)),

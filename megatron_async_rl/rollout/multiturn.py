@@ -59,8 +59,11 @@ class MultiTurnLimits:
     """Tokens after the prompt, model and environment tokens together."""
     step_timeout_s: float = 30.0
     max_context_tokens: int | None = None
-    """The engine's context length (prompt and everything after it): a turn never asks for
-    more, and a trajectory with no room left ends (`budget`); None: no limit."""
+    """The engine's context length (a turn's input plus its new tokens): a turn never asks for
+    more; None: no limit."""
+    max_input_tokens: int | None = None
+    """SGLang refuses an input of this many tokens or more (its context length less a
+    margin): a trajectory whose next input reaches it ends (`budget`); None: no limit."""
 
 
 def generate_trajectories(engine, tokenizer: Any, make_env: Callable[[], Any],
@@ -127,9 +130,11 @@ async def _trajectory(index, sample, env, trajectory, episode, own, generate, to
         return
     episode.observations.append(outcome)
     for turn in range(limits.max_turns):
-        left = limits.max_total_tokens - len(trajectory.ids)
+        left, length = limits.max_total_tokens - len(trajectory.ids), len(trajectory.context())
         if limits.max_context_tokens is not None:
-            left = min(left, limits.max_context_tokens - len(trajectory.context()))
+            left = min(left, limits.max_context_tokens - length)
+        if limits.max_input_tokens is not None and length >= limits.max_input_tokens:
+            left = 0
         if left < 1:
             episode.finish_reason = "budget"
             counts["budget"] += 1

@@ -90,12 +90,15 @@ def test_budget_and_failures_end_only_their_trajectory():
 
 
 def test_a_trajectory_never_outgrows_the_engines_context():
-    """Turns ask for no more tokens than the engine's context leaves (SGLang refuses a request
-    past it, and that would end the step), and a trajectory with no room left ends."""
+    """Turns ask for no more tokens than the engine's context leaves and send no longer input
+    than it takes (SGLang refuses either, and that would end the step); a trajectory with no
+    room left ends. The limits are the real engine's (`SGLangEngine.context_tokens`,
+    `max_input_tokens`: tests/distributed/test_sglang_engine.py)."""
     engine = Recording(vocab_size=96)
     tok, prompt_ids, (trajs, episodes, counts) = _run(
-        engine, MultiTurnLimits(max_turns=4, max_context_tokens=24))
+        engine, MultiTurnLimits(max_turns=4, max_context_tokens=24, max_input_tokens=20))
     for call in engine.requests:
         for request in call:
             assert len(request.input_ids) + request.sampling.max_new_tokens <= 24
+            assert len(request.input_ids) < 20
     assert {e.finish_reason for e in episodes} == {"budget"} and counts["budget"] == 2
