@@ -262,6 +262,11 @@ def hf_config_from_megatron_args(
             f"Megatron arg num_experts={_get(args, 'num_experts')!r} cannot be exported as "
             f"{model_type}: only qwen3_moe has experts"
         )
+    return with_base(cfg, base)
+
+
+def with_base(cfg: dict[str, Any], base: dict | None) -> dict[str, Any]:
+    """`cfg` with the token ids and the dtype of `base` (the source model's config)."""
     for key in _PASSTHROUGH_KEYS:
         if base and key in base:
             cfg[key] = base[key]

@@ -240,10 +240,4 @@ def hf_config_from_megatron_args(args: Any, base: dict | None = None) -> dict[st
         "attention_dropout": float(get(args, "attention_dropout", 0.0)),
         "initializer_range": float(get(args, "init_method_std", 0.02)),
     }
-    for key in hc._PASSTHROUGH_KEYS:
-        if base and key in base:
-            cfg[key] = base[key]
-    dtype = base and (base.get("torch_dtype") or base.get("dtype"))
-    if dtype:
-        cfg["torch_dtype"] = cfg["dtype"] = dtype
-    return cfg
+    return hc.with_base(cfg, base)
