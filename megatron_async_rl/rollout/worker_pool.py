@@ -3,10 +3,10 @@
 Owned here: `WorkerPool`, a `concurrent.futures.ProcessPoolExecutor` of spawned workers
 (SIGINT ignored: the rank handles Ctrl-C; each ends when the rank is gone) whose `run_many`
 returns one result or exception per call, for callers on many threads at once (their calls
-share the workers). A call that does not answer within `call_timeout_s` of its batch's start
-comes back as `CallTimeout` (a `TimeoutError`), and the pool is replaced: its workers are
-killed (a thread cannot be), so one call cannot stall its stage; other callers' calls that
-were on it run again on the new pool.
+share the workers, each sent when a worker is free). A call that does not answer within
+`call_timeout_s` of being sent comes back as `CallTimeout` (a `TimeoutError`), and the pool
+is replaced: its workers are killed (a thread cannot be), so one call cannot stall its stage;
+other callers' calls that were on it run again on the new pool.
 Used by the `math` reward's Math-Verify graders (`rewards/math_pool.py`) and by tool calls
 (`rollout/tools.py`). The pool starts at the first call. The target must be a module-level
 function (it is pickled by name).
@@ -14,6 +14,7 @@ function (it is pickled by name).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as futures
 import logging
 import multiprocessing as mp
@@ -56,6 +57,8 @@ class WorkerPool:
         self.workers, self.call_timeout_s, self.what = workers, call_timeout_s, what
         self.initializer = initializer
         self._pool: futures.ProcessPoolExecutor | None = None
+        self._slots = threading.Semaphore(workers)
+        """One per worker: a call is sent only when a worker is free for it."""
         self._generation = 0
         """Counts replacements: a caller replaces only the pool its own calls ran on."""
         self._lock = threading.Lock()
@@ -70,39 +73,49 @@ class WorkerPool:
 
     def run_many(self, target: Callable, calls: list[tuple]) -> list:
         """Callers on several threads share the workers (a step's tool calls of every
-        trajectory run at once). A caller whose calls were on a pool that another caller
-        replaced (a call of its timed out) runs them again on the new pool, within its own
-        deadline."""
+        trajectory run at once). A call waits for a free worker before it is sent, so its
+        `call_timeout_s` counts its own run, not its wait behind others. A call whose pool
+        another caller replaced (a call of its timed out) is sent again, up to three times."""
         if not calls:
             return []
         out: list = [None] * len(calls)
-        pending = list(range(len(calls)))
-        deadline = time.monotonic() + self.call_timeout_s
-        for _ in range(3):
-            with self._lock:  # the pool in use now; replacing it also takes the lock
-                pool, generation = self._executor(), self._generation
-                jobs = [(i, pool.submit(target, *calls[i])) for i in pending]
-            pending, stuck = [], False
-            for i, job in jobs:
-                try:
-                    out[i] = job.result(timeout=max(0.0, deadline - time.monotonic()))
-                except futures.TimeoutError:
-                    stuck = True
+        pending = collections.deque((i, 0) for i in range(len(calls)))  # (call, tries)
+        running: dict = {}  # future -> (call, tries, deadline, pool generation)
+        while pending or running:
+            while pending and self._slots.acquire(blocking=not running):
+                i, tries = pending.popleft()
+                with self._lock:  # the pool in use now; replacing it also takes the lock
+                    pool, generation = self._executor(), self._generation
+                    job = pool.submit(target, *calls[i])
+                deadline = time.monotonic() + self.call_timeout_s
+                running[job] = (i, tries, deadline, generation)
+            now = time.monotonic()
+            wait_s = max(0.0, min(d for _, _, d, _ in running.values()) - now)
+            done, _ = futures.wait(running, timeout=wait_s, return_when=futures.FIRST_COMPLETED)
+            now = time.monotonic()
+            for job in list(running):
+                i, tries, deadline, generation = running[job]
+                if job not in done and now < deadline:
+                    continue
+                del running[job]
+                self._slots.release()
+                if job not in done:
                     out[i] = CallTimeout(
                         f"{self.what} did not answer within {self.call_timeout_s:g} s"
                     )  # fmt: skip
+                    with self._lock:
+                        if self._generation == generation:  # not replaced by another caller
+                            self._replace()
+                    continue
+                try:
+                    out[i] = job.result()
                 except (BrokenProcessPool, futures.CancelledError):
-                    pending.append(i)  # its pool was replaced under it: run it again
+                    if tries < 2:  # its pool was replaced under it: send it again
+                        pending.append((i, tries + 1))
+                    else:
+                        out[i] = CallTimeout(f"{self.what}: its workers were replaced 3 times")
                 except Exception as err:  # noqa: BLE001 - reported per call
                     out[i] = err
-            if stuck:
-                with self._lock:
-                    if self._generation == generation:  # not replaced by another caller yet
-                        self._replace()
-            if not pending:
-                return out
-        for i in pending:
-            out[i] = CallTimeout(f"{self.what}: its workers were replaced three times")
         return out
 
     def _replace(self) -> None:
