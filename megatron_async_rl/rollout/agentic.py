@@ -129,6 +129,8 @@ class MultiTurnRollout:
             "multiturn/tool_results_truncated": float(calls["truncated"]),
             "multiturn/env_errors": float(counts["env_errors"]),
             "multiturn/env_timeouts": float(counts["env_timeouts"]),
+            "multiturn/budget_ends": float(counts["budget"]),
+            "multiturn/observations_too_long": float(counts["observation_too_long"]),
             "multiturn/env_s": float(counts["env_s"]),
             "multiturn/rollout_s": env_s,
             "multiturn/masked_tokens": float(masked),

@@ -8,7 +8,9 @@ whatever turns are in flight while other trajectories wait for their tools (tool
 overlaps generation; a step is bounded by `step_timeout_s`); the environment's messages are
 appended as template tokens, masked out of the loss. A trajectory ends when its
 environment says done, at `max_turns`, when its `max_total_tokens` (everything after the
-prompt) are spent, or when its environment fails (reward 0, counted). The weight version of
+prompt) are spent or an observation would not fit in them (it is not appended: a tool that
+answers with a megabyte cannot blow up the training batch), or when its environment fails
+(reward 0, counted). The weight version of
 every model token is the engine's, so a trajectory that spans a weight update carries both.
 
 A turn the engine returns cut short (an abort: a restart, an in-place pause) is continued
@@ -160,9 +162,18 @@ async def _trajectory(index, sample, env, trajectory, episode, own, generate, to
                 _count_failure(episode, counts)
             return
         messages = _as_messages(outcome.observation)
-        trajectory.add_environment(close_turn_ids(tokenizer, trajectory.ids))
+        env_ids = close_turn_ids(tokenizer, trajectory.ids)
         if messages:
-            trajectory.add_environment(observation_ids(tokenizer, messages))
+            env_ids += observation_ids(tokenizer, messages)
+        room = limits.max_total_tokens - len(trajectory.ids)
+        if limits.max_context_tokens is not None:
+            room = min(room, limits.max_context_tokens - len(trajectory.context()))
+        if len(env_ids) > room:  # it would outgrow the budget (and the trainer's memory)
+            episode.finish_reason = "budget"
+            counts["budget"] += 1
+            counts["observation_too_long"] += 1
+            return
+        trajectory.add_environment(env_ids)
     episode.finish_reason = "max_turns"
 
 

@@ -82,7 +82,7 @@ def test_budget_and_failures_end_only_their_trajectory():
     engine = Recording(vocab_size=96)
     _, _, (trajs, episodes, counts) = _run(engine, MultiTurnLimits(max_total_tokens=12))
     assert {e.finish_reason for e in episodes} == {"budget"} and counts["budget"] == 2
-    assert all(len(t.ids) <= 12 + 20 for t in trajs)  # the last environment turn may overrun
+    assert all(len(t.ids) <= 12 for t in trajs)  # an observation that does not fit ends it
     _, _, (_, episodes, counts) = _run(Recording(vocab_size=96), MultiTurnLimits(),
                                        make_env=lambda: ToolTurns(fail_on="b"))  # fmt: skip
     assert [e.finish_reason for e in episodes] == ["done", "env_error"]
@@ -102,3 +102,22 @@ def test_a_trajectory_never_outgrows_the_engines_context():
             assert len(request.input_ids) + request.sampling.max_new_tokens <= 24
             assert len(request.input_ids) < 20
     assert {e.finish_reason for e in episodes} == {"budget"} and counts["budget"] == 2
+
+
+class HugeAnswer(ToolTurns):
+    """Answers with 5000 characters of tool output."""
+
+    def step(self, action):
+        return StepResult([{"role": "tool", "content": "9" * 5000}], 0.0, False)
+
+
+def test_an_observation_that_does_not_fit_ends_the_trajectory_unappended():
+    """A tool answering with thousands of tokens would make one sample longer than the batch
+    can hold (the trainer ran out of 24 GiB on one, in a real run): it is not appended, the
+    trajectory ends as budget, counted."""
+    _, _, (trajs, episodes, counts) = _run(Recording(vocab_size=96),
+                                           MultiTurnLimits(max_total_tokens=200),
+                                           make_env=HugeAnswer)  # fmt: skip
+    assert {e.finish_reason for e in episodes} == {"budget"}
+    assert counts["observation_too_long"] == 2
+    assert all(len(t.ids) <= 200 and 0 not in t.loss_mask for t in trajs)
