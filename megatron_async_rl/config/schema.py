@@ -291,6 +291,13 @@ class RunConfig:
                 "validation needs a held-out set",
                 "add validation: {data: {path: val.jsonl}} or set validation_every: 0",
             )
+        if self.scheduler.validation_every > 0 and self.environment.multi_turn:
+            raise ConfigError(
+                "scheduler.validation_every", self.scheduler.validation_every,
+                f"validation passes are single-turn, and environment.name is "
+                f"{self.environment.name!r}: its held-out score would ignore the environment",
+                "set scheduler.validation_every: 0 (the training reward is the trajectories')",
+            )  # fmt: skip
 
 
 @dataclass(kw_only=True)

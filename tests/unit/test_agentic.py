@@ -198,6 +198,12 @@ def test_environment_section_rules(tmp_path):
     with pytest.raises(ConfigError, match=r"environment.tools = \[\]: the tools environment "
                        "needs at least one tool"):  # fmt: skip
         build_config(tree, [])
+    tree["environment"] = {"name": f"{__name__}:EchoTwice"}
+    tree["scheduler"] = {"validation_every": 2}
+    tree["validation"] = {"data": {"path": str(data)}}
+    with pytest.raises(ConfigError, match="scheduler.validation_every = 2: validation passes "
+                       "are single-turn"):  # fmt: skip
+        build_config(tree, [])
     with pytest.raises(Exception, match="are called by the 'tools' environment"):
         EnvironmentConfig(name="pkg:Env", tools=["pkg:f"])
     with pytest.raises(Exception, match="max_turns"):
