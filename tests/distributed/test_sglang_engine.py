@@ -364,6 +364,26 @@ def test_multiturn_on_the_real_engine(served):
     assert sum(diffs) / len(diffs) <= 1e-3
 
 
+def test_one_token_requests_and_requests_at_the_engines_limits(served):
+    """The engine reports the limits SGLang puts on a request (a multi-turn trajectory stays
+    within them); a turn with one token left, and one at exactly those limits, still has a
+    log-prob per token."""
+    engine = served.engine
+    assert engine.context_tokens == 1024  # the module's model: max_position_embeddings
+    assert engine.max_input_tokens < engine.context_tokens
+    longest = [1] + [10 + i % 50 for i in range(engine.max_input_tokens - 2)]
+    left = engine.context_tokens - len(longest)
+    requests = [
+        GenerateRequest(PROMPTS[0], SamplingParams(max_new_tokens=1, temperature=1.0), "one"),
+        GenerateRequest(longest, SamplingParams(max_new_tokens=left, temperature=1.0), "full"),
+    ]
+    for result in engine.generate(requests):
+        assert 1 <= len(result.output_ids) == len(result.output_logprobs), result
+    with pytest.raises(ValueError, match="exceeds the maximum allowed length"):
+        engine.generate([GenerateRequest(longest + [11], SamplingParams(max_new_tokens=1),
+                                         "too-long")])  # fmt: skip
+
+
 def test_shutdown_leaves_no_processes(served):
     pids = [served.engine.host_pid, *served.engine.engine_child_pids]
     files = served.engine._engine_files  # SGLang's load-snapshot file in /dev/shm
@@ -430,22 +450,3 @@ def test_deepseek_v3_family_on_the_real_engine(tiny_model):
     finally:
         engine.shutdown()
 
-
-def test_one_token_requests_and_requests_at_the_engines_limits(served):
-    """The engine reports the limits SGLang puts on a request (a multi-turn trajectory stays
-    within them); a turn with one token left, and one at exactly those limits, still has a
-    log-prob per token."""
-    engine = served.engine
-    assert engine.context_tokens == 1024  # the module's model: max_position_embeddings
-    assert engine.max_input_tokens < engine.context_tokens
-    longest = [1] + [10 + i % 50 for i in range(engine.max_input_tokens - 2)]
-    left = engine.context_tokens - len(longest)
-    requests = [
-        GenerateRequest(PROMPTS[0], SamplingParams(max_new_tokens=1, temperature=1.0), "one"),
-        GenerateRequest(longest, SamplingParams(max_new_tokens=left, temperature=1.0), "full"),
-    ]
-    for result in engine.generate(requests):
-        assert 1 <= len(result.output_ids) == len(result.output_logprobs), result
-    with pytest.raises(ValueError, match="exceeds the maximum allowed length"):
-        engine.generate([GenerateRequest(longest + [11], SamplingParams(max_new_tokens=1),
-                                         "too-long")])  # fmt: skip
