@@ -178,48 +178,25 @@ async def _trajectory(index, sample, env, trajectory, episode, own, generate, to
 
 
 def _whole_turn(engine, request: GenerateRequest, should_stop) -> tuple[GenerateResult, int]:
-    """`_whole_turns` of one request: (its result, how many times it was continued)."""
-    counts: Counter[str] = Counter()
-    (result,) = _whole_turns(engine, [request], should_stop, counts)
-    return result, counts["continued"]
+    """(`request`'s result, times it was continued): a result cut short is continued from its
+    partial output (`engines.prefixes`: its tokens kept, with their versions) up to
+    `MAX_CONTINUATIONS` times; `Cut` when the stage was cut."""
+    from megatron_async_rl.engines import prefixes
 
-
-def _whole_turns(engine, requests: list[GenerateRequest], should_stop, counts) -> list:
-    """`engine.generate(requests)`, a result cut short continued from its partial output (its
-    tokens kept, with their versions) up to `MAX_CONTINUATIONS` times; `Cut` when the stage was
-    cut."""
-    results = engine.generate(requests)
-    for _ in range(MAX_CONTINUATIONS):
-        short = [i for i, r in enumerate(results) if r.finish_reason not in FINISHED]
-        if not short:
-            return results
+    (result,) = engine.generate([request])
+    for continued in range(MAX_CONTINUATIONS + 1):
+        if result.finish_reason in FINISHED:
+            return result, continued
         if should_stop():
             raise Cut
-        counts["continued"] += len(short)
-        again = []
-        for i in short:
-            request, got = requests[i], results[i]
-            left = request.sampling.max_new_tokens - len(got.output_ids)
-            again.append(GenerateRequest(request.input_ids + list(got.output_ids),
-                                         replace(request.sampling, max_new_tokens=max(left, 1)),
-                                         request.rid))  # fmt: skip
-        for i, more in zip(short, engine.generate(again), strict=True):
-            got = results[i]
-            results[i] = GenerateResult(
-                rid=got.rid, output_ids=list(got.output_ids) + list(more.output_ids),
-                output_logprobs=list(got.output_logprobs) + list(more.output_logprobs),
-                token_versions=list(got.token_versions) + list(more.token_versions),
-                finish_reason=more.finish_reason,
-            )  # fmt: skip
-    if should_stop():
-        raise Cut
-    short = [r.rid for r in results if r.finish_reason not in FINISHED]
-    if short:
-        raise RuntimeError(
-            f"the engine cut turn(s) {short[:4]} short {MAX_CONTINUATIONS + 1} times in a row, "
-            "and nothing asked it to; see the engine's log"
-        )
-    return results
+        if continued == MAX_CONTINUATIONS:
+            break
+        (more,) = engine.generate([prefixes.continuation(request, result)])
+        result = prefixes.joined(result, more)
+    raise RuntimeError(
+        f"the engine cut turn {request.rid} short {MAX_CONTINUATIONS + 1} times in a row, and "
+        "nothing asked it to; see the engine's log"
+    )
 
 
 async def _guarded(fn, arg, limits: MultiTurnLimits):
