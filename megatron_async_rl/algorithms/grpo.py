@@ -4,9 +4,10 @@ Owned here: group-normalised advantages, DAPO dynamic filtering of zero-variance
 per-token KL estimators to the reference policy and the KL-in-reward penalty. Their knobs, the
 recipe's `algorithm:` section, are `algorithms.config.GRPOConfig` (re-exported here). The
 advantage stage calls, once per batch and in this order, `kl_reward` (only when
-`kl_mode == "reward"`), `dynamic_filter` (when `dynamic_filtering`) and `group_advantages`. The
-losses the train role minimises per micro-batch are in `algorithms.losses`, which also uses
-`kl_penalty`. Pure torch: no collectives, no Megatron.
+`kl_mode == "reward"`), `dynamic_filter` (when `dynamic_filtering`) and
+`advantages.compute_advantages` (`group_advantages` for grpo and dr_grpo). The losses the
+train role minimises per micro-batch are in `algorithms.losses`, which also uses `kl_penalty`.
+Pure torch: no collectives, no Megatron.
 
 Shape suffixes: B samples (responses; a prompt's `num_samples_per_prompt` samples form one group),
 T response positions (right-padded; a 0/1 or bool mask marks the real ones), G groups.
@@ -27,7 +28,7 @@ from megatron_async_rl.algorithms.config import (  # noqa: F401 - re-exported
 )
 
 
-def _group_index(groups: int | torch.Tensor, rewards_B: torch.Tensor) -> tuple[torch.Tensor, int]:
+def group_index(groups: int | torch.Tensor, rewards_B: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Each sample's group number in [0, G), and G."""
     if rewards_B.dim() != 1:
         raise ValueError(f"rewards_B must be 1-D, got shape {tuple(rewards_B.shape)}")
@@ -69,7 +70,7 @@ def group_advantages(
     eps = 0.
     """
     rewards_B = _float(rewards_B)
-    index_B, num_groups = _group_index(groups, rewards_B)
+    index_B, num_groups = group_index(groups, rewards_B)
     zeros_G = rewards_B.new_zeros(num_groups)
     count_G = zeros_G.index_add(0, index_B, torch.ones_like(rewards_B))
     mean_G = zeros_G.index_add(0, index_B, rewards_B) / count_G
@@ -91,7 +92,7 @@ def dynamic_filter(rewards_B: torch.Tensor, groups: int | torch.Tensor) -> tuple
     denominators and out of the KL and entropy terms.
     """
     rewards_B = _float(rewards_B)
-    index_B, num_groups = _group_index(groups, rewards_B)
+    index_B, num_groups = group_index(groups, rewards_B)
     empty_G = rewards_B.new_zeros(num_groups)
     max_G = empty_G.scatter_reduce(0, index_B, rewards_B, "amax", include_self=False)
     min_G = empty_G.scatter_reduce(0, index_B, rewards_B, "amin", include_self=False)

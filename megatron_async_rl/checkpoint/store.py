@@ -183,7 +183,20 @@ def recipe_hash(keys: dict[str, Any]) -> str:
 
 
 def differing_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    return sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
+    """Keys whose values differ; a key the saved manifest lacks (an `algorithm:` knob added
+    after it was written) counts as its default, which is what that run used."""
+    from megatron_async_rl.algorithms.config import GRPOConfig
+
+    defaults = json.loads(json.dumps(
+        {f"algorithm.{k}": v for k, v in dataclasses.asdict(GRPOConfig()).items()}, default=str
+    ))  # fmt: skip
+    missing = object()
+
+    def was(key):
+        value = saved.get(key, missing)
+        return defaults.get(key) if value is missing else value
+
+    return sorted(k for k in saved.keys() | current.keys() if was(k) != current.get(k))
 
 
 def check_resume_matches(cfg) -> None:

@@ -250,7 +250,12 @@ RECIPE_ALIASES = {
     "rl_default_top_k": "rollout.top_k",
     "rl_inference_tensor_model_parallel_size": "engine.tp_size",
     "rl_importance_sampling_truncation_coef": "algorithm.tis_cap",
+    "moe_enable_routing_replay": "moe.routing_replay",
 }
+RECIPE_ALIAS_VALUES = {
+    "moe_enable_routing_replay": lambda on: "r3" if on in (True, None, "true", "True") else "off",
+}
+"""Flag values that the recipe key spells otherwise (a switch that names a mode)."""
 
 # --- refused: an error with the reason and what to write instead -------------------------------
 

@@ -76,6 +76,9 @@ class _Verdicts:
                 path = megatron_lm.RECIPE_ALIASES[dest]
                 if not self.last_wins:
                     raise ConfigError(key, value, "is a recipe key here", f"set {path} instead")
+                translate = megatron_lm.RECIPE_ALIAS_VALUES.get(dest)
+                if translate is not None:
+                    value = translate(value)
                 self.parsed.recipe_sets[path] = (value, key)
             elif verdict.kind == "applied":
                 self._set(dest, coerce(self.specs[dest], value, key), key)

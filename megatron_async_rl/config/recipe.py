@@ -361,7 +361,38 @@ def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True)
     )
     resolved_config = ResolvedConfig(**fields, role_megatron_args=resolved)
     resolved_config.collective_timeout_s()  # the keys that set it agree
+    _check_routing_replay(run.moe.routing_replay, resolved, run.roles.placed_roles())
     return resolved_config
+
+
+def _check_routing_replay(mode: str, resolved: dict, placed) -> None:
+    """`moe.routing_replay` needs an MoE model whose routers megatron-core lets us replay."""
+    if mode == "off":
+        return
+    for role in ("train", "logp"):
+        if role not in placed:
+            continue
+        args = resolved[role]
+        if not args.get("num_experts"):
+            raise ConfigError(
+                "moe.routing_replay", mode,
+                "replays MoE routing, and the model has no experts (num_experts is unset)",
+                "set moe.routing_replay: off for a dense model",
+            )  # fmt: skip
+        if (args.get("context_parallel_size") or 1) > 1:
+            raise ConfigError(
+                "moe.routing_replay", mode,
+                f"is not laid out for context parallelism (roles.{role}: "
+                f"--context-parallel-size {args['context_parallel_size']})",
+                "use --context-parallel-size 1, or moe.routing_replay: off",
+            )  # fmt: skip
+        if args.get("moe_router_fusion"):
+            raise ConfigError(
+                "moe.routing_replay", mode,
+                f"cannot steer Transformer Engine's fused router (roles.{role}: "
+                "--moe-router-fusion): megatron-core skips the replay there",
+                "drop --moe-router-fusion, or set moe.routing_replay: off",
+            )  # fmt: skip
 
 
 # What model.hf_path's config.json says that the engines build too: a Megatron arg that changes

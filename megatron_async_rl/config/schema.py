@@ -15,7 +15,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from megatron_async_rl.algorithms.config import GRPOConfig
+from megatron_async_rl.algorithms.config import (
+    GRPOConfig,
+    check_overlong_budget,
+    response_budget,
+)
 from megatron_async_rl.checkpoint.config import CheckpointConfig
 from megatron_async_rl.config.checks import require_choice, require_int, require_number
 from megatron_async_rl.config.errors import ConfigError
@@ -25,6 +29,7 @@ from megatron_async_rl.config.roles import (  # noqa: F401 - re-exported
     RoleGroupSpec,
 )
 from megatron_async_rl.engines.config import EngineConfig, FaultsConfig
+from megatron_async_rl.moe.config import MoEConfig
 from megatron_async_rl.observability.config import ObservabilityConfig
 from megatron_async_rl.rewards.config import RewardConfig
 from megatron_async_rl.rollout.config import (
@@ -202,6 +207,8 @@ class RunConfig:
     """Multi-turn, tool-using rollouts (absent: single-turn)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: GRPOConfig = field(default_factory=GRPOConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """MoE routing replay (R3/R2) and routing metrics; MoE models only."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
@@ -291,6 +298,7 @@ class RunConfig:
                 "validation needs a held-out set",
                 "add validation: {data: {path: val.jsonl}} or set validation_every: 0",
             )
+        check_overlong_budget(self.algorithm, *response_budget(self))
         if self.scheduler.validation_every > 0 and self.environment.multi_turn:
             raise ConfigError(
                 "scheduler.validation_every", self.scheduler.validation_every,

@@ -102,6 +102,17 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class RoutingCapture:
+    """What an engine returns of its MoE routing: `num_layers` decoder layers, `topk` experts
+    per token of `num_experts`; `layers` the MoE ones (0-based), the rows kept."""
+
+    num_layers: int
+    topk: int
+    layers: tuple[int, ...]
+    num_experts: int
+
+
+@dataclass(frozen=True)
 class SGLangEngineConfig:
     """How to start one SGLang engine and how long to wait for it."""
 
@@ -136,6 +147,8 @@ class SGLangEngineConfig:
     progress_every_s: float = 0.5
     """At most one progress report per this many seconds (and one when an engine process
     dies)."""
+    routing: RoutingCapture | None = None
+    """MoE: return each request's routed experts (`moe.routing`); None: not asked."""
 
     def __post_init__(self):
         require_choice("engine.device", self.device, ("cpu", "cuda"))
@@ -188,6 +201,11 @@ class FaultsConfig:
     first attempt only: a run restarted by `torchrun --max-restarts` resumes without it)."""
     rank_kill_rank: int = 0
     """The global rank `rank_kill_steps` kills."""
+    router_noise: float = 0.0
+    """MoE: the trainer's routers (logp and train passes) choose their top-k on scores plus
+    Gaussian noise of this many standard deviations of each token's scores: an induced
+    engine/trainer routing mismatch, for measuring routing replay (`moe.replay`). The
+    probabilities of the experts used stay the scores'. 0: off."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.allow, bool):
@@ -201,6 +219,7 @@ class FaultsConfig:
         require_number("engine_kill_probability", self.engine_kill_probability, ge=0, le=1)
         require_number("delay_s", self.delay_s, ge=0, unit="seconds")
         require_int("rank_kill_rank", self.rank_kill_rank, 0)
+        require_number("router_noise", self.router_noise, ge=0)
         if self.any() and not self.allow:
             raise ConfigError(
                 "allow", self.allow, "must be true for the faults this recipe asks to inject",
@@ -208,7 +227,8 @@ class FaultsConfig:
             )  # fmt: skip
 
     def any(self) -> bool:
-        return any(getattr(self, name) for name in STEP_LISTS) or bool(self.engine_kill_probability)
+        return (any(getattr(self, name) for name in STEP_LISTS)
+                or bool(self.engine_kill_probability) or bool(self.router_noise))  # fmt: skip
 
     def engine_faults(self) -> bool:
         """Faults `engines.faults.EngineFaults` injects (through the engine's hooks)."""

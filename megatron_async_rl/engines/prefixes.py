@@ -17,7 +17,8 @@ the dead engine reported (`Engine.partial_results`). No torch, no sglang.
   that seeds by position, e.g. SGLang's deterministic inference, then samples what the
   uninterrupted request would have). None when the prefix already finished the request.
 - `joined`: prefix and continuation as one result; every token keeps the log-prob and the
-  weight version it was generated with.
+  weight version it was generated with (and the routing, which the continuation's input
+  covered).
 """
 
 from __future__ import annotations
@@ -87,4 +88,5 @@ def joined(kept: GenerateResult | None, rest: GenerateResult | None) -> Generate
         output_logprobs=kept.output_logprobs + rest.output_logprobs,
         token_versions=kept.token_versions + rest.token_versions,
         finish_reason=rest.finish_reason,
+        routed_experts=rest.routed_experts,  # its input held the prefix: every row is there
     )

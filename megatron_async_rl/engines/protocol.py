@@ -106,6 +106,10 @@ class GenerateResult:
     """Weight version that generated each token; changes mid-sequence across an in-place update."""
     finish_reason: str
     """"length", "stop" (a stop or EOS token), or "abort" (aborted or paused with mode=abort)."""
+    routed_experts: object = None
+    """MoE routing replay: the experts each input token went through, a uint8/int16 tensor
+    [len(input_ids) + len(output_ids) - 1, MoE layers, top-k] (`moe.routing`), when the
+    engine was asked for them; else None."""
 
     def __post_init__(self):
         n = len(self.output_ids)

@@ -85,6 +85,8 @@ def host_main(conn, config: SGLangEngineConfig) -> None:
         "sleep_on_idle": True if config.device == "cpu" else None,
     }
     kwargs = {k: v for k, v in optional.items() if v is not None}
+    if config.routing is not None:  # MoE routing replay: SGLang keeps each token's experts
+        kwargs["enable_return_routed_experts"] = True
     kwargs.update(config.server_args)  # the recipe's own server_args win
     try:
         import sglang
@@ -214,10 +216,12 @@ class _EngineHost:
             rid=[r.rid for r in requests],
             return_logprob=True,
             stream=bool(every),
+            return_routed_experts=self.config.routing is not None,
         )
+        routing = self.config.routing
         if not every:
             outputs = await self.tm.generate_request(obj, None).__anext__()
-            return [_to_result(r.rid, out) for r, out in zip(requests, outputs)]
+            return [_to_result(r.rid, out, routing) for r, out in zip(requests, outputs)]
         # Streamed: the newest output of each request is reported to the rank as it goes
         # (`engines.progress`), so a request cut by a death goes on from its prefix.
         final: list[dict | None] = [None] * len(requests)
@@ -233,7 +237,7 @@ class _EngineHost:
         missing = [r.rid for r, out in zip(requests, final) if out is None]
         if missing:
             raise RuntimeError(f"SGLang's stream ended without a final output for {missing}")
-        return [_to_result(r.rid, out) for r, out in zip(requests, final)]
+        return [_to_result(r.rid, out, routing) for r, out in zip(requests, final)]
 
     def _progress_due(self) -> None:
         now = time.monotonic()
@@ -478,9 +482,15 @@ def _sampling_dict(request: GenerateRequest) -> dict[str, Any]:
     return params
 
 
-def _to_result(rid: str, out: dict) -> GenerateResult:
+def _to_result(rid: str, out: dict, routing=None) -> GenerateResult:
     meta = out["meta_info"]
     output_ids = list(out["output_ids"])
+    experts = None
+    if routing is not None and meta.get("routed_experts") is not None:
+        from megatron_async_rl.moe.routing import decode_engine_routing
+
+        experts = decode_engine_routing(meta["routed_experts"], routing.num_layers,
+                                        routing.topk, routing.layers, routing.num_experts)
     spans = meta.get("weight_versions") or [
         {"version": meta["weight_version"], "start": 0, "end": len(output_ids)}
     ]
@@ -490,6 +500,7 @@ def _to_result(rid: str, out: dict) -> GenerateResult:
         output_logprobs=[float(lp) for lp, *_ in meta["output_token_logprobs"]],
         token_versions=expand_version_spans(spans, len(output_ids)),
         finish_reason=str(meta["finish_reason"]["type"]),
+        routed_experts=experts,
     )
 
 

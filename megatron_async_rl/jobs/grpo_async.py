@@ -17,6 +17,20 @@ Checkpoints: every rank meets the others at the boundary after each version (`bo
 an engine host's `Boundaries` thread); an engine host records its untrained steps in
 `PendingSteps` and saves them in its `checkpoint` stage; a resumed host starts with them
 (`Resumed`): `jobs/async_checkpoint.py`.
+
+Refill (`algorithm.refill`, `rollout/refill.py`): the reward stage hands each scored round to
+the dataloader stage, which settles it once every engine host's flags of the round are in
+(a guard: the scheduler thread waits, the main thread stays free for saves), then sends the
+step's completed batch on, or puts the work back to the generate stage with the next round's
+prompts. The next step's first round is drawn only once the step before is complete, so a step's
+prompts are contiguous in the data and every run draws the same ones whatever the timing. Every
+round passes the generate stage's admission for its step, so each sampled group, kept or
+dropped, was generated within the step's staleness window.
+
+    dataloader(settle) --[prompts]--> generate --[rollouts]--> reward --[judged]--+
+        ^  |  (short: the next round, same step)                                  |
+        |  +--(complete)--> [scored] ==send==>                                    |
+        +-------------------------------------------------------------------------+
 """
 
 from __future__ import annotations
@@ -33,7 +47,7 @@ from megatron_async_rl.checkpoint.pending import GENERATED, LOADED, PARTIAL, SCO
 from megatron_async_rl.distributed.collective_errors import name_failure
 from megatron_async_rl.engines import prefixes
 from megatron_async_rl.jobs.async_checkpoint import Boundaries, Resumed
-from megatron_async_rl.jobs.grpo_sync import boundary
+from megatron_async_rl.jobs.grpo_sync import boundary, running
 from megatron_async_rl.jobs.parts import build_parts
 from megatron_async_rl.jobs.weight_thread import EngineGate, WeightReceiver
 from megatron_async_rl.observability.clock import RankClock
@@ -47,6 +61,19 @@ from megatron_async_rl.scheduler.states import Stage, StageTimeout
 
 logger = logging.getLogger(__name__)
 GENERATE_STAGES = (Stage.DATALOADER, Stage.GENERATE, Stage.REWARD, Stage.CHECKPOINT)
+PLACED = ((PARTIAL, "prompts"), (LOADED, "prompts"), (GENERATED, "rollouts"), (SCORED, "scored"))
+"""Where a resumed step goes back by the stage it had reached (`PendingSteps`); a partial step
+(its generation cut for the save) goes back to the generate stage, which continues it from its
+prefixes."""
+
+
+def _queue_of(stage: str, work: StepWork) -> str:
+    """The queue a resumed `work` goes back to: refill's scored round not yet settled goes to
+    the dataloader stage that settles it (`judged`)."""
+    name = dict(PLACED)[stage]
+    if name == "scored" and work.refill is not None and not work.refill.done:
+        return "judged"
+    return name
 
 
 class _Thread(threading.Thread):
@@ -88,17 +115,12 @@ def run_generate_pipeline(
     resumed = resumed or Resumed()
     pending = PendingSteps()
     kept = resumed.steps(start)
-    # Where each step was when the checkpoint was taken; a partial step (its generation cut
-    # for the save) goes back to the generate stage, which continues it from its prefixes.
-    placed = ((PARTIAL, "prompts"), (LOADED, "prompts"), (GENERATED, "rollouts"),
-              (SCORED, "scored"))  # fmt: skip
-    queues = {name: BoundedQueue(name, max(capacity, sum(len(kept[st]) for st, n in placed
-                                                          if n == name)))
-              for name in ("prompts", "rollouts", "scored")}  # fmt: skip
+    placed = [(stage, work, _queue_of(stage, work)) for stage, _ in PLACED for work in kept[stage]]
+    queues = {name: BoundedQueue(name, max(capacity, sum(q == name for *_, q in placed)))
+              for name in ("prompts", "rollouts", "judged", "scored")}  # fmt: skip
     prompts, rollouts, scored = queues["prompts"], queues["rollouts"], queues["scored"]
-    for stage, name in placed:
-        for work in kept[stage]:
-            queues[name].put(pending.record(work, stage), timeout, context)
+    for stage, work, name in placed:
+        queues[name].put(pending.record(work, stage), timeout, context)
     resumed.metrics.update(_stale_prefixes(kept[PARTIAL], staleness))
     generate_machine = clock.machine(Stage.GENERATE)
     validation_machine = clock.machine(Stage.VALIDATION)
@@ -145,6 +167,33 @@ def run_generate_pipeline(
 
     def score(work: StepWork) -> StepWork:
         return pending.record(gen.score(work), SCORED)
+
+    def settled(work: StepWork) -> str | None:
+        receiver.check()
+        sender.check(who)
+        if gen.round_flags(work) is None:
+            return f"the engine hosts' refill flags of step {work.step} round {work.refill.rounds}"
+        return None
+
+    def settle(work: StepWork) -> StepWork | None:
+        """Refill: the round decided; the complete batch goes on, a short one back to generate
+        with its next round."""
+        if not gen.settle(work, gen.round_flags(work)):
+            put = prompts.try_put(pending.record(work, LOADED))
+            assert put, "refill: the prompts queue holds another step while one is refilled"
+            return None
+        pending.record(work, SCORED)
+        load_after(work.step)
+        return work
+
+    def load_after(step: int) -> None:
+        """Refill: step `step + 1`'s first round, drawn once step `step` is complete (the
+        prompts queue holds no other step then), or the end of the prompts."""
+        if step + 1 >= steps:
+            prompts.close()
+            return
+        put = prompts.try_put(pending.record(gen.load(step + 1), LOADED))
+        assert put, "refill: the prompts queue holds another step while one is refilled"
 
     def validation_due(_) -> str | None:
         return None if receiver.pending_validation() is not None else "a due version loaded"
@@ -199,13 +248,31 @@ def run_generate_pipeline(
         checkpoints.save(version, gen, None, pending, extra)
         boundaries.saved(version)
 
-    loader = StageTask(clock.machine(Stage.DATALOADER), load, output=prompts, num_items=steps)
-    loader.produced = start + sum(len(works) for works in kept.values())  # the next step to load
-    tasks = [
-        loader,
-        StageTask(generate_machine, generate, inputs=prompts, output=rollouts, guard=admission),
-        StageTask(clock.machine(Stage.REWARD), score, inputs=rollouts, output=scored),
-    ]
+    loader_machine = clock.machine(Stage.DATALOADER)
+    generating = StageTask(generate_machine, generate, inputs=prompts, output=rollouts,
+                           guard=admission)  # fmt: skip
+    if cfg.algorithm.refill:
+        judged = queues["judged"]
+        tasks = [
+            generating,
+            StageTask(clock.machine(Stage.REWARD), score, inputs=rollouts, output=judged),
+            StageTask(loader_machine, settle, inputs=judged, output=scored, guard=settled),
+        ]
+        if all(name == "scored" for *_, name in placed):  # no step is being refilled
+            last = max((work.step for _, work, _ in placed), default=start - 1)
+            if last + 1 < steps:
+                with running(loader_machine, last + 1, "next prompts"):
+                    load_after(last)
+            else:
+                prompts.close()
+    else:
+        loader = StageTask(loader_machine, load, output=prompts, num_items=steps)
+        loader.produced = start + len(placed)  # the next step to load
+        tasks = [
+            loader,
+            generating,
+            StageTask(clock.machine(Stage.REWARD), score, inputs=rollouts, output=scored),
+        ]
     if gen.validator is not None:
         tasks.append(StageTask(validation_machine, validate, guard=validation_due,
                                done_when=lambda: receiver.validated >= last_due))  # fmt: skip

@@ -33,7 +33,9 @@ GENERATE_STAGES = (Stage.DATALOADER, Stage.GENERATE, Stage.REWARD, Stage.VALIDAT
 
 
 @contextmanager
-def _running(machine, step: int | None, reason: str):
+def running(machine, step: int | None, reason: str):
+    """A stage's span outside a scheduler: `machine` RUNNING (for `step`) while the block runs
+    (also the asynchronous loop's first load with refill, before its scheduler starts)."""
     machine.transition(S.RUNNING, reason, step=step)
     yield
     machine.transition(S.IDLE, "done")
@@ -57,17 +59,17 @@ def run_steps(gen, learn, exchange, clock: RankClock, cfg, checkpoints=None, sta
                 work.report.add_means(clock.utilization())
         learned = exchange.share_step(work, step)
         if learn is not None:
-            with _running(machines[Stage.LOGP], step, "samples in"):
+            with running(machines[Stage.LOGP], step, "samples in"):
                 learn.logp(learned)
-            with _running(machines[Stage.REF_LOGP], step, "logp done"):
+            with running(machines[Stage.REF_LOGP], step, "logp done"):
                 learn.ref(learned)
-            with _running(machines[Stage.TRAIN], step, "ref done"):
+            with running(machines[Stage.TRAIN], step, "ref done"):
                 learn.train(learned)
             learned.batch_metrics.update(staleness.check_batch(step, learned.token_versions()))
         update = machines[Stage.PARAM_UPDATE]
         update.transition(S.WAITING_INPUT, f"every rank at the sync of v{step + 1}", step=step)
         exchange.weights_ready()
-        with _running(update, step, f"sending v{step + 1}"):
+        with running(update, step, f"sending v{step + 1}"):
             metrics = exchange.sync_weights(step + 1, gen.engine if gen is not None else None)
         timings = clock.timings(step)
         if learn is not None:
@@ -99,18 +101,27 @@ def boundary(checkpoints, version: int, gen, learn) -> None:
 
 
 def _rollout(gen, machines, clock, cfg, step: int) -> StepWork:
-    """An engine host's part of a step: validation when due, prompts, samples, rewards."""
+    """An engine host's part of a step: validation when due, prompts, samples, rewards; with
+    refill, rounds of them until the batch is complete (the engine hosts agree on each round,
+    then draw the next round's prompts together: `rollout/refill.py`)."""
     validation = {}
     if gen.validator is not None and cfg.scheduler.validation_due(step):
-        with _running(machines[Stage.VALIDATION], None, f"version {step} is due"):
+        with running(machines[Stage.VALIDATION], None, f"version {step} is due"):
             validation = gen.validate(step)  # the engine holds v{step}: evaluate it
         validation["val/due_version"] = float(step)
-    with _running(machines[Stage.DATALOADER], step, "next prompts"):
+    with running(machines[Stage.DATALOADER], step, "next prompts"):
         work = gen.load(step)
-    with _running(machines[Stage.GENERATE], step, "prompts in"):
-        gen.generate(work)
-    with _running(machines[Stage.REWARD], step, "samples in"):
-        gen.score(work)
+    while True:
+        with running(machines[Stage.GENERATE], step, "prompts in"):
+            gen.generate(work)
+        with running(machines[Stage.REWARD], step, "samples in"):
+            gen.score(work)
+        if work.refill is None:
+            break
+        flags = gen.wait_round(work, cfg.scheduler.stage_timeout_s)
+        with running(machines[Stage.DATALOADER], step, "refill round decided"):
+            if gen.settle(work, flags):
+                break
     work.report.add_means(validation)
     work.report.add_maxima(clock.timings(step, GENERATE_STAGES))
     work.report.add_maxima(clock.timings(None, GENERATE_STAGES))

@@ -9,10 +9,16 @@ The dataset and its cursor live here only: the rank that draws a step's prompts 
 they started (`StepWork.cursor`). Every engine host draws the same prompts from the same seeded
 dataset and samples its share (`served_prompts`, one share per engine, not per rank: an engine of
 `engine.tp_size` spans that many ranks).
+
+Refill (`algorithm.refill`, `rollout/refill.py`): after the reward stage a step's round is
+settled (`round_flags`, then `settle`): the hosts agree on which groups were informative, keep
+the first ones up to `rollout.num_prompts_per_step`, and either complete the step's batch or draw
+the next round's prompts right after the last (every host the same, so the cursors agree).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -22,16 +28,26 @@ from megatron_async_rl.rewards.registry import safe_reward
 from megatron_async_rl.roles.work import StepWork
 from megatron_async_rl.rollout.dataset import PromptDataset, encode_prompt
 from megatron_async_rl.rollout.generation import as_result, generate_samples, served_prompts
+from megatron_async_rl.rollout.refill import (
+    LocalRounds,
+    RefillPlan,
+    StoreRounds,
+    informative_groups,
+    wait_for_round,
+)
 from megatron_async_rl.rollout.validation import Validator
 
 logger = logging.getLogger(__name__)
+
+PAD_WARN_EVERY = 10
+"""Steps between two warnings that refill ran out of rounds and padded the batch."""
 
 
 class GenerateSide:
     """One engine and what feeds it: dataset, reward, validator (on an engine-host rank)."""
 
     def __init__(self, cfg, engine, tokenizer, dataset, reward, validator, engine_index: int,
-                 num_engines: int, multi_turn=None):  # fmt: skip
+                 num_engines: int, multi_turn=None, rounds=None):  # fmt: skip
         self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
         self.multi_turn = multi_turn
         """`rollout.agentic.MultiTurnRollout` when the recipe has an `environment:`."""
@@ -44,21 +60,33 @@ class GenerateSide:
         self._generating = self._cut = False
         self.trace = None
         """The rank's `TraceRecorder`, set by the job: multi-turn environment spans go there."""
+        if rounds is None and num_engines == 1:
+            rounds = LocalRounds()
+        self.rounds = rounds
+        """Refill: how the engine hosts agree on a round's flags (`rollout.refill.Rounds`)."""
+        self._announced: set[int] = set()
+        self._posted: tuple[int, int] | None = None
+        self._quiet_until = 0
 
     # -- stages ----------------------------------------------------------------------------
     def load(self, step: int) -> StepWork:
         """dataloader: the step's prompts, and where in the data they start."""
         cursor = self.dataset.cursor.state_dict()
         records = self.dataset.next_batch(self.cfg.rollout.num_prompts_per_step)
-        return StepWork(step=step, cursor=cursor, records=records)
+        algo, plan = self.cfg.algorithm, None
+        if algo.refill:
+            plan = RefillPlan(self.cfg.rollout.num_prompts_per_step, 1 + algo.max_refill_rounds,
+                              algo.refill_exhausted == "pad")  # fmt: skip
+        return StepWork(step=step, cursor=cursor, records=records, refill=plan)
 
     def generate(self, work: StepWork) -> StepWork:
-        """generate: this engine's share of the step's prompts, sampled. A work whose samples
-        are prefixes (`work.partial`: cut for a save, or saved so) continues from them; a
-        prefix older than the step's staleness window is generated again (counted). Returns
-        with `work.partial` set when `cut` stopped it (the samples hold the prefixes)."""
+        """generate: this engine's share of the step's prompts (with refill: of the round in
+        progress), sampled. A work whose samples are prefixes (`work.partial`: cut for a save,
+        or saved so) continues from them; a prefix older than the step's staleness window is
+        generated again (counted). Returns with `work.partial` set when `cut` stopped it (the
+        samples hold the prefixes)."""
         cfg, records = self.cfg, work.records
-        mine = served_prompts(len(records), self.engine_index, self.num_engines)
+        mine = self._share(work.round_start, len(records))
         if self.multi_turn is not None:
             return self._generate_trajectories(work, mine)
         ids = {i: records[i].prompt_ids or self.encode(records[i]) for i in mine}
@@ -126,6 +154,89 @@ class GenerateSide:
         work.partial = False
         work.report.add_sums(sums)
         return work
+
+    def _share(self, start: int, stop: int) -> list[int]:
+        """This engine's prompts among records[start:stop] (round robin from `start`)."""
+        return [start + i for i in served_prompts(stop - start, self.engine_index,
+                                                  self.num_engines)]  # fmt: skip
+
+    # -- refill ----------------------------------------------------------------------------
+    def round_flags(self, work: StepWork) -> dict[int, bool] | None:
+        """Refill, after the reward stage: this host's flags of the round posted, and every
+        host's flags of it, or None while some are missing (a guard may call it again). A
+        resumed host first posts its share of the step's rounds decided before the save: a
+        host that had not read them yet waits for them."""
+        plan, size = work.refill, self.cfg.rollout.num_prompts_per_step
+        if work.step not in self._announced:
+            for index, flags in enumerate(plan.round_flags):
+                mine = set(self._share(index * size, (index + 1) * size))
+                self.rounds.post(work.step, index, {i: f for i, f in flags.items() if i in mine})
+            self._announced = {s for s in self._announced if s >= work.step - 1} | {work.step}
+        if self._posted != (work.step, plan.rounds):  # a guard asks again and again
+            flags = informative_groups(work.samples, self.cfg.algorithm.num_samples_per_prompt)
+            self.rounds.post(work.step, plan.rounds, flags)
+            self._posted = (work.step, plan.rounds)
+        return self.rounds.gather(work.step, plan.rounds)
+
+    def wait_round(self, work: StepWork, timeout_s: float) -> dict[int, bool]:
+        """`round_flags`, waiting for the other hosts (the synchronous loop)."""
+        flags = self.round_flags(work)
+        if flags is not None:
+            return flags
+        return wait_for_round(self.rounds, work.step, work.refill.rounds, timeout_s,
+                              f"generate rank (engine {self.engine_index})")  # fmt: skip
+
+    def settle(self, work: StepWork, flags: dict[int, bool]) -> bool:
+        """Refill: round `work.refill.rounds` decided from every host's `flags`. True: the
+        batch is complete (`work.samples`: this host's share of it, prompts renumbered in draw
+        order); False: the next round's prompts were drawn (`work.records`, `round_start`)."""
+        plan, size = work.refill, self.cfg.rollout.num_prompts_per_step
+        expected = set(range(work.round_start, len(work.records)))
+        if set(flags) != expected:
+            raise RuntimeError(
+                f"generate rank (engine {self.engine_index}), step {work.step}: the refill flags "
+                f"of round {plan.rounds} cover prompts {sorted(set(flags) ^ expected)} wrongly "
+                f"(the round holds prompts {work.round_start}..{len(work.records) - 1})"
+            )
+        decision = plan.decide(flags)
+        holding, pool = plan.holding(), (work.held or []) + work.samples
+        held = [s for s in pool if s.prompt_index in holding]
+        dropped = [s for s in pool if s.prompt_index not in holding]
+        tokens = {"dynamic_sampling/response_tokens_sampled":
+                  float(sum(len(s.response_ids) for s in work.samples))}  # fmt: skip
+        if decision.done:
+            order = plan.batch_order()
+            new_index = {old: new for new, old in enumerate(order)}
+            dropped += [s for s in held if s.prompt_index not in new_index]
+            batch = [s for s in held if s.prompt_index in new_index]
+            for sample in batch:
+                sample.prompt_index = new_index[sample.prompt_index]
+            work.samples = sorted(batch, key=lambda s: (s.prompt_index, s.sample_index))
+            work.records, work.held, work.round_start = [work.records[i] for i in order], None, 0
+            work.report.add_means(plan.metrics())
+            if decision.exhausted:
+                self._warn_padded(work.step, plan)
+        else:
+            work.held, work.samples = held, []
+            work.round_start = len(work.records)
+            work.records = work.records + self.dataset.next_batch(size)
+        tokens["dynamic_sampling/response_tokens_dropped"] = float(
+            sum(len(s.response_ids) for s in dropped)
+        )
+        work.report.add_sums(tokens)
+        return decision.done
+
+    def _warn_padded(self, step: int, plan: RefillPlan) -> None:
+        if self.engine_index != 0 or step < self._quiet_until:
+            return
+        self._quiet_until = step + PAD_WARN_EVERY
+        logger.warning(
+            "step %d: refill found %d informative groups of %d in %d rounds "
+            "(algorithm.max_refill_rounds = %d): the batch is padded with %d zero-variance "
+            "groups, which train nothing (dynamic_sampling/groups_padded; a task too easy or too "
+            "hard for the model, or a reward that ignores the response?)", step,
+            len(plan.kept), plan.target, plan.rounds, plan.max_rounds - 1, plan.padded,
+        )  # fmt: skip
 
     def cut(self) -> bool:
         """Stop the generation in progress (from another thread): its responses come back as
@@ -229,6 +340,7 @@ def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None
     from megatron_async_rl.weight_sync.sinks import load_tensors
 
     config = cfg.engine.sglang_config(cfg.model.hf_path, platform.device_type, cfg.seed)
+    config = dataclasses.replace(config, routing=routing_capture(cfg))  # MoE: routed experts
     if platform.device_type == "cuda":  # the engine's TP ranks start at our device
         config.server_args.setdefault("base_gpu_id", int(os.environ.get("LOCAL_RANK", "0")))
     rank_in_role = layout.rank_in_role("generate", rank)
@@ -258,5 +370,30 @@ def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None
         ),
         board=board, generate_timeout_s=e.generate_timeout_s,
     )  # fmt: skip
-    return GenerateSide(cfg, engine, tokenizer, dataset, reward, validator, index, num_engines,
-                        multi_turn)
+    rounds = None
+    if cfg.algorithm.refill and num_engines > 1:
+        import torch.distributed as dist
+
+        # The world's own store (torchrun's), as the help board's: no collective, so a host
+        # waiting for the others' flags never holds a checkpoint's barrier.
+        store = dist.PrefixStore("refill_rounds", dist.distributed_c10d._get_default_store())
+        rounds = StoreRounds(store, index, num_engines)
+    return GenerateSide(
+        cfg, engine, tokenizer, dataset, reward, validator, index, num_engines, multi_turn, rounds
+    )
+
+
+def routing_capture(cfg):
+    """What the engines return of their MoE routing (`moe.config`), or None: a dense model, or
+    neither replay nor metrics asked."""
+    from megatron_async_rl.engines.config import RoutingCapture
+    from megatron_async_rl.models.name_map import moe_layer_pattern
+
+    args = cfg.role_megatron_args.get("train") or next(iter(cfg.role_megatron_args.values()))
+    if not cfg.moe.engine_routing or not args.get("num_experts"):
+        return None
+    num_layers = int(args["num_layers"])
+    pattern = moe_layer_pattern(args.get("moe_layer_freq") or 1, num_layers)
+    return RoutingCapture(num_layers=num_layers, topk=int(args["moe_router_topk"]),
+                          layers=tuple(i for i in range(num_layers) if pattern[i]),
+                          num_experts=int(args["num_experts"]))  # fmt: skip

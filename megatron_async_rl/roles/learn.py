@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from megatron_async_rl.algorithms import grpo, losses, minibatch
+from megatron_async_rl.algorithms import advantages, corrections, grpo, losses, minibatch
+from megatron_async_rl.algorithms.config import check_overlong_budget, response_budget
 from megatron_async_rl.distributed import devices
+from megatron_async_rl.moe.routing import agreement_metrics, routing_counts
 from megatron_async_rl.observability.ledger import PromptLedger
 from megatron_async_rl.observability.metrics import MetricsWriter, summarize
 from megatron_async_rl.observability.plots import plot_reward_curve
@@ -67,10 +69,13 @@ def train_on_batch(role, work: StepWork, cfg) -> dict:
         "old_logp": work.logp_BT, "ref_logp": work.ref_logp_BT,
         "behaviour_logp": batch["behaviour_logp"],
     }  # fmt: skip
+    fields.update(_replay_fields(cfg.moe.routing_replay, batch))
     skip = set(role.args.get("iterations_to_skip") or ())
     first = work.step * len(plan)  # Megatron-LM's 0-based iteration of this RL step's first
+    # Dr. GRPO's constant divisor of a sequence's token sum: the run's response budget
+    norm = response_budget(cfg)[1] if algo.loss_agg_mode == "seq-mean-token-sum-norm" else None
     steps = [
-        _optimizer_step(role, fields, torch.tensor(samples), mbs, algo)
+        _optimizer_step(role, fields, torch.tensor(samples), mbs, algo, norm)
         for i, samples in enumerate(plan)
         if first + i not in skip  # --iterations-to-skip: no update there, the schedule waits
     ]
@@ -82,8 +87,23 @@ def train_on_batch(role, work: StepWork, cfg) -> dict:
     return _merge_steps(steps)
 
 
-def _optimizer_step(role, fields: dict, samples: torch.Tensor, mbs: int, algo) -> dict:
-    """One optimizer step on the mini-batch `samples` (row indices of the whole batch)."""
+def _replay_fields(mode: str, batch: dict) -> dict:
+    """The train passes' MoE routing (`moe.config`): r3 replays the engine's (where it routed),
+    r2 the logp pass's; off: nothing."""
+    if mode == "r3":
+        if batch.get("routing") is None:
+            raise RuntimeError("moe.routing_replay is r3, and the batch has no engine routing")
+        return {"replay": batch["routing"], "valid": batch["routing_valid"]}
+    if mode == "r2":
+        return {"replay": batch["replay_routing"]}
+    return {}
+
+
+def _optimizer_step(
+    role, fields: dict, samples: torch.Tensor, mbs: int, algo, token_sum_norm: int | None
+) -> dict:
+    """One optimizer step on the mini-batch `samples` (row indices of the whole batch); its
+    token and sequence counts are the loss's denominators on every micro-batch."""
     dp_rank, dp_size = dist.get_rank(role.pgc.dp), dist.get_world_size(role.pgc.dp)
     mask = fields["mask"][samples]
     num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
@@ -95,6 +115,7 @@ def _optimizer_step(role, fields: dict, samples: torch.Tensor, mbs: int, algo) -
             logp, mb["old_logp"], mb["adv"], mb["mask"], algo,
             behaviour_logp_BT=mb["behaviour_logp"], ref_logp_BT=mb["ref_logp"],
             entropy_BT=entropy, num_tokens_global=num_tokens, num_seqs_global=num_seqs,
+            token_sum_norm=token_sum_norm,
         )  # fmt: skip
 
     metrics = role.train_step(micro, loss_fn)
@@ -208,23 +229,77 @@ class LearnSide:
         if role is None:
             return None
         size = role.args.get("micro_batch_size") or len(work.samples)
-        out = role.logprobs(work.batch["tokens"], size)
+        routing = self._routing(name, role, work.batch)
+        out = role.logprobs(work.batch["tokens"], size, routing)
+        if routing:
+            self._routing_results(role, work, size, record=bool(routing.get("record")))
         memory_hygiene(role.args, work.step, after=name)
         if out is not None and _reports(role) and dist.get_rank(role.pgc.dp) == 0:
             return out[0]
         return None
 
+    def _routing(self, name: str, role, batch: dict) -> dict | None:
+        """What the logp pass does with MoE routing (`moe.config`): replay the engine's (r3),
+        record its own (r2), and compare its own with the engine's (metrics). The ref role
+        routes on its own and is not measured."""
+        if name != "logp" or not role.routing:
+            return None
+        moe, engine = self.cfg.moe, batch.get("routing")
+        if moe.routing_replay == "r3" and engine is None:
+            raise RuntimeError(
+                "moe.routing_replay is r3, and the step's samples came without the engines' "
+                "routed experts (the engine must be started with them: see moe.routing)"
+            )
+        compare = engine if moe.routing_metrics else None
+        routing = {
+            "replay": engine if moe.routing_replay == "r3" else None,
+            "compare": compare,
+            "valid": batch.get("routing_valid") if engine is not None else None,
+            "record": moe.routing_replay == "r2",
+        }
+        return routing if routing["replay"] is not None or compare is not None or \
+            routing["record"] else None  # fmt: skip
+
+    def _routing_results(self, role, work: StepWork, size: int, record: bool) -> None:
+        """The logp pass's routing agreement counts into the step's report (once per token:
+        data-parallel rank 0, and TP rank 0 unless sequence parallel splits the tokens), and
+        its recording (r2) into `batch["replay_routing"]` on every logp rank."""
+        counts = role.routing.take_counts()
+        tp_rank = dist.get_rank(role.pgc.tp)
+        if dist.get_rank(role.pgc.dp) == 0 and (tp_rank == 0 or role.routing.sequence_parallel):
+            work.report.add_sums(routing_counts(counts))
+        if record:
+            from megatron_async_rl.moe.replay import gather_recorded
+
+            recorded = role.routing.take_recorded(size)
+            work.batch["replay_routing"] = gather_recorded(role.routing, recorded, role.pgc.pp)
+
     def train(self, work: StepWork) -> StepWork:
-        """train: advantages and the optimizer steps (collective over the Megatron ranks)."""
+        """train: the rewards shaped, the loss mask filtered, advantages, and the optimizer steps
+        (collective over the Megatron ranks). In order: DAPO's overlong penalty on the rewards
+        and its truncation filter, the KL-in-reward penalty, dynamic filtering, the off-policy
+        rejection mask, then `algorithm.advantage_estimator` over the final mask."""
         algo, batch = self.cfg.algorithm, work.batch
         mine = {
             k: v for k, v in (("logp", work.logp_BT), ("ref", work.ref_logp_BT)) if v is not None
         }
+        if work.logp_BT is not None and batch.get("replay_routing") is not None:
+            mine["replay_routing"] = batch["replay_routing"]  # r2: the logp pass's routing
         parts = [None] * len(self.groups.megatron_ranks)
         devices.all_gather_object(parts, mine, group=self.groups.megatron)
         merged = {k: v for part in parts for k, v in part.items()}
         work.logp_BT, work.ref_logp_BT = merged["logp"], merged["ref"]
+        batch["replay_routing"] = merged.get("replay_routing")
         rewards, mask = batch["rewards"], batch["mask"]
+        budget_key, budget = response_budget(self.cfg)
+        check_overlong_budget(algo, budget_key, budget)
+        penalty = advantages.overlong_penalty(batch["response_len"], budget,
+                                              algo.overlong_buffer_len,
+                                              algo.overlong_penalty_factor)  # fmt: skip
+        rewards = rewards + penalty
+        truncated = torch.tensor([s.finish_reason == "length" for s in work.samples])
+        if algo.mask_truncated:
+            mask = mask * ~truncated[:, None]
         if algo.kl_mode == "reward" and algo.kl_coef > 0:
             kl = grpo.kl_penalty(work.logp_BT, work.ref_logp_BT, algo.kl_estimator)
             rewards = grpo.kl_reward(rewards, kl, mask, algo.kl_coef)
@@ -233,10 +308,11 @@ class LearnSide:
         if algo.dynamic_filtering:
             keep, dropped = grpo.dynamic_filter(rewards, n)
             mask = mask * keep[:, None]
+        accept = corrections.behaviour_mask(work.logp_BT, batch["behaviour_logp"], mask, algo)
+        rejected = corrections.rejection_metrics(mask, accept)
+        mask = mask * accept
         work.loss_mask_BT = mask
-        work.adv_B = grpo.group_advantages(
-            rewards, n, normalize_by_std=algo.normalize_advantage_by_std, eps=algo.advantage_eps
-        )
+        work.adv_B = advantages.compute_advantages(rewards, mask, n, algo)
         train = self.roles.get("train")
         if train is not None:
             metrics = train_on_batch(train, work, self.cfg)
@@ -252,6 +328,12 @@ class LearnSide:
             "logprob/engine_vs_train_abs_diff": (
                 (batch["behaviour_logp"] - work.logp_BT).abs()[real].mean().item()
             ),
+            **corrections.mismatch_metrics(work.logp_BT, batch["behaviour_logp"], real),
+            **corrections.mismatch_metrics(work.logp_BT, batch["behaviour_logp"], mask > 0,
+                                           "/trained"),
+            **rejected,
+            "reward/overlong_penalty_mean": penalty.mean().item(),
+            "samples/masked_truncated": float(truncated.sum()) if algo.mask_truncated else 0.0,
             "samples/kept": float((mask.sum(-1) > 0).sum().item()),
             "samples/truncated": float(sum(s.finish_reason == "length" for s in work.samples)),
             "data/dropped_groups": float(dropped),
@@ -285,6 +367,11 @@ class LearnSide:
             return
         metrics = StepReport.merge([*parts, *work.gen_reports])
         metrics.update(ratio_metrics(metrics))  # multi-turn means from the engines' counts
+        metrics.update(agreement_metrics(metrics))  # MoE routing agreement from the counts
+        for key in [k for k in metrics if k.startswith(("moe/routing_matched/",
+                                                         "moe/routing_used_matched/",
+                                                         "moe/routing_tokens/"))]:
+            del metrics[key]  # fmt: skip
         metrics.update(work.batch_metrics)
         metrics.update(self.pending_metrics)
         self.pending_metrics = {}

@@ -73,10 +73,14 @@ class MegatronRole:
         seed: int,
         *,
         total_optimizer_steps: int | None = None,
+        routing: bool = False,
+        router_noise: float = 0.0,
     ):
         """`total_optimizer_steps`: the run's optimizer steps, the train role's lr decay horizon
         when neither --lr-decay-iters nor --train-iters is set; None and neither set: the lr
-        stays constant after the warm-up (`lr_schedule`)."""
+        stays constant after the warm-up (`lr_schedule`). `routing`: put replay slots on the
+        MoE routers (`moe.replay`; `self.routing`, falsy on a dense model), `router_noise`
+        their induced mismatch (`faults.router_noise`)."""
         if not groups.is_member:
             raise RuntimeError(f"role {role}: rank {dist.get_rank()} is not in its window")
         self.role, self.args, self.par, self.platform = role, args, par, platform
@@ -93,6 +97,10 @@ class MegatronRole:
         self.pp_rank = dist.get_rank(self.pgc.pp)
         self.is_last_stage = self.pp_rank == par.pp - 1
         self.model = self.module
+        self.routing = None
+        """`moe.replay.RoleRouting` of this stage's MoE routers, when asked for."""
+        if routing:
+            self.routing = _role_routing(self.module, args, self.pgc, router_noise)
         self.optimizer = None
         if role == "train":
             self._wrap_for_training(total_optimizer_steps)
@@ -164,11 +172,13 @@ class MegatronRole:
 
     # ------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def _forward_only(self, tokens_BT: torch.Tensor, micro_batch_size: int, reduce):
+    def _forward_only(self, tokens_BT: torch.Tensor, micro_batch_size: int, reduce,
+                      routing: dict | None = None):  # fmt: skip
         """Run the role's pipeline forward; `reduce(logits, tokens)` -> dict, per micro-batch.
 
         Returns the per-micro-batch dicts on the last stage, None on other stages. Every rank of
-        the role must call it with the same batch (data-parallel replicas too).
+        the role must call it with the same batch (data-parallel replicas too). `routing`: the
+        MoE routers' work (`_route`).
         """
         tokens_BT = devices.to_device(tokens_BT, self.device)
         batch, seq_len = tokens_BT.shape
@@ -177,16 +187,38 @@ class MegatronRole:
                 f"--micro-batch-size = {micro_batch_size}: must divide the batch size {batch}"
             )
         positions = _positions(micro_batch_size, seq_len, tokens_BT.device)
+        routing = self._routing_pass(routing)
 
         def forward_step(data_iterator, model):
-            tokens = next(data_iterator)
+            mb = next(data_iterator)
+            self._route(mb, routing)
+            tokens = mb["tokens"]
             logits_BTV = model(tokens, positions, attention_mask=None)
             return logits_BTV, lambda logits: (logits.new_zeros(()), reduce(logits, tokens))
 
         self.model.eval()
-        micro_batches = list(tokens_BT.split(micro_batch_size))
+        micro_batches = _split({"tokens": tokens_BT, **(routing or {})}, micro_batch_size)
         outputs = self._run_schedule(forward_step, micro_batches, seq_len, micro_batch_size, True)
         return outputs if self.is_last_stage else None
+
+    def _routing_pass(self, routing: dict | None) -> dict | None:
+        """The routing tensors of a pass (`replay`, `compare`: [B, T, L, K] expert ids,
+        `valid`: [B, T]) and whether to record, checked; slots reset."""
+        if not routing:
+            return None
+        if not self.routing:
+            raise RuntimeError(f"role {self.role}: routing given, but no MoE routers to replay")
+        self.routing.reset()
+        return {k: v for k, v in routing.items() if v is not None}
+
+    def _route(self, mb: dict, routing: dict | None) -> None:
+        """Set the routers for micro-batch `mb` (before its forward)."""
+        if routing:
+            self.routing.micro_batch(
+                replay_bSLK=mb.get("replay"), compare_bSLK=mb.get("compare"),
+                valid_bS=mb.get("valid"), record=bool(routing.get("record")),
+                keep_for_backward=bool(routing.get("backward")), device=self.device,
+            )  # fmt: skip
 
     def _run_schedule(self, forward_step, micro_batches, seq_len, mb_size, forward_only):
         """Megatron's pipeline schedule over this role's stages, with its own groups."""
@@ -207,9 +239,11 @@ class MegatronRole:
         )
 
     def logprobs(
-        self, tokens_BT: torch.Tensor, micro_batch_size: int
+        self, tokens_BT: torch.Tensor, micro_batch_size: int, routing: dict | None = None
     ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-token log-probs and entropies of `tokens_BT` on the last stage, else None."""
+        """Per-token log-probs and entropies of `tokens_BT` on the last stage, else None.
+        `routing` (MoE): `replay` / `compare` [B, T, L, K], `valid` [B, T], `record` (bool);
+        the counts and recordings are then in `self.routing`."""
         tp_group, vocab_size = self.pgc.tp, self.spec.vocab_size
 
         def reduce(logits, tokens):
@@ -219,7 +253,7 @@ class MegatronRole:
             )
             return {"logp": logp, "entropy": entropy}
 
-        outputs = self._forward_only(tokens_BT, micro_batch_size, reduce)
+        outputs = self._forward_only(tokens_BT, micro_batch_size, reduce, routing)
         if outputs is None:
             return None
         return torch.cat([o["logp"] for o in outputs]), torch.cat([o["entropy"] for o in outputs])
@@ -264,8 +298,15 @@ class MegatronRole:
         positions = _positions(mb_size, seq_len, micro_batches[0]["tokens"].device)
         tp_group, vocab_size = self.pgc.tp, self.spec.vocab_size
 
+        routing = None
+        if micro_batches[0].get("replay") is not None:  # replayed MoE routing (R3, R2)
+            # a forward recomputed in the backward pass replays the same experts again
+            recompute = bool(self.args.get("recompute_granularity"))
+            routing = self._routing_pass({"replay": True, "backward": recompute})
+
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
+            self._route(batch, routing)
             tokens = batch["tokens"]
             logits = model(tokens, positions, attention_mask=None)
 
@@ -302,6 +343,28 @@ def _positions(batch: int, seq_len: int, device) -> torch.Tensor:
     return torch.arange(seq_len, device=device).unsqueeze(0).expand(batch, seq_len)
 
 
+def _split(batch: dict, size: int) -> list[dict]:
+    """Micro-batches of `size` rows of every tensor of `batch` (other values copied)."""
+    rows = batch["tokens"].shape[0]
+    return [
+        {k: v[i : i + size] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        for i in range(0, rows, size)
+    ]
+
+
+def _role_routing(module, args: dict, pgc, noise: float = 0.0):
+    """Replay slots on the MoE routers of this stage (`moe.replay`), or None (dense model)."""
+    if not args.get("num_experts"):
+        return None
+    from megatron_async_rl.models.name_map import moe_layer_pattern
+    from megatron_async_rl.moe.replay import RoleRouting
+
+    num_layers = int(args["num_layers"])
+    pattern = moe_layer_pattern(args.get("moe_layer_freq") or 1, num_layers)
+    moe_layers = [i for i in range(num_layers) if pattern[i]]
+    return RoleRouting(module, moe_layers, pgc.tp, bool(args.get("sequence_parallel")), noise)
+
+
 def build_local_roles(
     cfg, groups: WorldGroups, platform: Platform, total_optimizer_steps: int | None = None
 ) -> dict[str, MegatronRole]:
@@ -319,5 +382,16 @@ def build_local_roles(
                 platform,
                 seed=int(cfg.role_megatron_args[name].get("seed") or cfg.seed),
                 total_optimizer_steps=total_optimizer_steps,
+                routing=_routes(cfg.moe, name, cfg.faults.router_noise),
+                router_noise=cfg.faults.router_noise if name != "ref" else 0.0,
             )
     return roles
+
+
+def _routes(moe, role: str, noise: float = 0.0) -> bool:
+    """Whether `role` needs replay slots (`moe.config`): train to replay (r3, r2); logp to
+    replay (r3), record (r2) or measure agreement; never ref. With `faults.router_noise`,
+    train and logp route through them."""
+    if role == "train":
+        return moe.routing_replay != "off" or noise > 0
+    return role == "logp" and (moe.routing_replay != "off" or moe.routing_metrics or noise > 0)

@@ -10,6 +10,7 @@ serialises as it is (`state_dict`), the unit a checkpoint saves.
     dataloader      cursor, records                 (generate ranks)
     generate        samples (tokens, engine log-probs, per-token versions), partial
     reward          samples[i].reward, report
+    [refill]        refill, held, round_start: more rounds until the batch is complete
     -- samples cross to the Megatron ranks --
     logp            batch, logp_BT                  (logp ranks)
     ref_logp        ref_logp_BT                     (ref ranks)
@@ -29,6 +30,7 @@ import torch
 from megatron_async_rl.engines.protocol import version_number
 from megatron_async_rl.rollout.dataset import PromptRecord
 from megatron_async_rl.rollout.generation import Sample
+from megatron_async_rl.rollout.refill import RefillPlan
 
 
 @dataclass
@@ -100,8 +102,18 @@ class StepWork:
     """The data cursor (`epoch`, `index`) at the step's first prompt: set by the rank that owns
     the dataset (an engine host), never advanced by any other."""
     records: list[PromptRecord] | None = None
+    """The step's prompts; with refill, every round's in draw order until the batch is
+    complete, then the trained groups' (`rollout/refill.py`)."""
     samples: list[Sample] | None = None
-    """Every engine's samples in prompt order (on an engine host before the exchange: its own)."""
+    """Every engine's samples in prompt order (on an engine host before the exchange: its own;
+    with refill, of the round in progress until the batch is complete)."""
+    round_start: int = 0
+    """Refill: the first record of the round in progress (the generate stage samples
+    `records[round_start:]`)."""
+    held: list[Sample] | None = None
+    """Refill: this host's scored samples of earlier rounds that may be trained."""
+    refill: RefillPlan | None = None
+    """Refill: the step's plan so far (None without `algorithm.refill`)."""
     partial: bool = False
     """The generation was cut for a checkpoint: `samples` hold each response's prefix so far
     (finish reason "abort" where unfinished), to be continued (`GenerateSide.generate`)."""
@@ -132,6 +144,8 @@ class StepWork:
             dataclasses.asdict(r) for r in self.records
         ]  # fmt: skip
         state["samples"] = None if self.samples is None else [s.to_dict() for s in self.samples]
+        state["held"] = None if self.held is None else [s.to_dict() for s in self.held]
+        state["refill"] = None if self.refill is None else self.refill.state_dict()
         state["gen_reports"] = [r.state_dict() for r in self.gen_reports]
         state["report"] = self.report.state_dict()
         return state
@@ -143,6 +157,10 @@ class StepWork:
             state["records"] = [PromptRecord(**r) for r in state["records"]]
         if state["samples"] is not None:
             state["samples"] = [Sample(**s) for s in state["samples"]]
+        if state.get("held") is not None:
+            state["held"] = [Sample(**s) for s in state["held"]]
+        if state.get("refill") is not None:
+            state["refill"] = RefillPlan.from_state_dict(state["refill"])
         state["gen_reports"] = [StepReport.from_state_dict(r) for r in state["gen_reports"]]
         state["report"] = StepReport.from_state_dict(state["report"])
         return cls(**state)

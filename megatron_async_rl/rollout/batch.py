@@ -12,11 +12,13 @@ from __future__ import annotations
 import torch
 
 from megatron_async_rl.engines.protocol import version_number
+from megatron_async_rl.moe.routing import routing_batch
 
 
 def build_batch(samples, pad_id: int, multiple: int = 8) -> dict[str, torch.Tensor]:
     """tokens_BT, mask_BT1 (trained response tokens), behaviour_logp_BT1, version_BT1, rewards_B,
-    response_len_B, prompt_len_B."""
+    response_len_B, prompt_len_B; MoE samples with the engine's experts also routing_BTLK and
+    routing_valid_BT (`moe.routing.routing_batch`; else None)."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     seq_len = -(-max(lengths) // multiple) * multiple
     batch_size = len(samples)
@@ -37,7 +39,10 @@ def build_batch(samples, pad_id: int, multiple: int = 8) -> dict[str, torch.Tens
             versions[i, p - 1 : p - 1 + r] = torch.tensor(
                 [version_number(v) for v in s.token_versions]  # "" (environment): 0, masked
             )
+    routing, routing_valid = _routing(samples, seq_len)
     return {
+        "routing": routing,
+        "routing_valid": routing_valid,
         "tokens": tokens,
         "mask": mask,
         "behaviour_logp": behaviour,
@@ -46,3 +51,10 @@ def build_batch(samples, pad_id: int, multiple: int = 8) -> dict[str, torch.Tens
         "response_len": torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32),
         "prompt_len": torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.float32),
     }
+
+
+def _routing(samples, seq_len: int):
+    first = next((s.routed_experts for s in samples if s.routed_experts is not None), None)
+    if first is None:
+        return None, None
+    return routing_batch(samples, seq_len, *first.shape[1:])

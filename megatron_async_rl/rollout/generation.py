@@ -13,6 +13,7 @@ import dataclasses
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from megatron_async_rl.rollout.config import RolloutConfig
 
@@ -36,6 +37,9 @@ class Sample:
     loss_mask: list[int] | None = None
     """Per response token, 1 where it is trained: None = every token (single-turn); a
     multi-turn trajectory has 0 on its environment's tokens (`rollout.agentic`)."""
+    routed_experts: Any = None
+    """MoE: the engine's experts per input token, a uint8/int16 tensor [P + R - 1, MoE layers,
+    top-k] (`moe.routing`), when the run asks for them; else None."""
 
     def trained_versions(self) -> list[str]:
         """The versions of the tokens trained (the staleness bound holds on these)."""
@@ -120,6 +124,7 @@ def generate_samples(
                 answer=record.answer,
                 metadata=record.reward_metadata(),
                 response_text=tokenizer.decode(result.output_ids, skip_special_tokens=True),
+                routed_experts=result.routed_experts,
             )
         )
     return samples

@@ -83,6 +83,7 @@ def _worker(rank, world_size, tmp_dir, path, data, micro_batch_size, device="cpu
         cfg = SimpleNamespace(
             algorithm=GRPOConfig(loss_agg_mode=mode),
             trainer=SimpleNamespace(micro_batch_size=None),
+            moe=SimpleNamespace(routing_replay="off"),
             seed=SEED,
         )
         work = StepWork(

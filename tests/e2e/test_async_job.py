@@ -6,6 +6,9 @@ Contracts checked:
   optimizer mini-batch steps per RL step under an lr schedule) exactly: same seed
   and data give identical metrics (every key but timings, throughput, scheduler and
   utilization seconds) at every step, validation results included;
+- the same holds with the non-default loss side on (GSPO, RLOO advantages, tis_seq weights, a
+  geometric-mean rejection band, DAPO's overlong penalty and truncation filter) over 2 steps of
+  2 mini-batches each, and the knobs act (the penalty is paid, the metrics are logged);
 - at `generate_ahead_steps: 1` with `weight_update_mode: in_flight` over 10 steps, no token is
   ever trained more than one policy version after the one that produced it (`policy_lag/max`
   read from the per-token versions the engine reported), generation does run ahead (some step
@@ -102,3 +105,38 @@ def test_logp_and_ref_on_ranks_of_their_own_run_ahead_within_the_bound(task, tmp
     assert max(row["policy_lag/max"] for row in rows) == 1
     for role in ("train", "logp", "ref", "generate"):
         assert all(f"utilization/{role}/busy_s" in row for row in rows), role
+
+
+LOSS_SIDE_SETS = (
+    "trainer.num_steps=2",
+    "megatron.global_batch_size=64",
+    "algorithm.policy_loss=gspo",
+    "algorithm.loss_agg_mode=null",  # the recipe's token-mean: GSPO takes its own
+    "algorithm.advantage_estimator=rloo",
+    "algorithm.off_policy_correction=tis_seq",
+    "algorithm.off_policy_mask=geo_mean",
+    "algorithm.off_policy_mask_low=0.99",
+    "algorithm.off_policy_mask_high=1.01",
+    "algorithm.overlong_buffer_len=2",
+    "algorithm.overlong_penalty_factor=0.5",
+    "algorithm.mask_truncated=true",
+)
+
+
+def test_zero_steps_ahead_is_the_synchronous_loop_with_the_loss_side_knobs(task, tmp_path):
+    sync = run_recipe(task, tmp_path / "sync", 29646, *LOSS_SIDE_SETS).rows
+    async_ = run_recipe(task, tmp_path / "async", 29647, *LOSS_SIDE_SETS, "scheduler.loop=async")
+    assert len(sync) == len(async_.rows) == 2
+    for a, b in zip(sync, async_.rows, strict=True):
+        assert _stable(a) == _stable(b), (
+            a["step"],
+            set(_stable(a).items()) ^ set(_stable(b).items()),
+        )
+    resolved = (async_.run_dir / "config.resolved.yaml").read_text()
+    assert "loss_agg_mode: seq-mean-token-mean" in resolved and "policy_loss: gspo" in resolved
+    # answers are 1-2 digits then <eos> within max_new_tokens 4: lengths 3-4 pay the penalty
+    assert min(r["reward/overlong_penalty_mean"] for r in sync) < 0
+    for key in ("mismatch/k1", "mismatch/k3_kl/trained", "mismatch/max_abs",
+                "offpolicy/masked_seq_frac", "samples/masked_truncated"):  # fmt: skip
+        assert all(key in r for r in sync), key
+    assert all(r["actor/optimizer_steps"] == 2.0 for r in sync)

@@ -12,6 +12,10 @@
   merged metrics.
 - `CharTokenizer` and `make_generate_side`: a real `GenerateSide` with a real dataset (the
   arithmetic task written locally), the real reward and validator, over a `TimedEngine`.
+- `ScriptedReward`: a reward whose values the test chooses by (prompt uid, sample index): the
+  `FakeEngine` answers a prompt the same way for every sample, so no reward of the response
+  could make a group informative (refill tests). Its twin, a reward of the real engine's
+  sampled responses, runs in tests/e2e/test_refill_job.py.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from megatron_async_rl.roles.work import StepReport, StepWork
 from megatron_async_rl.rollout.arithmetic import write_arithmetic_dataset
 from megatron_async_rl.rollout.dataset import DatasetConfig, PromptDataset
 from megatron_async_rl.rollout.generation import RolloutConfig
+from megatron_async_rl.rollout.refill import informative_groups
 from megatron_async_rl.rollout.validation import ValidationConfig, Validator
 from megatron_async_rl.scheduler.config import SchedulerConfig
 
@@ -160,6 +165,14 @@ class FakeLearner:
         rewards = [s.reward for s in work.samples]
         work.batch_metrics["reward/mean"] = sum(rewards) / len(rewards)
         work.batch_metrics["samples/num"] = float(len(work.samples))
+        sizes = {}
+        for sample in work.samples:
+            sizes[sample.prompt_index] = sizes.get(sample.prompt_index, 0) + 1
+        flags = informative_groups(work.samples, max(sizes.values()))
+        work.batch_metrics["batch/groups"] = float(len(flags))
+        work.batch_metrics["batch/informative_groups"] = float(sum(flags.values()))
+        work.batch_metrics["batch/prompt_indices"] = sorted(sizes)
+        work.batch_metrics["batch/uids"] = [s.uid for s in work.samples]
         work.report.add_sums({"actor/loss": 0.5})
         return work
 
@@ -173,16 +186,43 @@ class FakeLearner:
         return {"model.weight": torch.tensor([float(self.trained)])}
 
 
+class ScriptedReward(SafeReward):
+    """Reward `sample_index % 2` for the samples of an informative prompt (`informative(uid)`),
+    0.0 for the others; counted as the real reward counts its calls."""
+
+    def __init__(self, informative):
+        super().__init__(lambda *_: 0.0, "scripted")
+        self.informative = informative
+
+    def score(self, samples, fault=None):
+        samples = list(samples)
+        self.calls += len(samples)
+        return [float(s.sample_index % 2) if self.informative(s.uid) else 0.0 for s in samples]
+
+
+def every_third(uid: str) -> bool:
+    """Rows 3, 6, 9, ... of a dataset file are informative (`uid` is `file:line`)."""
+    return int(uid.rsplit(":", 1)[1]) % 3 == 0
+
+
 def make_cfg(tmp_path, *, steps: int, ahead: int, mode: str = "wait", validation_every=0,
              validation_version="exact", timeout_s: float = 30.0, prompts: int = 2,
-             samples: int = 2, max_new_tokens: int = 4, pause: str = "retract"):  # fmt: skip
+             samples: int = 2, max_new_tokens: int = 4, pause: str = "retract",
+             refill: bool = False, max_refill_rounds: int = 10,
+             refill_exhausted: str = "pad"):  # fmt: skip
     data = write_arithmetic_dataset(tmp_path / "train.jsonl", num_rows=40, seed=0)
     val = write_arithmetic_dataset(tmp_path / "val.jsonl", num_rows=4, seed=1)
     return SimpleNamespace(
         seed=7,
         data=DatasetConfig(path=str(data)),
         rollout=RolloutConfig(num_prompts_per_step=prompts, max_new_tokens=max_new_tokens),
-        algorithm=GRPOConfig(num_samples_per_prompt=samples),
+        algorithm=GRPOConfig(
+            num_samples_per_prompt=samples,
+            dynamic_filtering=refill,
+            refill=refill,
+            max_refill_rounds=max_refill_rounds,
+            refill_exhausted=refill_exhausted,
+        ),
         trainer=TrainerConfig(job="grpo", num_steps=steps),
         scheduler=SchedulerConfig(
             generate_ahead_steps=ahead,
@@ -197,10 +237,11 @@ def make_cfg(tmp_path, *, steps: int, ahead: int, mode: str = "wait", validation
     )
 
 
-def make_generate_side(cfg, engine) -> GenerateSide:
+def make_generate_side(cfg, engine, reward=None, engine_index=0, num_engines=1,
+                       rounds=None) -> GenerateSide:  # fmt: skip
     tokenizer = CharTokenizer()
     dataset = PromptDataset(cfg.data, tokenizer=tokenizer)
-    reward = SafeReward(get_reward("arithmetic"), "arithmetic")
+    reward = reward or SafeReward(get_reward("arithmetic"), "arithmetic")
     validator = None
     if cfg.scheduler.validation_every:
         held_out = PromptDataset(cfg.validation.data, tokenizer=tokenizer)
@@ -208,4 +249,5 @@ def make_generate_side(cfg, engine) -> GenerateSide:
             cfg.validation, cfg.rollout, held_out.records[:2],
             SafeReward(get_reward("arithmetic"), "arithmetic"), 0, 1, cfg.seed,
         )  # fmt: skip
-    return GenerateSide(cfg, engine, tokenizer, dataset, reward, validator, 0, 1)
+    return GenerateSide(cfg, engine, tokenizer, dataset, reward, validator, engine_index,
+                        num_engines, rounds=rounds)  # fmt: skip

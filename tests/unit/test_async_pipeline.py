@@ -40,10 +40,11 @@ from tests.unit.pipeline_fakes import FakeLearner, TimedEngine, make_cfg, make_g
 VOLATILE = ("timing/", "scheduler/", "utilization/", "weight_sync/stall_s")
 
 
-def run_async(cfg, engine, learner, clocks=None, errors=None):
+def run_async(cfg, engine, learner, clocks=None, errors=None, gen=None):
     """Both sides of the asynchronous loop in one process: (generate clock, learn clock).
-    With `errors` (a dict), each side's error is kept there by side instead of raised."""
-    gen = make_generate_side(cfg, engine)
+    With `errors` (a dict), each side's error is kept there by side instead of raised. `gen`:
+    the generate side (default: `make_generate_side(cfg, engine)`)."""
+    gen = gen or make_generate_side(cfg, engine)
     # A transfer waits for a whole step of the other side: its timeout is the transport's (gloo's
     # on ranks), longer than any one stage's.
     exchange = LocalExchange(learner.state, timeout_s=3 * cfg.scheduler.stage_timeout_s)

@@ -95,6 +95,14 @@ def test_differing_recipe_keys_are_named():
     assert store.recipe_hash(saved) != store.recipe_hash(current)
 
 
+def test_an_algorithm_knob_newer_than_the_checkpoint_counts_as_its_default():
+    saved = {"algorithm.clip_ratio_low": 0.2, "seed": 1}  # written before the knobs existed
+    current = {**saved, "algorithm.policy_loss": "ppo", "algorithm.refill": False}
+    assert store.differing_keys(saved, current) == []
+    changed = {**current, "algorithm.policy_loss": "gspo"}
+    assert store.differing_keys(saved, changed) == ["algorithm.policy_loss"]
+
+
 @pytest.mark.parametrize(
     ("field", "value", "rule"),
     [("every_steps", -1, "must be an integer >= 0"), ("keep_last", 0, "must be an integer >= 1"),

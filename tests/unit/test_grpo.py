@@ -1,6 +1,9 @@
 """GRPOConfig validation and the per-batch GRPO math, against formulas written out here.
 
-Contract: `GRPOConfig` rejects each bad value with a ConfigError naming key, value and rule;
+Contract: `GRPOConfig` rejects each bad value with a ConfigError naming key, value and rule,
+resolves `loss_agg_mode` None to the mode of its policy loss and estimator (gspo:
+seq-mean-token-mean, dr_grpo: seq-mean-token-sum-norm, else token-mean) and refuses a mode or a
+combination that contradicts them; `check_overlong_budget` refuses a buffer past L_max;
 `group_advantages` is (r - group mean) / (unbiased group std + eps), or r - mean, and 0 for a
 group of one; `dynamic_filter` keeps exactly the groups whose rewards differ; `kl_penalty`'s
 k1/k2/k3 match the closed forms (k3 clamped like verl's low_var_kl); `kl_reward` subtracts
@@ -9,10 +12,12 @@ is faked.
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from megatron_async_rl.algorithms.config import check_overlong_budget, response_budget
 from megatron_async_rl.algorithms.grpo import (
     GRPOConfig,
     dynamic_filter,
@@ -64,6 +69,37 @@ def test_defaults_are_valid_and_low_var_kl_is_k3():
         ),
         ({"off_policy_correction": "tis"}, r"off_policy_correction = 'tis': must be one of none"),
         ({"tis_cap": 0.5}, r"tis_cap = 0.5: must be a finite number >= 1"),
+        ({"policy_loss": "grpo"}, r"policy_loss = 'grpo': must be one of ppo, gspo"),
+        (
+            {"advantage_estimator": "ppo"},
+            r"advantage_estimator = 'ppo': must be one of grpo, dr_grpo, rloo, reinforce_pp, "
+            r"reinforce_pp_baseline",
+        ),
+        (
+            {"off_policy_mask": "sequence"},
+            r"off_policy_mask = 'sequence': must be one of none, token, seq, geo_mean",
+        ),
+        (
+            {"off_policy_mask_low": 1.2},
+            r"off_policy_mask_low = 1.2: must be a finite number in \[0, 1\]; hint: rho = 1",
+        ),
+        ({"off_policy_mask_low": -0.1}, r"off_policy_mask_low = -0.1: must be a finite number in"),
+        (
+            {"off_policy_mask_high": 0.9},
+            r"off_policy_mask_high = 0.9: must be a finite number >= 1; hint: rho = 1",
+        ),
+        ({"off_policy_mask_high": math.inf}, r"off_policy_mask_high = inf: must be a finite"),
+        ({"overlong_buffer_len": -1}, r"overlong_buffer_len = -1: must be an integer >= 0"),
+        ({"overlong_buffer_len": 4.5}, r"overlong_buffer_len = 4.5: must be an integer >= 0"),
+        (
+            {"overlong_penalty_factor": -1.0},
+            r"overlong_penalty_factor = -1.0: must be a finite number >= 0",
+        ),
+        ({"mask_truncated": "no"}, r"mask_truncated = 'no': must be true or false"),
+        (
+            {"loss_agg_mode": "seq-sum"},
+            r"loss_agg_mode = 'seq-sum': must be one of .*seq-mean-token-sum-norm; hint: or null",
+        ),
     ],
 )
 def test_config_rejects_bad_values(overrides, pattern):
@@ -71,6 +107,75 @@ def test_config_rejects_bad_values(overrides, pattern):
         GRPOConfig(**overrides)
     key = next(iter(overrides)) if len(overrides) == 1 else "dynamic_filtering"
     assert info.value.key == key
+
+
+def test_loss_agg_mode_defaults_to_the_policy_loss_and_estimator_own():
+    assert GRPOConfig().loss_agg_mode == "token-mean"
+    assert GRPOConfig(advantage_estimator="rloo").loss_agg_mode == "token-mean"
+    assert GRPOConfig(policy_loss="gspo").loss_agg_mode == "seq-mean-token-mean"
+    assert GRPOConfig(advantage_estimator="dr_grpo").loss_agg_mode == "seq-mean-token-sum-norm"
+    dr = GRPOConfig(advantage_estimator="dr_grpo", loss_agg_mode="seq-mean-token-sum")
+    assert dr.loss_agg_mode == "seq-mean-token-sum"
+    explicit = GRPOConfig(loss_agg_mode="seq-mean-token-sum-norm")
+    assert explicit.loss_agg_mode == "seq-mean-token-sum-norm"
+    tiny = GRPOConfig(policy_loss="gspo", clip_ratio_low=3e-4, clip_ratio_high=4e-4)
+    assert (tiny.clip_ratio_low, tiny.clip_ratio_high) == (3e-4, 4e-4)
+    # stored resolved: a resolved config written out and read back is the same config
+    again = GRPOConfig(policy_loss="gspo", loss_agg_mode=tiny.loss_agg_mode)
+    assert again.loss_agg_mode == tiny.loss_agg_mode
+
+
+@pytest.mark.parametrize(
+    "overrides, key, pattern",
+    [
+        (
+            {"policy_loss": "gspo", "loss_agg_mode": "token-mean"},
+            "loss_agg_mode",
+            r"loss_agg_mode = 'token-mean': must be seq-mean-token-mean with policy_loss gspo: "
+            r".*; hint: leave loss_agg_mode out",
+        ),
+        (
+            {"advantage_estimator": "dr_grpo", "loss_agg_mode": "seq-mean-token-mean"},
+            "loss_agg_mode",
+            r"loss_agg_mode = 'seq-mean-token-mean': must be seq-mean-token-sum-norm or "
+            r"seq-mean-token-sum with advantage_estimator dr_grpo",
+        ),
+        (
+            {"advantage_estimator": "dr_grpo", "loss_agg_mode": "token-mean"},
+            "loss_agg_mode",
+            r"loss_agg_mode = 'token-mean': must be seq-mean-token-sum-norm or",
+        ),
+        (
+            {"policy_loss": "gspo", "advantage_estimator": "dr_grpo"},
+            "advantage_estimator",
+            r"advantage_estimator = 'dr_grpo': cannot be combined with policy_loss gspo.*; "
+            r"hint: use advantage_estimator grpo with normalize_advantage_by_std: false",
+        ),
+    ],
+)
+def test_config_rejects_contradicting_combinations(overrides, key, pattern):
+    with pytest.raises(ConfigError, match=pattern) as info:
+        GRPOConfig(**overrides)
+    assert info.value.key == key
+
+
+def test_overlong_buffer_is_checked_against_the_response_budget():
+    check_overlong_budget(GRPOConfig(overlong_buffer_len=16), "rollout.max_new_tokens", 16)
+    with pytest.raises(
+        ConfigError,
+        match=r"^config error: algorithm.overlong_buffer_len = 17: must be at most "
+        r"rollout.max_new_tokens = 16 .*; hint: use a buffer below 16, e.g. 4",
+    ):
+        check_overlong_budget(GRPOConfig(overlong_buffer_len=17), "rollout.max_new_tokens", 16)
+
+
+def test_response_budget_is_the_trajectory_budget_when_multi_turn():
+    from megatron_async_rl.rollout.config import EnvironmentConfig, RolloutConfig
+
+    run = SimpleNamespace(rollout=RolloutConfig(max_new_tokens=24), environment=EnvironmentConfig())
+    assert response_budget(run) == ("rollout.max_new_tokens", 24)
+    run.environment = EnvironmentConfig(name="my_env:Env", max_total_tokens=300)
+    assert response_budget(run) == ("environment.max_total_tokens", 300)
 
 
 def test_group_advantages_with_std_by_hand():

@@ -1,12 +1,15 @@
 """Loss aggregation, the PPO clipped surrogate and the total loss, against formulas written here.
 
-Contract: `aggregate` implements token-mean, seq-mean-token-mean and seq-mean-token-sum, ignores
-padded positions, and with the step's global token/sequence counts its micro-batch results sum
-to the full-batch result (losses and gradients); `policy_loss` picks max(-A r, -A clip(r)) with
-separate low/high clips, zero gradient on the clipped side, dual-clip for A < 0, and the
-tis_token / tis_seq / decoupled weights (capped, detached); `total_loss` adds kl_coef * KL
-(kl_mode "loss") and subtracts entropy_coef * entropy. Ratios are chosen to hit each branch and
-expected values are computed by hand. Nothing is faked.
+Contract: `aggregate` implements token-mean, seq-mean-token-mean, seq-mean-token-sum and
+seq-mean-token-sum-norm (Dr. GRPO: token sums over S x a constant L), ignores padded positions,
+and with the step's global token/sequence counts its micro-batch results sum to the full-batch
+result (losses and gradients), for every loss mode, policy loss (ppo, gspo), off-policy weight
+and rejection mask; `policy_loss` picks max(-A r, -A clip(r)) with separate low/high clips, zero
+gradient on the clipped side, dual-clip for A < 0, and the tis_token / tis_seq / decoupled
+weights (capped, detached); with gspo, r is the sequence's exp(mean_t log ratio), clipped per
+sequence, and the loss and gradient equal GSPO's sequence-level objective written directly;
+`total_loss` adds kl_coef * KL (kl_mode "loss") and subtracts entropy_coef * entropy. Ratios are
+chosen to hit each branch and expected values are computed by hand. Nothing is faked.
 """
 
 import math
@@ -14,10 +17,12 @@ import math
 import pytest
 import torch
 
+from megatron_async_rl.algorithms.corrections import behaviour_mask
 from megatron_async_rl.algorithms.grpo import GRPOConfig
 from megatron_async_rl.algorithms.losses import aggregate, policy_loss, total_loss
 
-MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+NORM = 8  # seq-mean-token-sum-norm's constant L (the run's response budget)
 
 
 def test_aggregate_modes_by_hand():
@@ -29,10 +34,16 @@ def test_aggregate_modes_by_hand():
     assert aggregate(loss, mask, "seq-mean-token-sum").item() == (6.0 + 9.0) / 2
     assert aggregate(loss, mask, "token-mean", num_tokens_global=10).item() == 1.5
     assert aggregate(loss, mask, "seq-mean-token-sum", num_seqs_global=5).item() == 3.0
+    norm = aggregate(loss, mask, "seq-mean-token-sum-norm", token_sum_norm=4)
+    assert norm.item() == (6.0 + 9.0) / (2 * 4)
+    norm = aggregate(loss, mask, "seq-mean-token-sum-norm", num_seqs_global=5, token_sum_norm=3)
+    assert norm.item() == (6.0 + 9.0) / (5 * 3)
     for mode in MODES:
-        assert aggregate(loss, torch.zeros_like(mask), mode).item() == 0.0
+        assert aggregate(loss, torch.zeros_like(mask), mode, token_sum_norm=NORM).item() == 0.0
     with pytest.raises(ValueError, match="unknown loss_agg_mode 'seq-mean'"):
         aggregate(loss, mask, "seq-mean")
+    with pytest.raises(ValueError, match="seq-mean-token-sum-norm needs token_sum_norm >= 1"):
+        aggregate(loss, mask, "seq-mean-token-sum-norm")
 
 
 def _batch(seed: int):
@@ -49,20 +60,40 @@ def _batch(seed: int):
     return logp, old, ref, behaviour, draw(6, 5, uniform=True), draw(6), mask
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_micro_batch_losses_and_gradients_sum_to_the_full_batch(mode):
+VARIANTS = [
+    *({"loss_agg_mode": mode, "off_policy_correction": "tis_token"} for mode in MODES),
+    {"policy_loss": "gspo", "off_policy_correction": "tis_seq"},
+    {"policy_loss": "gspo", "off_policy_mask": "seq", "off_policy_mask_high": 3.0},
+    {"advantage_estimator": "dr_grpo", "off_policy_correction": "decoupled"},
+    {"off_policy_mask": "token", "off_policy_correction": "tis_seq"},
+    {
+        "loss_agg_mode": "seq-mean-token-mean",
+        "off_policy_mask": "geo_mean",
+        "off_policy_mask_low": 0.8,
+        "off_policy_mask_high": 1.2,
+    },
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v.values())))
+def test_micro_batch_losses_and_gradients_sum_to_the_full_batch(variant):
     logp, old, ref, behaviour, entropy, adv, mask = _batch(seed=3)
-    cfg = GRPOConfig(
-        loss_agg_mode=mode,
-        clip_ratio_c=3.0,
-        kl_coef=0.1,
-        entropy_coef=0.01,
-        off_policy_correction="tis_token",
-    )
-    counts = {"num_tokens_global": int(mask.sum()), "num_seqs_global": int((mask.sum(1) > 0).sum())}
+    cfg = GRPOConfig(clip_ratio_c=3.0, kl_coef=0.1, entropy_coef=0.01, **variant)
+    mode = cfg.loss_agg_mode
+    # The rejection mask is cut on the whole batch before the micro-batches, as the train
+    # stage does; the variant must reject something for the test to cover it.
+    mask = mask & behaviour_mask(old, behaviour, mask, cfg)
+    if cfg.off_policy_mask != "none":
+        assert 0 < int(mask.sum()) < int(_batch(seed=3)[-1].sum())
+    counts = {
+        "num_tokens_global": int(mask.sum()),
+        "num_seqs_global": int((mask.sum(1) > 0).sum()),
+        "token_sum_norm": NORM,
+    }
 
     parts = [aggregate(logp[i : i + 2], mask[i : i + 2], mode, **counts) for i in (0, 2, 4)]
-    assert abs(aggregate(logp, mask, mode).item() - sum(part.item() for part in parts)) < 1e-12
+    whole = aggregate(logp, mask, mode, token_sum_norm=NORM)
+    assert abs(whole.item() - sum(part.item() for part in parts)) < 1e-12
 
     def run(rows, **kwargs):
         logp_leaf = logp[rows].clone().requires_grad_()
@@ -76,7 +107,7 @@ def test_micro_batch_losses_and_gradients_sum_to_the_full_batch(mode):
             behaviour_logp_BT=behaviour[rows],
             ref_logp_BT=ref[rows],
             entropy_BT=entropy_leaf,
-            **kwargs,
+            **{"token_sum_norm": NORM, **kwargs},
         )
         loss.backward()
         return loss.item(), logp_leaf.grad, entropy_leaf.grad
@@ -86,6 +117,59 @@ def test_micro_batch_losses_and_gradients_sum_to_the_full_batch(mode):
     assert abs(full_loss - sum(part[0] for part in parts)) < 1e-12
     torch.testing.assert_close(torch.cat([part[1] for part in parts]), full_grad)
     torch.testing.assert_close(torch.cat([part[2] for part in parts]), full_entropy_grad)
+
+
+def test_gspo_is_the_sequence_level_objective():
+    # Four sequences (lengths 3, 2, 4, 1; padding holds a wild log-prob) with mean log-ratios
+    # chosen against GSPO's tiny clips [1 - 3e-4, 1 + 4e-4]: inside (A = +1), above (A = +1:
+    # clipped), below (A = -1: clipped), above (A = -1: unclipped, the max).
+    mean_log_ratio = [1e-4, 1e-2, -1e-2, 5e-3]
+    adv = [1.0, 1.0, -1.0, -1.0]
+    lengths = [3, 2, 4, 1]
+    offsets = [[0.3, -0.1, -0.2], [0.05, -0.05], [0.1, 0.2, -0.1, -0.2], [0.0]]
+    logp = torch.full((4, 4), 50.0, dtype=torch.float64)
+    mask = torch.zeros(4, 4, dtype=torch.bool)
+    for b in range(4):
+        for t in range(lengths[b]):
+            logp[b, t] = mean_log_ratio[b] + offsets[b][t]  # old_logp = 0
+            mask[b, t] = True
+    cfg = GRPOConfig(policy_loss="gspo", clip_ratio_low=3e-4, clip_ratio_high=4e-4)
+    leaf = logp.clone().requires_grad_()
+    loss, metrics = policy_loss(
+        leaf, torch.zeros_like(logp), torch.tensor(adv, dtype=torch.float64), mask, cfg
+    )
+    loss.backward()
+
+    s = [math.exp(m) for m in mean_log_ratio]
+    per_seq = [max(-a * r, -a * min(max(r, 1 - 3e-4), 1 + 4e-4)) for a, r in zip(adv, s)]
+    assert abs(loss.item() - sum(per_seq) / 4) < 1e-12
+    # d/dlogp_t of -A s_i / S is -A s_i / (n_i S) on an unclipped sequence, 0 on a clipped one
+    unclipped = [True, False, False, True]
+    expected = torch.zeros(4, 4, dtype=torch.float64)
+    for b in range(4):
+        if unclipped[b]:
+            expected[b, : lengths[b]] = -adv[b] * s[b] / (lengths[b] * 4)
+    torch.testing.assert_close(leaf.grad, expected)
+    assert abs(metrics["actor/clip_frac"].item() - 6 / 10) < 1e-7  # tokens of sequences 1, 2
+
+    # The same objective written at the sequence level, differentiated by autograd.
+    direct = logp.clone().requires_grad_()
+    seq_log = (direct * mask).sum(-1) / mask.sum(-1)
+    ratio = seq_log.exp()
+    adv_t = torch.tensor(adv, dtype=torch.float64)
+    ref = torch.maximum(-adv_t * ratio, -adv_t * ratio.clamp(1 - 3e-4, 1 + 4e-4)).mean()
+    ref.backward()
+    assert abs(ref.item() - loss.item()) < 1e-12
+    torch.testing.assert_close(direct.grad, leaf.grad)
+    # and it is not token-level PPO on the same data
+    ppo, _ = policy_loss(
+        logp,
+        torch.zeros_like(logp),
+        adv_t,
+        mask,
+        GRPOConfig(clip_ratio_low=3e-4, clip_ratio_high=4e-4, loss_agg_mode="seq-mean-token-mean"),
+    )
+    assert abs(ppo.item() - loss.item()) > 1e-4
 
 
 def _clip_case(clip_ratio_c):

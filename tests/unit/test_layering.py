@@ -24,7 +24,7 @@ bottom first:
                     every <package>/config.py: the recipe's sections, pure and validated
     layout          distributed/layout (pure rank arithmetic), distributed/collective_errors
     groups          distributed/groups, distributed/platform, compat (torch.distributed)
-    models          models/
+    models          models/, moe/ (routed experts as data, their replay in Megatron routers)
     engines         engines/
     weight_sync     weight_sync/
     rollout, rewards, algorithms
@@ -70,7 +70,8 @@ PURITY: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "weight_sync.plan, algorithms": (
         tuple(
             f"{PACKAGE}.{name}"
-            for name in ("weight_sync.plan", "algorithms.grpo", "algorithms.losses")
+            for name in ("weight_sync.plan", "algorithms.grpo", "algorithms.losses",
+                         "algorithms.advantages", "algorithms.corrections")
         ),
         ("megatron.", "sglang"),
     ),
@@ -111,6 +112,7 @@ PURITY: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                 "algorithms",
                 "checkpoint",
                 "engines",
+                "moe",
                 "rewards",
                 "rollout",
                 "scheduler",
@@ -129,7 +131,8 @@ PURE = (
     "algorithms.losses", "scheduler.states", "scheduler.machine", "scheduler.queues",
     "scheduler.staleness", "scheduler.scheduler", "checkpoint.config", "checkpoint.store",
     "distributed.collective_errors", "scheduler.watchdog", "algorithms.minibatch",
-    "config.megatron_lm", "config.megatron_parse",
+    "config.megatron_lm", "config.megatron_parse", "moe.config", "moe.routing",
+    "algorithms.advantages", "algorithms.corrections", "rollout.refill",
 )  # fmt: skip
 IMPURE = ("torch.distributed", "megatron", "sglang")
 
@@ -141,7 +144,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 "algorithms.minibatch", "*.config")),
     ("layout", ("distributed.layout", "distributed.collective_errors")),
     ("groups", ("distributed.groups", "distributed.platform", "distributed.devices", "compat")),
-    ("models", ("models",)),
+    ("models", ("models", "moe")),
     ("engines", ("engines",)),
     ("weight_sync", ("weight_sync",)),
     ("rollout, rewards, algorithms", ("rollout", "rewards", "algorithms")),

@@ -449,7 +449,8 @@ def test_iterations_to_skip(tmp_path):
         ref_logp_BT=torch.zeros(8, 3),
     )  # fmt: skip
     cfg = SimpleNamespace(algorithm=GRPOConfig(shuffle_minibatches=False), seed=0,
-                          trainer=SimpleNamespace(micro_batch_size=2))  # fmt: skip
+                          trainer=SimpleNamespace(micro_batch_size=2),
+                          moe=SimpleNamespace(routing_replay="off"))  # fmt: skip
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0,
                             world_size=1)  # fmt: skip
     try:

@@ -7,15 +7,23 @@ step, epoch) only, the same in a fresh interpreter (every rank and rerun agree).
 `optimizer_steps_per_rl_step` counts the plan's steps. `check_minibatches` and the planner
 reject a G that does not divide the batch, and `check_minibatches` a G that is not a multiple of
 micro-batch size x data-parallel size, with a ConfigError naming `--global-batch-size` and the
-values; `GRPOConfig` validates `ppo_epochs` and `shuffle_minibatches`. Nothing is faked.
+values; `GRPOConfig` validates `ppo_epochs` and `shuffle_minibatches`. Along the plan, as
+`roles/learn.py:_optimizer_step` runs it (advantages and the rejection mask over the whole batch,
+each mini-batch's counts as the denominators of its micro-batches), every policy loss, advantage
+estimator, loss mode and off-policy correction gives micro-batch losses and gradients that sum to
+the mini-batch's own. Nothing is faked.
 """
 
 import subprocess
 import sys
 
 import pytest
+import torch
 
+from megatron_async_rl.algorithms.advantages import compute_advantages
 from megatron_async_rl.algorithms.config import GRPOConfig
+from megatron_async_rl.algorithms.corrections import behaviour_mask
+from megatron_async_rl.algorithms.losses import total_loss
 from megatron_async_rl.algorithms.minibatch import (
     check_minibatches,
     optimizer_steps_per_rl_step,
@@ -129,3 +137,50 @@ def test_config_defaults_and_validation():
         GRPOConfig(ppo_epochs=1.5)
     with pytest.raises(ConfigError, match=r"shuffle_minibatches = 'yes': must be true or false"):
         GRPOConfig(shuffle_minibatches="yes")
+
+
+LOSS_VARIANTS = [
+    {"policy_loss": "gspo", "advantage_estimator": "rloo", "off_policy_correction": "tis_seq"},
+    {"advantage_estimator": "dr_grpo", "off_policy_mask": "token", "off_policy_mask_low": 0.7},
+    {"advantage_estimator": "reinforce_pp", "loss_agg_mode": "seq-mean-token-sum"},
+    {"advantage_estimator": "reinforce_pp_baseline", "off_policy_correction": "decoupled",
+     "off_policy_mask": "geo_mean", "off_policy_mask_low": 0.8, "off_policy_mask_high": 1.25},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", LOSS_VARIANTS, ids=lambda v: "-".join(map(str, v.values())))
+def test_every_loss_variant_is_exact_over_the_planned_minibatches(variant):
+    gen = torch.Generator().manual_seed(11)
+    num_samples, length, group = 12, 6, 3
+    cfg = GRPOConfig(num_samples_per_prompt=group, kl_coef=0.05, entropy_coef=0.01, **variant)
+    lengths = torch.randint(0, length + 1, (num_samples,), generator=gen)
+    mask = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
+    old = -2 * torch.rand(num_samples, length, generator=gen, dtype=torch.float64)
+    logp = old + 0.3 * torch.randn(num_samples, length, generator=gen, dtype=torch.float64)
+    ref = old + 0.2 * torch.randn(num_samples, length, generator=gen, dtype=torch.float64)
+    behaviour = old + 0.3 * torch.randn(num_samples, length, generator=gen, dtype=torch.float64)
+    entropy = torch.rand(num_samples, length, generator=gen, dtype=torch.float64)
+    rewards = torch.randint(0, 3, (num_samples,), generator=gen).double()
+    keep = behaviour_mask(old, behaviour, mask, cfg)  # whole batch, as the train stage cuts it
+    if cfg.off_policy_mask != "none":
+        assert 0 < int((mask & ~keep).sum()) < int(mask.sum())
+    mask = mask & keep
+    adv = compute_advantages(rewards, mask, group, cfg)
+
+    def loss_and_grad(rows, num_tokens, num_seqs):
+        leaf = logp[rows].clone().requires_grad_()
+        loss, _ = total_loss(
+            leaf, old[rows], adv[rows], mask[rows], cfg, behaviour_logp_BT=behaviour[rows],
+            ref_logp_BT=ref[rows], entropy_BT=entropy[rows], num_tokens_global=num_tokens,
+            num_seqs_global=num_seqs, token_sum_norm=length,
+        )  # fmt: skip
+        loss.backward()
+        return loss.item(), leaf.grad
+
+    for samples in plan_minibatches(num_samples, 6, 2, True, seed=7, step=1):
+        rows = torch.tensor(samples)
+        num_tokens, num_seqs = mask[rows].sum(), (mask[rows].sum(-1) > 0).sum()
+        whole_loss, whole_grad = loss_and_grad(rows, None, None)
+        micro = [loss_and_grad(chunk, num_tokens, num_seqs) for chunk in rows.split(2)]
+        assert abs(whole_loss - sum(loss for loss, _ in micro)) < 1e-12
+        torch.testing.assert_close(torch.cat([grad for _, grad in micro]), whole_grad)
