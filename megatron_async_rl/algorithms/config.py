@@ -28,7 +28,7 @@ OFF_POLICY_CORRECTIONS = ("none", "tis_token", "tis_seq", "decoupled")
 REFILL_EXHAUSTED = ("pad", "error")
 OFF_POLICY_MASKS = ("none", "token", "seq", "geo_mean")
 POLICY_LOSSES = ("ppo", "gspo")
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 DR_GRPO_AGG_MODES = ("seq-mean-token-sum-norm", "seq-mean-token-sum")
 """Dr. GRPO drops the per-sequence length normalisation: a sequence's loss is its token sum."""
 
@@ -97,8 +97,9 @@ class GRPOConfig:
     """grpo (group mean and std); dr_grpo (Liu et al. 2025: r - group mean, and a loss without
     per-sequence length normalisation); rloo (Ahmadian et al. 2024: leave-one-out group mean);
     reinforce_pp (Hu 2025, REINFORCE++: the batch's rewards whitened, no group baseline);
-    reinforce_pp_baseline (r - group mean, then whitened over the batch). See
-    `algorithms.advantages`."""
+    reinforce_pp_baseline (r - group mean, then whitened over the batch); gae (PPO: per-token
+    GAE from a `critic` role's values, Schulman et al. 2016; the recipe's `critic:` section).
+    See `algorithms.advantages` and `algorithms.ppo`."""
     off_policy_mask: str = "none"
     """Rejection of tokens or sequences whose behaviour ratio rho = exp(old_logp -
     behaviour_logp) leaves [off_policy_mask_low, off_policy_mask_high]: none; token (IcePop /
@@ -184,6 +185,13 @@ class GRPOConfig:
         require_choice("policy_loss", self.policy_loss, POLICY_LOSSES)
         require_choice("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
         gspo, dr_grpo = self.policy_loss == "gspo", self.advantage_estimator == "dr_grpo"
+        if gspo and self.advantage_estimator == "gae":
+            raise ConfigError(
+                "advantage_estimator", "gae",
+                "cannot be combined with policy_loss gspo: GSPO weighs a sequence ratio by one "
+                "advantage per sequence, GAE gives one per token",
+                "use policy_loss ppo with a critic",
+            )  # fmt: skip
         if gspo and dr_grpo:
             raise ConfigError(
                 "advantage_estimator", "dr_grpo",

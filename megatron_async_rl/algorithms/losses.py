@@ -114,7 +114,8 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate, aggregated by `cfg.loss_agg_mode`; returns (loss, metrics).
 
-    Per token, with r the ratio of `cfg.policy_loss`, A the sample's advantage, eps_l / eps_h
+    Per token, with r the ratio of `cfg.policy_loss`, A the advantage (the sample's [B], or the
+    token's [B, T] of PPO with a critic, `algorithms.ppo`), eps_l / eps_h
     the clips:
       ppo:  r = exp(logp_t - old_logp_t)
       gspo: r = s_i = exp(mean_t (logp - old_logp)) over sequence i's real tokens, in the
@@ -139,7 +140,8 @@ def policy_loss(
     """
     mask_BT = mask_BT.bool()
     old_logp_BT = old_logp_BT.detach()
-    adv_BT = adv_B.detach().to(logp_BT.dtype).unsqueeze(-1)
+    adv = adv_B.detach().to(logp_BT.dtype)  # [B] per sample, or [B, T] per token (PPO's GAE)
+    adv_BT = adv if adv.dim() == 2 else adv.unsqueeze(-1)
     ratio_BT = _ratio(logp_BT, old_logp_BT, mask_BT, cfg.policy_loss)
     pg_unclipped_BT = -adv_BT * ratio_BT
     clipped_ratio_BT = ratio_BT.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high)

@@ -225,6 +225,9 @@ class CheckpointManager:
         )
         train = learn.roles.get("train") if learn is not None else None
         megatron_state.save_train_state(train, staged / "megatron", self.writer)
+        if "critic" in self.groups.layout.parallelism:  # PPO's value model, written at once
+            critic = learn.roles.get("critic") if learn is not None else None
+            megatron_state.save_train_state(critic, staged / "critic")
         self.in_flight = (version, start)
         if self.writer is None or self.final:
             metrics.update(self._finish(blocking=True))
@@ -310,6 +313,9 @@ class CheckpointManager:
         version, path = int(manifest["step"]), Path(path)
         train = learn.roles.get("train") if learn is not None else None
         megatron_state.load_train_state(train, path / "megatron")
+        if "critic" in self.groups.layout.parallelism:
+            critic = learn.roles.get("critic") if learn is not None else None
+            megatron_state.load_train_state(critic, path / "critic")
         exchange.weights_ready()
         exchange.sync_weights(version, gen.engine if gen is not None else None)
         if learn is not None:

@@ -630,11 +630,12 @@ def check_args(args: dict[str, Any], role: str | None = None) -> None:
         (heads is None, "--num-attention-heads", None, "is required", arch_hint),
         (a["num_layers"] is None, "--num-layers", None, "is required", arch_hint),
         (
-            role == "train" and lr is None,
+            role in ("train", "critic") and lr is None,
             "--lr",
             None,
-            "the train role needs a learning rate",
-            None,
+            f"the {role} role needs a learning rate",
+            "set it in roles.critic.megatron: (the critic has its own)" if role == "critic"
+            else None,
         ),
         (a["bf16"] and a["fp16"], "--fp16", True, "cannot be combined with --bf16", None),
         (

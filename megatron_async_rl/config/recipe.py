@@ -308,15 +308,17 @@ def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True)
     flags = megatron_parse.parse_megatron_flags(list(megatron_argv))
     tree = _with_flag_owned_keys(tree, flags)
     run = _build(RunConfig, tree, "")
+    placed = [role for role in MEGATRON_ROLES if role in run.roles.placed_roles()]
     overrides = {
         role: {**run.roles.megatron.get(role, {}), **flags}
-        for role in MEGATRON_ROLES
+        for role in placed
         if run.roles.megatron.get(role) or flags
     }
     # A dry run may skip a checkpoint it cannot see only when the recipe gives the architecture.
     gives_architecture = all(
         {**run.megatron, **overrides.get(role, {})}.get(name) is not None
-        for role in MEGATRON_ROLES
+        for role in placed
+        if role != "reward_model"  # its architecture is its own checkpoint's
         for name in ARCHITECTURE_KEYS
     )
     hf_path = run.model.hf_path
@@ -337,15 +339,16 @@ def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True)
     architecture = hf_architecture(hf_path)
     loads = {}
     resolved = {}
-    for role in MEGATRON_ROLES:
+    for role in placed:
+        own = _role_architecture(run, role, check_paths) or architecture
         args = {
             **megatron_flags.defaults(),
-            **architecture,
+            **own,
             **run.megatron,
             **overrides.get(role, {}),
         }
         megatron_flags.check_args(args, role)
-        _matches_checkpoint(architecture, args, role)
+        _matches_checkpoint(own, args, role)
         _megatron_lm_derived(args)
         # --load names the weights a role starts from: a HuggingFace directory for now
         # (Megatron distributed checkpoints arrive with resumable checkpointing).
@@ -362,7 +365,60 @@ def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True)
     resolved_config = ResolvedConfig(**fields, role_megatron_args=resolved)
     resolved_config.collective_timeout_s()  # the keys that set it agree
     _check_routing_replay(run.moe.routing_replay, resolved, run.roles.placed_roles())
+    if run.reward_model is not None and Path(run.reward_model.hf_path).is_dir():
+        policy = run.model.hf_path
+        _check_reward_model(run.reward_model.hf_path,
+                            policy if policy and Path(policy).is_dir() else None)  # fmt: skip
     return resolved_config
+
+
+def _check_reward_model(rm_path: str, policy_path: str | None) -> None:
+    """The reward model scores the policy's tokens: it must be a one-label
+    sequence-classification checkpoint with the policy's tokenizer."""
+    key = "reward_model.hf_path"
+    config = json.loads((Path(rm_path) / "config.json").read_text())
+    kinds = config.get("architectures") or []
+    if not any(str(k).endswith("ForSequenceClassification") for k in kinds):
+        raise ConfigError(
+            key, rm_path, f"has no score head (architectures {kinds})",
+            "a reward model is an AutoModelForSequenceClassification checkpoint",
+        )  # fmt: skip
+    if config.get("num_labels", len(config.get("id2label") or [0])) != 1:
+        raise ConfigError(key, rm_path, "must score with one label (num_labels 1)")
+    if policy_path is None:
+        return
+    theirs = _tokenizer_bytes(Path(rm_path))
+    ours = _tokenizer_bytes(Path(policy_path))
+    policy_vocab = json.loads((Path(policy_path) / "config.json").read_text()).get("vocab_size")
+    if theirs != ours or config.get("vocab_size") != policy_vocab:
+        raise ConfigError(
+            key, rm_path,
+            f"has another tokenizer than model.hf_path {policy_path!r} (vocab "
+            f"{config.get('vocab_size')} vs {policy_vocab}, or its tokenizer files differ): it "
+            "would score token ids it reads otherwise",
+            "use a reward model trained on the policy's tokenizer",
+        )  # fmt: skip
+
+
+def _tokenizer_bytes(path: Path) -> bytes | None:
+    for name in ("tokenizer.json", "tokenizer.model", "vocab.json"):
+        if (path / name).is_file():
+            return (path / name).read_bytes()
+    return None
+
+
+def _role_architecture(run: RunConfig, role: str, check_paths: bool) -> dict[str, Any] | None:
+    """A role's own checkpoint architecture: the reward model's (`reward_model.hf_path`), a
+    critic started from another checkpoint (`critic.init`); None: the policy's."""
+    if role == "reward_model" and run.reward_model is not None:
+        path, key = run.reward_model.hf_path, "reward_model.hf_path"
+    elif role == "critic" and run.critic.init != "policy":
+        path, key = run.critic.init, "critic.init"
+    else:
+        return None
+    path = _path_to_check(path, key, check_paths, "the architecture comes from megatron:")
+    _check_hf_path(path, key=key)
+    return hf_architecture(path)
 
 
 def _check_routing_replay(mode: str, resolved: dict, placed) -> None:

@@ -11,8 +11,13 @@ from dataclasses import dataclass
 from megatron_async_rl.config.checks import require_int, require_number
 from megatron_async_rl.config.errors import ConfigError
 
-ROLES = ("train", "logp", "ref", "generate")
-MEGATRON_ROLES = ("train", "logp", "ref")
+ROLES = ("train", "logp", "ref", "generate", "critic", "reward_model")
+MEGATRON_ROLES = ("train", "logp", "ref", "critic", "reward_model")
+REQUIRED_MEGATRON_ROLES = ("train", "logp", "ref")
+"""Placed in every recipe; `critic` (PPO's value model) and `reward_model` (a scalar-head scorer)
+only when the recipe uses them."""
+TRAINED_ROLES = ("train", "critic")
+"""Megatron roles with an optimizer (the others are forward-only)."""
 
 
 @dataclass

@@ -20,18 +20,20 @@ from megatron_async_rl.algorithms.config import (
     check_overlong_budget,
     response_budget,
 )
+from megatron_async_rl.algorithms.critic_config import CriticConfig
 from megatron_async_rl.checkpoint.config import CheckpointConfig
 from megatron_async_rl.config.checks import require_choice, require_int, require_number
 from megatron_async_rl.config.errors import ConfigError
 from megatron_async_rl.config.roles import (  # noqa: F401 - re-exported
     MEGATRON_ROLES,
+    REQUIRED_MEGATRON_ROLES,
     ROLES,
     RoleGroupSpec,
 )
 from megatron_async_rl.engines.config import EngineConfig, FaultsConfig
 from megatron_async_rl.moe.config import MoEConfig
 from megatron_async_rl.observability.config import ObservabilityConfig
-from megatron_async_rl.rewards.config import RewardConfig
+from megatron_async_rl.rewards.config import RewardConfig, RewardModelConfig
 from megatron_async_rl.rollout.config import (
     DatasetConfig,
     EnvironmentConfig,
@@ -98,13 +100,13 @@ class RolesConfig:
                 )
             normalized[role] = _normalize_megatron(section, f"{role}.megatron")
         self.megatron = normalized
-        for role in MEGATRON_ROLES:
+        for role in REQUIRED_MEGATRON_ROLES:
             if role not in placed:
                 raise ConfigError(
                     "groups",
                     [g.roles for g in self.groups],
                     f"role {role} is not placed",
-                    f"every Megatron role ({', '.join(MEGATRON_ROLES)}) needs a group",
+                    f"every one of {', '.join(REQUIRED_MEGATRON_ROLES)} needs a group",
                 )
 
     def placed_roles(self) -> tuple[str, ...]:
@@ -207,6 +209,10 @@ class RunConfig:
     """Multi-turn, tool-using rollouts (absent: single-turn)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: GRPOConfig = field(default_factory=GRPOConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """PPO's value model (`critic` role): GAE, value loss, warm-up (`algorithms.ppo`)."""
+    reward_model: RewardModelConfig | None = None
+    """A learned reward model (`reward_model` role) and its weight next to `reward:`'s."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """MoE routing replay (R3/R2) and routing metrics; MoE models only."""
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -299,6 +305,7 @@ class RunConfig:
                 "add validation: {data: {path: val.jsonl}} or set validation_every: 0",
             )
         check_overlong_budget(self.algorithm, *response_budget(self))
+        self._check_value_roles()
         if self.scheduler.validation_every > 0 and self.environment.multi_turn:
             raise ConfigError(
                 "scheduler.validation_every", self.scheduler.validation_every,
@@ -306,6 +313,38 @@ class RunConfig:
                 f"{self.environment.name!r}: its held-out score would ignore the environment",
                 "set scheduler.validation_every: 0 (the training reward is the trajectories')",
             )  # fmt: skip
+
+
+    def _check_value_roles(self) -> None:
+        """A critic role exactly when advantages are GAE's; a reward_model role exactly when
+        the recipe has a `reward_model:` section."""
+        placed = self.roles.placed_roles()
+        gae = self.algorithm.advantage_estimator == "gae"
+        if gae and "critic" not in placed:
+            raise ConfigError(
+                "algorithm.advantage_estimator", "gae",
+                "needs a critic role (PPO's value model) in roles.groups",
+                "add critic to a group, e.g. {roles: [critic], num_ranks: 1}",
+            )  # fmt: skip
+        if "critic" in placed and not gae:
+            raise ConfigError(
+                "roles.groups", [g.roles for g in self.groups_list()],
+                f"place a critic, and algorithm.advantage_estimator is "
+                f"{self.algorithm.advantage_estimator!r}: its values would be unused",
+                "set algorithm.advantage_estimator: gae, or drop the critic",
+            )  # fmt: skip
+        if ("reward_model" in placed) != (self.reward_model is not None):
+            key, value = ("reward_model", None) if "reward_model" in placed else (
+                "roles.groups", [g.roles for g in self.groups_list()])  # fmt: skip
+            raise ConfigError(
+                key, value,
+                "a reward_model role needs the reward_model: section (its checkpoint) and the "
+                "section needs the role",
+                "add both, e.g. reward_model: {hf_path: my-rm} and a group with reward_model",
+            )  # fmt: skip
+
+    def groups_list(self):
+        return self.roles.groups
 
 
 @dataclass(kw_only=True)

@@ -24,7 +24,7 @@ from megatron_async_rl.observability.trace import merge_traces, write_trace
 from megatron_async_rl.roles import memory
 from megatron_async_rl.roles.generate import GenerateSide, build_generate_side
 from megatron_async_rl.roles.learn import LearnSide
-from megatron_async_rl.roles.megatron_role import build_local_roles
+from megatron_async_rl.roles.megatron_role import build_local_roles, role_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +76,9 @@ def build_parts(cfg, groups, platform) -> RankParts:
     per_step = run_optimizer_steps_per_rl_step(cfg)
     # the lr schedule's horizon when neither --lr-decay-iters nor --train-iters sets it
     roles = build_local_roles(cfg, groups, platform, cfg.trainer.num_steps * per_step)
-    for role in roles.values():
-        role.load_hf_checkpoint(role.args.get("load") or cfg.model.hf_path)
+    for name, role in roles.items():
+        path, head_std = role_checkpoint(cfg, name, role.args)
+        role.load_hf_checkpoint(path, head_init_std=head_std)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
     pad = tokenizer.pad_token_id
     pad = pad if pad is not None else 0

@@ -2,7 +2,8 @@
 
 Owned here: TransformerConfig from Megatron flags + the role's parallel layout, the layer spec
 (Transformer Engine on a GPU when importable, local otherwise), the padded vocabulary, and the
-`GPTModel` itself with the role's `ProcessGroupCollection`. Called by `roles.megatron_role`.
+`GPTModel` itself with the role's `ProcessGroupCollection`, with a scalar head in place of the
+LM output layer when the spec has one (`models.heads`). Called by `roles.megatron_role`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from megatron_async_rl.compat import megatron_fixes
 from megatron_async_rl.config import megatron_flags
 from megatron_async_rl.distributed.layout import Parallelism
 from megatron_async_rl.distributed.platform import Platform
-from megatron_async_rl.models import name_map
+from megatron_async_rl.models import heads, name_map
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ class ModelSpec:
     max_sequence_length: int
     gpt_kwargs: dict
     use_te: bool
+    head: str | None = None
+    """A scalar head in place of the LM output layer (`models.heads`): "value", "score", or
+    None for the LM head."""
 
 
 def te_available(platform: Platform) -> bool:
@@ -98,8 +102,15 @@ def build_transformer_config(args: dict[str, Any], par: Parallelism, platform: P
     return megatron_flags.transformer_config_class(args)(**kwargs)
 
 
-def model_spec(args: dict[str, Any], par: Parallelism, platform: Platform) -> ModelSpec:
+def model_spec(
+    args: dict[str, Any], par: Parallelism, platform: Platform, head: str | None = None
+) -> ModelSpec:
+    """`head`: a scalar head (`models.heads`); its model has untied embeddings (the head is
+    not the embedding's transpose), whatever --untie-embeddings-and-output-weights says."""
+    heads.check_kind(head)
     gpt = megatron_flags.gpt_model_kwargs(args)
+    if head is not None:
+        gpt["share_embeddings_and_output_weights"] = False
     vocab = gpt.pop("vocab_size", None) or args.get("vocab_size")
     if not vocab:
         raise ValueError(
@@ -113,6 +124,7 @@ def model_spec(args: dict[str, Any], par: Parallelism, platform: Platform) -> Mo
         max_sequence_length=int(gpt.pop("max_sequence_length")),
         gpt_kwargs=gpt,
         use_te=te_available(platform),
+        head=head,
     )
 
 
@@ -192,6 +204,8 @@ def build_gpt_model(config, spec: ModelSpec, pg_collection, seed: int, device=No
         pg_collection=pg_collection,
         **spec.gpt_kwargs,
     )
+    if spec.head is not None:
+        heads.attach_scalar_head(model, config, spec.head, pg_collection.tp, seed)
     if device is not None and torch.device(device).type != "cpu":
         model = model.to(device)
     return model

@@ -30,6 +30,11 @@ Megatron layouts (read from megatron-core 0.16.1, logits-checked by the lead):
 - Mixed stacks (`--moe-layer-freq` as a list: dense first layers) have dense MLP names on dense
   layers and MoE names on MoE layers; shared experts (`mlp.shared_experts.linear_fc1/2`) split
   as a dense MLP over TP, and the router's `expert_bias` buffer is HF's `e_score_correction_bias`.
+- A scalar head (`ModelDims.head`, `models.heads`) in place of the LM head: Megatron's
+  `output_layer.weight` [1, hidden] (and, for a value head, `output_layer.bias` [1]) is HF's
+  `score.weight` (`score.bias`) of `*ForSequenceClassification` (`*ForTokenClassification`),
+  replicated over TP; a head model has untied embeddings, and a policy checkpoint's `lm_head`
+  is ignored when loading one.
 HF experts are named per expert (`mlp.experts.{j}.gate_proj.weight`): the hub format on disk,
 which transformers 5.12.1 fuses on load into `gate_up_proj` (E, 2F, H) = [gate; up] and SGLang
 loads as is.
@@ -112,6 +117,9 @@ class ModelDims:
     layout_layers: tuple[int, ...] | None = None
     """Decoder layers per pipeline stage from --pipeline-model-parallel-layout (None: even or
     first/last splits)."""
+    head: str | None = None
+    """A scalar head in place of the LM head (`HEAD_HF_NAMES`): "value" (HF
+    `*ForTokenClassification`), "score" (`*ForSequenceClassification`); None: `lm_head`."""
 
     def is_moe(self, layer: int) -> bool:
         if self.num_experts is None:
@@ -141,6 +149,10 @@ class ModelDims:
             raise ValueError(
                 f"padded_vocab_size={self.padded_vocab_size} < vocab_size={self.vocab_size}"
             )
+        if self.head is not None and self.head not in HEAD_HF_NAMES:
+            raise ValueError(f"head={self.head!r} is not one of {tuple(HEAD_HF_NAMES)} or None")
+        if self.head is not None and self.tied_embeddings:
+            raise ValueError(f"a {self.head} head replaces the output layer: untie the embeddings")
 
     @classmethod
     def from_megatron_args(cls, args: Mapping[str, Any] | Any) -> ModelDims:
@@ -260,6 +272,9 @@ _MOE_TABLE: dict[str, tuple[tuple[str, ...], str, int | None, int]] = {
     "mlp.shared_experts.linear_fc2.weight": (
         ("mlp.shared_experts.down_proj.weight",), "copy", 1, 1),
 }  # fmt: skip
+# Scalar heads (`models.heads`): the HF tensors of each kind, and which Megatron parameter each is.
+HEAD_HF_NAMES = {"value": ("score.weight", "score.bias"), "score": ("score.weight",)}
+_HEAD_PARAMS = {"output_layer.weight": "score.weight", "output_layer.bias": "score.bias"}
 _GLOBAL_TABLE = {
     "embedding.word_embeddings.weight": (("model.embed_tokens.weight",), "vocab", 0, 1),
     "output_layer.weight": (("lm_head.weight",), "vocab", 0, 1),
@@ -277,6 +292,11 @@ _SWITCHES = {
 def _rule(name: str, dims: ModelDims) -> tuple[tuple[str, ...], str, ShardSpec]:
     """(HF names, kind, shard spec) of a global-named Megatron parameter."""
     m = _LAYER_RE.match(name)
+    if not m and dims.head is not None and name.startswith("output_layer."):
+        hf_name = _HEAD_PARAMS.get(name)
+        if hf_name not in HEAD_HF_NAMES[dims.head]:
+            raise ValueError(f"unknown Megatron parameter {name!r} for a {dims.head} head")
+        return (hf_name,), "copy", ShardSpec(None)
     if not m:
         if name not in _GLOBAL_TABLE:
             raise ValueError(f"unknown Megatron parameter {name!r}")
@@ -423,6 +443,8 @@ def stage_param_names(
         names.append("decoder.final_layernorm.weight")
         if not dims.tied_embeddings or pp_size > 1:
             names.append("output_layer.weight")
+        if dims.head == "value":
+            names.append("output_layer.bias")
     return names
 
 
@@ -710,6 +732,8 @@ def hf_shape(hf_name: str, dims: ModelDims) -> tuple[int, ...]:
         "down_proj.weight": (h, ffn),
         "gate.weight": (dims.num_experts, h),
         "gate.e_score_correction_bias": (dims.num_experts,),
+        "score.weight": (1, h),
+        "score.bias": (1,),
     }
     if dims.mla is not None:
         m = dims.mla
@@ -735,10 +759,17 @@ def check_hf_names(names: Iterable[str], dims: ModelDims) -> None:
     names = set(names)
     needed = {h for name in stage_param_names(dims) for h in hf_names_for(name, dims)}
     missing = sorted(needed - names)
+    if missing and dims.head is None and "score.weight" in names:
+        raise ValueError(
+            f"HF state dict lacks {missing[:8]} but has score.weight: a classification "
+            f"checkpoint (reward model or critic) loads into a model with a scalar head "
+            f"(head={tuple(HEAD_HF_NAMES)})"
+        )
     if missing:
         raise ValueError(f"HF state dict lacks {missing[:8]} needed for Megatron parameters")
-    # A tied checkpoint may still carry lm_head; old ones carry rotary buffers.
-    ignorable = {"lm_head.weight"} if dims.tied_embeddings else set()
+    # A tied checkpoint may still carry lm_head, and a policy's loaded under a scalar head does;
+    # old ones carry rotary buffers.
+    ignorable = {"lm_head.weight"} if dims.tied_embeddings or dims.head else set()
     extra = sorted(
         n for n in names - needed - ignorable
         if not n.endswith("rotary_emb.inv_freq") and not _beyond_layers(n, dims)

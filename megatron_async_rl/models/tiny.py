@@ -3,13 +3,16 @@
 Owns `write_tiny_model` and its command line:
 
     python -m megatron_async_rl.models.tiny --family llama --out runs/tiny-llama [--seed 0]
+        [--task causal_lm|sequence_classification|token_classification]
 
 The weights come from `transformers` itself (random init under `seed`, fp32, safetensors); the
 tokenizer is built here with `tokenizers` (one token per character of an arithmetic alphabet,
 plus specials and a chat template), so nothing is downloaded. Used by unit, distributed and e2e
 tests and by the CPU recipes. The init is deliberately not the transformers default: a larger
 `initializer_range` and random norm weights and biases make layout mistakes (q/k norms swapped,
-a mis-interleaved bias) change the logits visibly in parity tests.
+a mis-interleaved bias) change the logits visibly in parity tests. Besides causal LMs, llama,
+qwen2 and qwen3 come as a reward model (`*ForSequenceClassification`) or a critic
+(`*ForTokenClassification`) with one label (`task`), for the scalar heads of `models.heads`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,13 @@ from megatron_async_rl.models.hf_config import legacy_compatible
 logger = logging.getLogger(__name__)
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+# task -> the transformers Auto class that makes it; the classification ones with num_labels=1.
+TASKS = {
+    "causal_lm": "AutoModelForCausalLM",
+    "sequence_classification": "AutoModelForSequenceClassification",
+    "token_classification": "AutoModelForTokenClassification",
+}
+CLASSIFICATION_FAMILIES = ("llama", "qwen2", "qwen3")
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>")
 CHARACTERS = (
     string.digits + "+-*/=?.,:;()!'\"%<>" + string.ascii_lowercase + string.ascii_uppercase + " \n"
@@ -121,20 +131,30 @@ def _config(family: str, vocab_size: int, overrides: dict[str, Any]) -> Any:
     return cls(**kwargs)
 
 
-def write_tiny_model(out_dir: str | Path, family: str, seed: int = 0, **overrides: Any) -> Path:
+def write_tiny_model(
+    out_dir: str | Path, family: str, seed: int = 0, task: str = "causal_lm", **overrides: Any
+) -> Path:
     """Writes a tiny `family` model, its tokenizer and config to `out_dir`; returns the path.
 
-    `overrides` are config fields (e.g. `hidden_size=32`, `tie_word_embeddings=True`).
+    `overrides` are config fields (e.g. `hidden_size=32`, `tie_word_embeddings=True`). `task`
+    (`TASKS`): a causal LM, or with one label (`score` head, pad_token_id set) a sequence
+    classifier (reward model) or a token classifier (critic), for `CLASSIFICATION_FAMILIES`.
     """
     import transformers
 
     if family not in FAMILIES:
         raise ValueError(f"family={family!r} is not one of {FAMILIES}")
+    if task not in TASKS:
+        raise ValueError(f"task={task!r} is not one of {tuple(TASKS)}")
+    if task != "causal_lm" and family not in CLASSIFICATION_FAMILIES:
+        raise ValueError(f"task={task!r} is written for {CLASSIFICATION_FAMILIES}, not {family!r}")
     out = Path(out_dir)
     tokenizer = build_tokenizer()
     config = _config(family, len(tokenizer), overrides)
+    if task != "causal_lm":
+        config.num_labels = 1
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = getattr(transformers, TASKS[task]).from_config(config, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -172,6 +192,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--family", choices=FAMILIES, required=True)
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--task", choices=tuple(TASKS), default="causal_lm")
     parser.add_argument("--hidden-size", type=int, default=None)
     parser.add_argument("--num-layers", type=int, default=None)
     parser.add_argument(
@@ -183,7 +204,7 @@ def main(argv: list[str] | None = None) -> Path:
         overrides["hidden_size"] = args.hidden_size
     if args.num_layers is not None:
         overrides["num_hidden_layers"] = args.num_layers
-    return write_tiny_model(args.out, args.family, seed=args.seed, **overrides)
+    return write_tiny_model(args.out, args.family, seed=args.seed, task=args.task, **overrides)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 Owned here: loading a HF checkpoint into this rank's shard (`load_hf_into_megatron`) and gathering
 a role's sharded model back into one HF state dict (`gather_hf_state_dict`) for export and checks.
 Names and split rules come from `models.name_map` (one source of truth, shared with weight sync).
-Called by `roles.megatron_role` and the export path of the entry point.
+Called by `roles.megatron_role` and the export path of the entry point. A model with a scalar
+head (`spec.head`, `models.heads`) loads and exports it as HF `score.*`; loading a checkpoint
+without one (a policy's, into a critic) initialises it (`head_init_std`).
 
 The gather here is the simple, whole-model one (every tensor through the role's first rank); the
 planned, bucketed, bounded-memory reshard for weight sync lives in `weight_sync/`.
@@ -11,24 +13,30 @@ planned, bucketed, bounded-memory reshard for weight sync lives in `weight_sync/
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_async_rl.distributed import devices
-from megatron_async_rl.models import hf_checkpoint, name_map
+from megatron_async_rl.models import heads, hf_checkpoint, name_map
 
 
 def model_dims(args: dict[str, Any], spec) -> name_map.ModelDims:
-    """`ModelDims` of a role's model (`spec` is a `builder.ModelSpec`)."""
+    """`ModelDims` of a role's model (`spec` is a `builder.ModelSpec`; with a head, its
+    embeddings are untied whatever the flags say, as the builder makes them)."""
     merged = dict(args)
     merged.update(
         vocab_size=spec.vocab_size,
         padded_vocab_size=spec.padded_vocab_size,
         transformer_impl="transformer_engine" if spec.use_te else "local",
     )
-    return name_map.ModelDims.from_megatron_args(merged)
+    head = getattr(spec, "head", None)
+    if head is None:
+        return name_map.ModelDims.from_megatron_args(merged)
+    merged["untie_embeddings_and_output_weights"] = True
+    return dataclasses.replace(name_map.ModelDims.from_megatron_args(merged), head=head)
 
 
 def stage_ranks(pgc) -> dict[str, int]:
@@ -50,15 +58,26 @@ def _own_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_hf_into_megatron(module, path: str, args: dict[str, Any], pgc, spec) -> int:
+def load_hf_into_megatron(
+    module, path: str, args: dict[str, Any], pgc, spec, *, head_init_std: float | None = None,
+    head_seed: int = 0,
+) -> int:  # fmt: skip
     """Copy this rank's slice of every parameter of the HF checkpoint at `path` into `module`,
     reading only what this rank's parameters come from: its pipeline stage's layers, its
-    experts, and of TP-split tensors its rows or columns. Returns the bytes read."""
+    experts, and of TP-split tensors its rows or columns. Returns the bytes read.
+
+    With a scalar head (`spec.head`), head tensors the checkpoint lacks are initialised when
+    `head_init_std` is given (`heads.head_reader`: N(0, std^2) from `head_seed`, 0: zeros)."""
     dims = model_dims(args, spec)
     reader = hf_checkpoint.HFTensorReader(path)
-    name_map.check_hf_names(reader.keys(), dims)
+    read, names = reader.read, reader.keys()
+    if dims.head is not None:
+        read, names = heads.head_reader(read, names, dims, head_init_std, head_seed, path)
+    elif head_init_std is not None:
+        raise ValueError(f"head_init_std={head_init_std}: this model has no scalar head")
+    name_map.check_hf_names(names, dims)
     ranks = stage_ranks(pgc)
-    local = name_map.stage_state_dict_from_hf(reader.read, dims, reader.read_range, **ranks)
+    local = name_map.stage_state_dict_from_hf(read, dims, reader.read_range, **ranks)
     _copy_into(module, local, path)
     return reader.bytes_read
 

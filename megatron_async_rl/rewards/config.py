@@ -68,3 +68,29 @@ class RewardConfig:
         require_number("call_timeout_s", self.call_timeout_s, gt=0, unit="seconds", optional=True)
         require_number("max_error_rate", self.max_error_rate, ge=0, le=1)
         require_int("workers", self.workers, 1)
+
+
+@dataclass
+class RewardModelConfig:
+    """A learned reward model scoring the samples (recipe section `reward_model:`; the
+    `reward_model` role's ranks run it, frozen)."""
+
+    hf_path: str | None = None
+    """An HF `*ForSequenceClassification` checkpoint (one label, Llama/Qwen families): its
+    score at the last non-pad token of prompt + response is the sample's model reward."""
+    weight: float = 1.0
+    """The reward trained on: rule_weight x the `reward:` function's + weight x the model's."""
+    rule_weight: float = 1.0
+    """Weight of the `reward:` function's value (0: the reward model alone)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.hf_path, str) or not self.hf_path:
+            raise ConfigError(
+                "hf_path", self.hf_path, "must be the reward model's HF directory",
+                "an AutoModelForSequenceClassification checkpoint with num_labels 1",
+            )  # fmt: skip
+        require_number("weight", self.weight)
+        require_number("rule_weight", self.rule_weight)
+        if self.weight == 0 and self.rule_weight == 0:
+            raise ConfigError("weight", self.weight, "and rule_weight are both 0: no reward",
+                              "set weight (the model's) or rule_weight (the function's)")

@@ -26,6 +26,7 @@ from megatron_async_rl.observability.metrics import MetricsWriter, summarize
 from megatron_async_rl.observability.plots import plot_reward_curve
 from megatron_async_rl.observability.progress import Progress
 from megatron_async_rl.observability.rollouts import dump_rollouts
+from megatron_async_rl.roles import critic
 from megatron_async_rl.roles.work import StepReport, StepWork
 from megatron_async_rl.rollout.agentic import ratio_metrics
 from megatron_async_rl.rollout.batch import build_batch
@@ -220,8 +221,10 @@ class LearnSide:
         return work
 
     def ref(self, work: StepWork) -> StepWork:
-        """ref_logp: the reference policy's log-probs (on the ref ranks)."""
+        """ref_logp: the reference policy's log-probs (on the ref ranks); the critic's values
+        and the reward model's scores (on theirs: `roles.critic`)."""
         work.ref_logp_BT = self._forward("ref", work)
+        work.batch.update(critic.score_forwards(self.roles, work.batch, self.pad_id))
         return work
 
     def _forward(self, name: str, work: StepWork) -> torch.Tensor | None:
@@ -285,12 +288,18 @@ class LearnSide:
         }
         if work.logp_BT is not None and batch.get("replay_routing") is not None:
             mine["replay_routing"] = batch["replay_routing"]  # r2: the logp pass's routing
+        mine.update({k: batch[k] for k in ("old_values", "rm_scores") if k in batch})
         parts = [None] * len(self.groups.megatron_ranks)
         devices.all_gather_object(parts, mine, group=self.groups.megatron)
         merged = {k: v for part in parts for k, v in part.items()}
         work.logp_BT, work.ref_logp_BT = merged["logp"], merged["ref"]
         batch["replay_routing"] = merged.get("replay_routing")
+        batch.update({k: merged[k] for k in ("old_values", "rm_scores") if k in merged})
         rewards, mask = batch["rewards"], batch["mask"]
+        if "rm_scores" in batch:  # a reward model's scores join the function's rewards
+            batch["rule_rewards"] = rewards
+            rewards = batch["rewards"] = critic.model_rewards(rewards, batch["rm_scores"],
+                                                              self.cfg)  # fmt: skip
         budget_key, budget = response_budget(self.cfg)
         check_overlong_budget(algo, budget_key, budget)
         penalty = advantages.overlong_penalty(batch["response_len"], budget,
@@ -312,15 +321,30 @@ class LearnSide:
         rejected = corrections.rejection_metrics(mask, accept)
         mask = mask * accept
         work.loss_mask_BT = mask
-        work.adv_B = advantages.compute_advantages(rewards, mask, n, algo)
+        if algo.advantage_estimator == "gae":  # PPO: per-token advantages from the critic
+            work.adv_B, batch["returns"], gae_metrics = critic.gae_advantages(
+                rewards, batch["mask"], mask, batch["old_values"], self.cfg
+            )
+            work.batch_metrics.update(gae_metrics)
+        else:
+            work.adv_B = advantages.compute_advantages(rewards, mask, n, algo)
         train = self.roles.get("train")
-        if train is not None:
+        warming = "old_values" in batch and work.step < self.cfg.critic.warmup_steps
+        if train is not None and not warming:  # critic warm-up: the critic alone trains
             metrics = train_on_batch(train, work, self.cfg)
             memory_hygiene(train.args, work.step, after="train")
             check_replicas_agree(train, work.step)
             if _reports(train):
                 work.report.add_sums({k: v for k, v in metrics.items() if k in LOSS_KEYS})
                 work.report.add_means({k: v for k, v in metrics.items() if k not in LOSS_KEYS})
+        value_model = self.roles.get("critic")
+        if value_model is not None:
+            metrics = critic.train_critic(value_model, work, self.cfg)
+            memory_hygiene(value_model.args, work.step, after="critic")
+            if value_model.is_last_stage and dist.get_rank(value_model.pgc.tp) == 0:
+                keys = critic.CRITIC_LOSS_KEYS
+                work.report.add_sums({k: v for k, v in metrics.items() if k in keys})
+                work.report.add_means({k: v for k, v in metrics.items() if k not in keys})
         real = batch["mask"] > 0
         work.batch_metrics.update({
             **summarize(batch["rewards"].tolist(), "reward"),
@@ -388,7 +412,11 @@ class LearnSide:
         per_sample = work.token_versions()
         every = self.cfg.observability.dump_rollouts_every
         if every and work.step % every == 0 and work.adv_B is not None:
-            dump_rollouts(self.cfg.run_dir, work.step, work.samples, work.adv_B.tolist(),
+            adv = work.adv_B
+            if adv.dim() == 2:  # PPO's per-token advantages: each sample's mean over its tokens
+                mask = work.loss_mask_BT
+                adv = (adv * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+            dump_rollouts(self.cfg.run_dir, work.step, work.samples, adv.tolist(),
                           per_sample, self.tokenizer)  # fmt: skip
         versions = [v for tokens in per_sample for v in tokens] or [work.step]
         self.ledger.log(work.step, [uid for _, uid in prompts], (min(versions), max(versions)))

@@ -7,8 +7,12 @@ on this rank. `train` gets `DistributedDataParallel`, Megatron's optimizer and i
 (`roles.lr_schedule`); `logp` and `ref` are forward-only, and `ref` is frozen (requires_grad
 False).
 
+A role built with a scalar head (`head`, `models.heads`: a critic's "value", a reward model's
+"score") has no logits: `values` / `scores` and `train_step(outputs="values")` instead.
+
 Batch tensors: tokens_BT (int64, right-padded), logp_BT / entropy_BT for positions 1..T-1
-(column t is the log-prob of tokens[:, t + 1]).
+(column t is the log-prob of tokens[:, t + 1]); values_BT for positions 0..T-1 (column t is the
+value after tokens[:, :t + 1], so values_BT[:, :-1] lines up with logp_BT); scores_B.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ import torch.distributed as dist
 
 from megatron_async_rl.algorithms.logprobs import vocab_parallel_logprobs
 from megatron_async_rl.config import megatron_flags
+from megatron_async_rl.config.roles import TRAINED_ROLES
 from megatron_async_rl.distributed import devices
 from megatron_async_rl.distributed.groups import MEGATRON_ROLES, RoleGroups, WorldGroups
 from megatron_async_rl.distributed.layout import Parallelism
 from megatron_async_rl.distributed.platform import Platform
-from megatron_async_rl.models import builder, weights
+from megatron_async_rl.models import builder, heads, weights
 from megatron_async_rl.roles import lr_schedule
 
 logger = logging.getLogger(__name__)
@@ -62,6 +67,8 @@ class MegatronRole:
 
     lr_scheduler = None
     """megatron-core's OptimizerParamScheduler (train only), one step per applied update."""
+    head: str | None = None
+    """"value" or "score": a scalar head in place of the LM output layer (`models.heads`)."""
 
     def __init__(
         self,
@@ -75,12 +82,14 @@ class MegatronRole:
         total_optimizer_steps: int | None = None,
         routing: bool = False,
         router_noise: float = 0.0,
+        head: str | None = None,
     ):
         """`total_optimizer_steps`: the run's optimizer steps, the train role's lr decay horizon
         when neither --lr-decay-iters nor --train-iters is set; None and neither set: the lr
         stays constant after the warm-up (`lr_schedule`). `routing`: put replay slots on the
         MoE routers (`moe.replay`; `self.routing`, falsy on a dense model), `router_noise`
-        their induced mismatch (`faults.router_noise`)."""
+        their induced mismatch (`faults.router_noise`). `head`: "value" or "score" for a
+        scalar head in place of the LM output layer (`models.heads`), None for the LM."""
         if not groups.is_member:
             raise RuntimeError(f"role {role}: rank {dist.get_rank()} is not in its window")
         self.role, self.args, self.par, self.platform = role, args, par, platform
@@ -92,7 +101,8 @@ class MegatronRole:
         """Where the model lives; every input enters through `devices.to_device`."""
         self.pgc = groups.pg_collection
         self.config = builder.build_transformer_config(args, par, platform)
-        self.spec = builder.model_spec(args, par, platform)
+        self.head, self.seed = head, seed
+        self.spec = builder.model_spec(args, par, platform, head)
         self.module = builder.build_gpt_model(self.config, self.spec, self.pgc, seed, self.device)
         self.pp_rank = dist.get_rank(self.pgc.pp)
         self.is_last_stage = self.pp_rank == par.pp - 1
@@ -102,11 +112,11 @@ class MegatronRole:
         if routing:
             self.routing = _role_routing(self.module, args, self.pgc, router_noise)
         self.optimizer = None
-        if role == "train":
+        if role in TRAINED_ROLES:  # the actor, and PPO's critic
             self._wrap_for_training(total_optimizer_steps)
         else:
             self.module.eval()
-            if role == "ref":
+            if role in ("ref", "reward_model"):
                 for param in self.module.parameters():
                     param.requires_grad_(False)
 
@@ -156,10 +166,14 @@ class MegatronRole:
             self.config.param_sync_func = self.model.start_param_sync
 
     # ------------------------------------------------------------------------------------------
-    def load_hf_checkpoint(self, path: str) -> None:
+    def load_hf_checkpoint(self, path: str, head_init_std: float | None = None) -> None:
         """Load this rank's shard of every parameter from a HuggingFace directory (reading only
-        the tensors of its stage and experts)."""
-        read = weights.load_hf_into_megatron(self.module, path, self.args, self.pgc, self.spec)
+        the tensors of its stage and experts). `head_init_std`: with a scalar head, initialise
+        head tensors the checkpoint lacks (a policy's: N(0, std^2), 0: zeros; `models.heads`)."""
+        read = weights.load_hf_into_megatron(
+            self.module, path, self.args, self.pgc, self.spec, head_init_std=head_init_std,
+            head_seed=self.seed,
+        )  # fmt: skip
         logger.info("role %s: read %.1f MB of %s for this rank's stage", self.role, read / 2**20,
                     path)  # fmt: skip
         if self.optimizer is not None:
@@ -244,6 +258,7 @@ class MegatronRole:
         """Per-token log-probs and entropies of `tokens_BT` on the last stage, else None.
         `routing` (MoE): `replay` / `compare` [B, T, L, K], `valid` [B, T], `record` (bool);
         the counts and recordings are then in `self.routing`."""
+        self._check_head(None, "logprobs")
         tp_group, vocab_size = self.pgc.tp, self.spec.vocab_size
 
         def reduce(logits, tokens):
@@ -260,6 +275,7 @@ class MegatronRole:
 
     def full_logits(self, tokens_BT: torch.Tensor, micro_batch_size: int):
         """Logits over the real vocabulary, gathered across TP, on the last stage, else None."""
+        self._check_head(None, "full_logits")
         tp_group, vocab_size = self.pgc.tp, self.spec.vocab_size
 
         def reduce(logits, tokens):
@@ -270,8 +286,39 @@ class MegatronRole:
         outputs = self._forward_only(tokens_BT, micro_batch_size, reduce)
         return None if outputs is None else torch.cat([o["logits"] for o in outputs])
 
+    def values(self, tokens_BT: torch.Tensor, micro_batch_size: int) -> Optional[torch.Tensor]:
+        """values_BT of a "value" head (fp32; every position, pads too) on the last stage,
+        else None."""
+        self._check_head("value", "values")
+        outputs = self._forward_only(
+            tokens_BT, micro_batch_size, lambda out, tokens: {"values": out[..., 0].float()}
+        )
+        return None if outputs is None else torch.cat([o["values"] for o in outputs])
+
+    def scores(
+        self, tokens_BT: torch.Tensor, pad_id: int, micro_batch_size: int
+    ) -> Optional[torch.Tensor]:
+        """scores_B of a "score" head: its output at each row's last token that is not
+        `pad_id` (HF `*ForSequenceClassification`), fp32, on the last stage, else None."""
+        self._check_head("score", "scores")
+        heads.last_non_pad_index(tokens_BT, pad_id)  # every rank refuses a bad batch up front
+
+        def reduce(out, tokens):
+            return {"scores": heads.pool_last_non_pad(out[..., 0].float(), tokens, pad_id)}
+
+        outputs = self._forward_only(tokens_BT, micro_batch_size, reduce)
+        return None if outputs is None else torch.cat([o["scores"] for o in outputs])
+
+    def _check_head(self, head: str | None, what: str) -> None:
+        if self.head != head:
+            has = f"a {self.head} head" if self.head else "the LM head"
+            raise RuntimeError(
+                f"role {self.role} (global rank {dist.get_rank()}): {what} needs "
+                f"{f'a {head} head' if head else 'the LM head'}, this model has {has}"
+            )
+
     # ------------------------------------------------------------------------------------------
-    def train_step(self, micro_batches: list[dict], loss_fn) -> dict:
+    def train_step(self, micro_batches: list[dict], loss_fn, outputs: str = "logprobs") -> dict:
         """One optimizer step over `micro_batches` (gradient accumulation); train role only.
 
         Each micro-batch is a dict with `tokens` [b, T] and whatever `loss_fn` needs.
@@ -279,6 +326,8 @@ class MegatronRole:
         with differentiable per-token log-probs; its loss must already be normalised over the
         WHOLE step (all micro-batches of all data-parallel ranks, e.g. by global token
         counts), so that summing micro-batch losses over the step gives the step's loss.
+        `outputs="values"` (a "value" head): `loss_fn(values_BT, None, micro_batch)` instead,
+        with differentiable values (as `values` computes them), same normalisation.
         Megatron's schedule divides each micro-batch loss by the number of micro-batches and
         DDP averages gradients over data-parallel ranks; both are undone here so gradients are
         those of that summed loss. Returns metrics: `actor/grad_norm`, `actor/update_ok`,
@@ -291,6 +340,9 @@ class MegatronRole:
         """
         if self.optimizer is None:
             raise RuntimeError(f"role {self.role}: train_step needs the train role's optimizer")
+        if outputs not in ("logprobs", "values"):
+            raise ValueError(f"outputs={outputs!r}: train_step gives 'logprobs' or 'values'")
+        self._check_head("value" if outputs == "values" else None, f"train_step({outputs})")
         micro_batches = devices.to_device(micro_batches, self.device)
         num_micro = len(micro_batches)
         mb_size, seq_len = micro_batches[0]["tokens"].shape
@@ -311,6 +363,9 @@ class MegatronRole:
             logits = model(tokens, positions, attention_mask=None)
 
             def loss_func(logits_BTV):
+                if outputs == "values":  # [b, T, 1] from the value head
+                    loss, metrics = loss_fn(logits_BTV[..., 0], None, batch)
+                    return loss * scale, {k: float(v) for k, v in metrics.items()}
                 logp, entropy = vocab_parallel_logprobs(
                     logits_BTV[:, :-1], tokens[:, 1:], tp_group=tp_group, vocab_size=vocab_size,
                     fp32=self.logprobs_in_fp32,
@@ -383,9 +438,28 @@ def build_local_roles(
                 seed=int(cfg.role_megatron_args[name].get("seed") or cfg.seed),
                 total_optimizer_steps=total_optimizer_steps,
                 routing=_routes(cfg.moe, name, cfg.faults.router_noise),
-                router_noise=cfg.faults.router_noise if name != "ref" else 0.0,
+                router_noise=cfg.faults.router_noise if name in ("train", "logp") else 0.0,
+                head=ROLE_HEADS.get(name),
             )
     return roles
+
+
+ROLE_HEADS = {"critic": "value", "reward_model": "score"}
+"""The roles whose model ends in a scalar head (`models.heads`) instead of the LM head."""
+
+
+def role_checkpoint(cfg, name: str, args: dict) -> tuple[str, float | None]:
+    """Where role `name` loads its weights from, and the std of a head the checkpoint lacks:
+    --load, else the reward model's own checkpoint, a critic's `critic.init` (its head drawn
+    with `critic.value_head_init_std` when it starts from the policy), else model.hf_path."""
+    if args.get("load"):
+        return args["load"], cfg.critic.value_head_init_std if name == "critic" else None
+    if name == "reward_model":
+        return cfg.reward_model.hf_path, None
+    if name == "critic":
+        init = cfg.critic.init
+        return (cfg.model.hf_path if init == "policy" else init), cfg.critic.value_head_init_std
+    return cfg.model.hf_path, None
 
 
 def _routes(moe, role: str, noise: float = 0.0) -> bool:

@@ -25,6 +25,7 @@ import math
 import shutil
 
 from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.config.roles import TRAINED_ROLES
 from megatron_async_rl.models import name_map as nm
 
 GiB = 2**30
@@ -92,9 +93,10 @@ def plan_memory(cfg, layout) -> list[RankMemory]:
         if role not in layout.parallelism:
             continue
         grid, b = layout.grid(role), _dtype_bytes(args)
-        n = stage_numel(dims, grid)
+        # a critic or reward model has its own checkpoint's size (its head ~ the LM head's)
+        n = stage_numel(nm.ModelDims.from_megatron_args(args), grid)
         device = {"weights": n * b}
-        if role == "train":
+        if role in TRAINED_ROLES:
             low = bool(args.get("bf16") or args.get("fp16"))
             grad = 4 if args.get("grad_reduce_in_fp32") or not low else b
             state = n * ((4 if low else 0) + 8)

@@ -32,6 +32,7 @@ def _entry(rank, world_size, tmp_dir, fn, args):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
     torch.set_num_threads(1)
+    _adopt_orphans()
     try:
         from megatron_async_rl.distributed.platform import detect_platform, init_distributed
 
@@ -52,6 +53,33 @@ def _entry(rank, world_size, tmp_dir, fn, args):
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        _kill_leftovers()
+
+
+def _adopt_orphans() -> None:
+    """Make this rank the parent of every orphaned descendant (PR_SET_CHILD_SUBREAPER).
+
+    Every forkserver child holds the write end of the server's liveness pipe; a process a
+    rank forked and left behind (seen: one that outlived its rank, blocked on a pipe, from
+    tests/distributed/test_checkpoint_megatron.py) holds it too, so the server never sees the
+    end of the session and pytest waits for it at exit, forever. Adopted, `_kill_leftovers`
+    finds them."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
+def _kill_leftovers() -> None:
+    """SIGKILL what this rank leaves running (an engine or writer its test did not stop)."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(children, timeout=10)
 
 
 def _result_file(tmp_dir, rank: int) -> str:
