@@ -387,8 +387,7 @@ def _check_reward_model(rm_path: str, policy_path: str | None) -> None:
         raise ConfigError(key, rm_path, "must score with one label (num_labels 1)")
     if policy_path is None:
         return
-    theirs = _tokenizer_bytes(Path(rm_path))
-    ours = _tokenizer_bytes(Path(policy_path))
+    theirs, ours = _tokenizer_identity(Path(rm_path)), _tokenizer_identity(Path(policy_path))
     policy_vocab = json.loads((Path(policy_path) / "config.json").read_text()).get("vocab_size")
     if theirs != ours or config.get("vocab_size") != policy_vocab:
         raise ConfigError(
@@ -400,8 +399,14 @@ def _check_reward_model(rm_path: str, policy_path: str | None) -> None:
         )  # fmt: skip
 
 
-def _tokenizer_bytes(path: Path) -> bytes | None:
-    for name in ("tokenizer.json", "tokenizer.model", "vocab.json"):
+def _tokenizer_identity(path: Path):
+    """What identifies a checkpoint's tokenizer: the token -> id map of its `tokenizer.json`
+    (however the file is formatted), else the bytes of its sentencepiece or vocab file."""
+    if (path / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab(with_added_tokens=True)
+    for name in ("tokenizer.model", "vocab.json"):
         if (path / name).is_file():
             return (path / name).read_bytes()
     return None

@@ -44,11 +44,18 @@ def models(tmp_path_factory):
     return policy, rm, other
 
 
-def test_a_reward_model_of_the_policys_tokenizer_resolves(models):
+def test_a_reward_model_of_the_policys_tokenizer_resolves(models, tmp_path):
     policy, rm, _ = models
     cfg = build_config(_tree(policy, rm), [])
     assert cfg.reward_model.weight == 0.5
     assert cfg.role_megatron_args["reward_model"]["num_layers"] == 2
+    # the same tokenizer saved in another layout (e.g. by save_pretrained) is the same
+    import shutil
+
+    copy = shutil.copytree(rm, tmp_path / "rm-copy")
+    tokenizer = json.loads((copy / "tokenizer.json").read_text())
+    (copy / "tokenizer.json").write_text(json.dumps(tokenizer, indent=4, sort_keys=True))
+    assert build_config(_tree(policy, copy), []).reward_model.hf_path == str(copy)
 
 
 def test_a_causal_lm_is_no_reward_model(models):
