@@ -46,7 +46,7 @@ from typing import Any
 
 import yaml
 
-from megatron_async_rl.config import megatron_flags, megatron_parse
+from megatron_async_rl.config import megatron_flags, megatron_parse, role_checks
 from megatron_async_rl.config.errors import (
     NO_VALUE,
     ConfigError,
@@ -364,52 +364,12 @@ def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True)
     )
     resolved_config = ResolvedConfig(**fields, role_megatron_args=resolved)
     resolved_config.collective_timeout_s()  # the keys that set it agree
-    _check_routing_replay(run.moe.routing_replay, resolved, run.roles.placed_roles())
+    role_checks.check_routing_replay(run.moe.routing_replay, resolved, run.roles.placed_roles())
     if run.reward_model is not None and Path(run.reward_model.hf_path).is_dir():
         policy = run.model.hf_path
-        _check_reward_model(run.reward_model.hf_path,
+        role_checks.check_reward_model(run.reward_model.hf_path,
                             policy if policy and Path(policy).is_dir() else None)  # fmt: skip
     return resolved_config
-
-
-def _check_reward_model(rm_path: str, policy_path: str | None) -> None:
-    """The reward model scores the policy's tokens: it must be a one-label
-    sequence-classification checkpoint with the policy's tokenizer."""
-    key = "reward_model.hf_path"
-    config = json.loads((Path(rm_path) / "config.json").read_text())
-    kinds = config.get("architectures") or []
-    if not any(str(k).endswith("ForSequenceClassification") for k in kinds):
-        raise ConfigError(
-            key, rm_path, f"has no score head (architectures {kinds})",
-            "a reward model is an AutoModelForSequenceClassification checkpoint",
-        )  # fmt: skip
-    if config.get("num_labels", len(config.get("id2label") or [0])) != 1:
-        raise ConfigError(key, rm_path, "must score with one label (num_labels 1)")
-    if policy_path is None:
-        return
-    theirs, ours = _tokenizer_identity(Path(rm_path)), _tokenizer_identity(Path(policy_path))
-    policy_vocab = json.loads((Path(policy_path) / "config.json").read_text()).get("vocab_size")
-    if theirs != ours or config.get("vocab_size") != policy_vocab:
-        raise ConfigError(
-            key, rm_path,
-            f"has another tokenizer than model.hf_path {policy_path!r} (vocab "
-            f"{config.get('vocab_size')} vs {policy_vocab}, or its tokenizer files differ): it "
-            "would score token ids it reads otherwise",
-            "use a reward model trained on the policy's tokenizer",
-        )  # fmt: skip
-
-
-def _tokenizer_identity(path: Path):
-    """What identifies a checkpoint's tokenizer: the token -> id map of its `tokenizer.json`
-    (however the file is formatted), else the bytes of its sentencepiece or vocab file."""
-    if (path / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
-        return Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab(with_added_tokens=True)
-    for name in ("tokenizer.model", "vocab.json"):
-        if (path / name).is_file():
-            return (path / name).read_bytes()
-    return None
 
 
 def _role_architecture(run: RunConfig, role: str, check_paths: bool) -> dict[str, Any] | None:
@@ -424,36 +384,6 @@ def _role_architecture(run: RunConfig, role: str, check_paths: bool) -> dict[str
     path = _path_to_check(path, key, check_paths, "the architecture comes from megatron:")
     _check_hf_path(path, key=key)
     return hf_architecture(path)
-
-
-def _check_routing_replay(mode: str, resolved: dict, placed) -> None:
-    """`moe.routing_replay` needs an MoE model whose routers megatron-core lets us replay."""
-    if mode == "off":
-        return
-    for role in ("train", "logp"):
-        if role not in placed:
-            continue
-        args = resolved[role]
-        if not args.get("num_experts"):
-            raise ConfigError(
-                "moe.routing_replay", mode,
-                "replays MoE routing, and the model has no experts (num_experts is unset)",
-                "set moe.routing_replay: off for a dense model",
-            )  # fmt: skip
-        if (args.get("context_parallel_size") or 1) > 1:
-            raise ConfigError(
-                "moe.routing_replay", mode,
-                f"is not laid out for context parallelism (roles.{role}: "
-                f"--context-parallel-size {args['context_parallel_size']})",
-                "use --context-parallel-size 1, or moe.routing_replay: off",
-            )  # fmt: skip
-        if args.get("moe_router_fusion"):
-            raise ConfigError(
-                "moe.routing_replay", mode,
-                f"cannot steer Transformer Engine's fused router (roles.{role}: "
-                "--moe-router-fusion): megatron-core skips the replay there",
-                "drop --moe-router-fusion, or set moe.routing_replay: off",
-            )  # fmt: skip
 
 
 # What model.hf_path's config.json says that the engines build too: a Megatron arg that changes

@@ -328,23 +328,20 @@ class RunConfig:
             )  # fmt: skip
         if "critic" in placed and not gae:
             raise ConfigError(
-                "roles.groups", [g.roles for g in self.groups_list()],
+                "roles.groups", [g.roles for g in self.roles.groups],
                 f"place a critic, and algorithm.advantage_estimator is "
                 f"{self.algorithm.advantage_estimator!r}: its values would be unused",
                 "set algorithm.advantage_estimator: gae, or drop the critic",
             )  # fmt: skip
         if ("reward_model" in placed) != (self.reward_model is not None):
             key, value = ("reward_model", None) if "reward_model" in placed else (
-                "roles.groups", [g.roles for g in self.groups_list()])  # fmt: skip
+                "roles.groups", [g.roles for g in self.roles.groups])  # fmt: skip
             raise ConfigError(
                 key, value,
                 "a reward_model role needs the reward_model: section (its checkpoint) and the "
                 "section needs the role",
                 "add both, e.g. reward_model: {hf_path: my-rm} and a group with reward_model",
             )  # fmt: skip
-
-    def groups_list(self):
-        return self.roles.groups
 
 
 @dataclass(kw_only=True)

@@ -17,7 +17,7 @@ function or under `TYPE_CHECKING`, goes to a module of the same or a lower layer
 bottom first:
 
     config          config/errors, config/checks, config/roles, config/megatron_flags,
-                    algorithms/critic_config (the recipe's critic: section),
+                    algorithms/critic_config (the recipe's critic: section), config/role_checks,
                     config/megatron_lm (Megatron-LM's flag inventory and verdicts),
                     config/megatron_parse (flags and megatron: sections read through them),
                     config/plugins (module:attribute names a recipe gives),
@@ -134,7 +134,7 @@ PURE = (
     "distributed.collective_errors", "scheduler.watchdog", "algorithms.minibatch",
     "config.megatron_lm", "config.megatron_parse", "moe.config", "moe.routing",
     "algorithms.advantages", "algorithms.corrections", "rollout.refill",
-    "algorithms.critic_config",
+    "algorithms.critic_config", "config.role_checks",
 )  # fmt: skip
 IMPURE = ("torch.distributed", "megatron", "sglang")
 
@@ -143,7 +143,8 @@ IMPURE = ("torch.distributed", "megatron", "sglang")
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("config.errors", "config.checks", "config.roles", "config.megatron_flags",
                 "config.megatron_lm", "config.megatron_parse", "config.plugins",
-                "algorithms.minibatch", "algorithms.critic_config", "*.config")),
+                "algorithms.minibatch", "algorithms.critic_config", "config.role_checks",
+                "*.config")),
     ("layout", ("distributed.layout", "distributed.collective_errors")),
     ("groups", ("distributed.groups", "distributed.platform", "distributed.devices", "compat")),
     ("models", ("models", "moe")),
