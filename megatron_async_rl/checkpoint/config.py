@@ -37,7 +37,8 @@ class CheckpointConfig:
     """Save after the last step."""
     hf_export_every: int = 0
     """Every this many versions, also export the train role's weights as a HuggingFace
-    checkpoint to `<directory>/hf_step_<N>/` (for evaluation; not used to resume); 0: never."""
+    checkpoint to `<directory>/hf_step_<N>/` (for evaluation; not used to resume), and with a
+    critic its weights as a `*ForTokenClassification` one to `hf_step_<N>_critic/`; 0: never."""
     resume: str = "auto"
     """"auto": continue from the newest complete checkpoint in `directory` if there is one;
     "never": start from the HF checkpoint; else the path of one checkpoint (`step_N`). The

@@ -138,21 +138,24 @@ class CheckpointManager:
         return every > 0 and version % every == 0
 
     def export_hf(self, version: int, learn) -> None:
-        """The train role's weights as a HF checkpoint `hf_step_<version>` (collective over
-        the train ranks; the others return at once)."""
-        train = learn.roles.get("train") if learn is not None else None
-        if train is None:
-            return
-        exported = train.gather_hf_state_dict()
-        if exported is None:
-            return
-        from megatron_async_rl.models import hf_checkpoint
+        """The train role's weights as a HF checkpoint `hf_step_<version>`, and with PPO the
+        critic's as a `*ForTokenClassification` one, `hf_step_<version>_critic` (collective over
+        each role's ranks; the others return at once)."""
+        from megatron_async_rl.models import heads, hf_checkpoint
 
         hf_path = self.cfg.model.hf_path
-        path = self.root / f"hf_step_{version:08d}"
-        base = hf_checkpoint.read_hf_config(hf_path) if hf_path else {}
-        hf_checkpoint.save_hf_checkpoint(path, exported, base, tokenizer_src=hf_path)
-        logger.info("exported the train role's weights at v%d to %s", version, path)
+        roles = learn.roles if learn is not None else {}
+        if "train" in roles and (exported := roles["train"].gather_hf_state_dict()) is not None:
+            path = self.root / f"hf_step_{version:08d}"
+            base = hf_checkpoint.read_hf_config(hf_path) if hf_path else {}
+            hf_checkpoint.save_hf_checkpoint(path, exported, base, tokenizer_src=hf_path)
+            logger.info("exported the train role's weights at v%d to %s", version, path)
+        if "critic" in roles and (exported := roles["critic"].gather_hf_state_dict()) is not None:
+            source = hf_path if self.cfg.critic.init == "policy" else self.cfg.critic.init
+            path = self.root / f"hf_step_{version:08d}_critic"
+            base = heads.hf_head_config(hf_checkpoint.read_hf_config(source), "value")
+            hf_checkpoint.save_hf_checkpoint(path, exported, base, tokenizer_src=hf_path)
+            logger.info("exported the critic's weights at v%d to %s", version, path)
 
     def preempted(self) -> bool:
         """Whether any rank got a save-and-exit signal or Ctrl-C (collective); which one is

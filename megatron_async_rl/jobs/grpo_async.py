@@ -6,6 +6,8 @@
                                                               in_flight: paused in place)
     Megatron:     ==receive==> logp -> ref_logp -> train -> param_update (sync v = s + 1, log)
                                 ^ logp holds v_s
+                  (PPO: ... ref_logp -> [reward_model] -> critic_values -> train -> critic_train
+                   -> param_update; critic_values waits for the critic trained through s - 1)
 
 Owned here: the two pipelines as declarative lists of `StageTask`s over the sides' methods
 (`roles/generate.py`, `roles/learn.py`), the threads that move samples and weights through the
@@ -47,7 +49,7 @@ from megatron_async_rl.checkpoint.pending import GENERATED, LOADED, PARTIAL, SCO
 from megatron_async_rl.distributed.collective_errors import name_failure
 from megatron_async_rl.engines import prefixes
 from megatron_async_rl.jobs.async_checkpoint import Boundaries, Resumed
-from megatron_async_rl.jobs.grpo_sync import boundary, running
+from megatron_async_rl.jobs.grpo_sync import boundary, learn_stages, running, stage_method
 from megatron_async_rl.jobs.parts import build_parts
 from megatron_async_rl.jobs.weight_thread import EngineGate, WeightReceiver
 from megatron_async_rl.observability.clock import RankClock
@@ -322,9 +324,10 @@ def run_learn_pipeline(learn, exchange, clock: RankClock, cfg, rank: int, role: 
     timeout, capacity = sched.stage_timeout_s, sched.queue_capacity
     staleness = StalenessController(sched.generate_ahead_steps)
     who, context = f"role {role}, rank {rank}", {"role": role, "rank": rank, "stage": "receive"}
-    samples_q, logp_q, ref_q, trained_q = (
-        BoundedQueue(name, capacity) for name in ("samples", "logp", "ref", "trained")
-    )
+    chain = learn_stages(cfg)
+    queues = [BoundedQueue(name, capacity) for name in ("samples", *(s.value for s in chain))]
+    samples_q = queues[0]
+    learn.critic_version = start  # a resumed critic holds the checkpoint's version
     last = [time.perf_counter()]
 
     def receive() -> None:
@@ -359,13 +362,20 @@ def run_learn_pipeline(learn, exchange, clock: RankClock, cfg, rank: int, role: 
         if checkpoints is not None:
             boundary(checkpoints, work.step + 1, None, learn)
 
+    def critic_ready(work: StepWork) -> str | None:
+        receiver.check(who)
+        return learn.critic_waits_for(work)
+
+    works = {stage: stage_method(learn, stage) for stage in chain}
+    works[Stage.TRAIN] = train
+    guards = {Stage.LOGP: logp_ready, Stage.CRITIC_VALUES: critic_ready}
     tasks = [
-        StageTask(clock.machine(Stage.LOGP), learn.logp, inputs=samples_q, output=logp_q,
-                  guard=logp_ready),
-        StageTask(clock.machine(Stage.REF_LOGP), learn.ref, inputs=logp_q, output=ref_q),
-        StageTask(clock.machine(Stage.TRAIN), train, inputs=ref_q, output=trained_q),
-        StageTask(clock.machine(Stage.PARAM_UPDATE), param_update, inputs=trained_q, finish=log),
+        StageTask(clock.machine(stage), works[stage], inputs=queues[i], output=queues[i + 1],
+                  guard=guards.get(stage))
+        for i, stage in enumerate(chain)
     ]  # fmt: skip
+    tasks.append(StageTask(clock.machine(Stage.PARAM_UPDATE), param_update, inputs=queues[-1],
+                           finish=log))  # fmt: skip
     scheduler = Scheduler(tasks, role=role, rank=rank, timeout_s=timeout)
     receiver = _Thread("samples-receiver", receive, scheduler.wake)
     receiver.start()

@@ -2,6 +2,7 @@
 
     [validation] -> dataloader -> generate -> reward ==> logp -> ref -> train -> weight sync
     (engine hosts, when a version is due)          (samples)  (Megatron ranks)  (-> engines, logp)
+    (PPO: ref -> [reward_model] -> critic_values -> train -> critic_train: `learn_stages`)
 
 Owned here: the order of the stages of one step; the stages are the sides' methods
 (`roles/generate.py`, `roles/learn.py`), the transfers the exchange's (`jobs/exchange.py`).
@@ -32,6 +33,24 @@ S = StageState
 GENERATE_STAGES = (Stage.DATALOADER, Stage.GENERATE, Stage.REWARD, Stage.VALIDATION)
 
 
+def learn_stages(cfg) -> tuple[Stage, ...]:
+    """The learn side's stages of a run, in order (each a `LearnSide` method of the stage's
+    name, `ref` for ref_logp): logp, ref_logp, then with a placed reward model or critic its
+    stages, train, and the critic's train after the actor's."""
+    placed = cfg.roles.placed_roles()
+    return tuple(
+        stage for stage, role in (
+            (Stage.LOGP, None), (Stage.REF_LOGP, None), (Stage.REWARD_MODEL, "reward_model"),
+            (Stage.CRITIC_VALUES, "critic"), (Stage.TRAIN, None), (Stage.CRITIC_TRAIN, "critic"),
+        ) if role is None or role in placed
+    )  # fmt: skip
+
+
+def stage_method(learn, stage: Stage):
+    """The `LearnSide` method that runs `stage`."""
+    return getattr(learn, "ref" if stage == Stage.REF_LOGP else stage.value)
+
+
 @contextmanager
 def running(machine, step: int | None, reason: str):
     """A stage's span outside a scheduler: `machine` RUNNING (for `step`) while the block runs
@@ -59,12 +78,11 @@ def run_steps(gen, learn, exchange, clock: RankClock, cfg, checkpoints=None, sta
                 work.report.add_means(clock.utilization())
         learned = exchange.share_step(work, step)
         if learn is not None:
-            with running(machines[Stage.LOGP], step, "samples in"):
-                learn.logp(learned)
-            with running(machines[Stage.REF_LOGP], step, "logp done"):
-                learn.ref(learned)
-            with running(machines[Stage.TRAIN], step, "ref done"):
-                learn.train(learned)
+            before = "samples in"
+            for stage in learn_stages(cfg):
+                with running(machines[stage], step, before):
+                    stage_method(learn, stage)(learned)
+                before = f"{stage.value} done"
             learned.batch_metrics.update(staleness.check_batch(step, learned.token_versions()))
         update = machines[Stage.PARAM_UPDATE]
         update.transition(S.WAITING_INPUT, f"every rank at the sync of v{step + 1}", step=step)

@@ -94,6 +94,28 @@ class ScalarHead(torch.nn.Module):
         return out_sb1, None
 
 
+HF_TASK_SUFFIXES = {"value": "ForTokenClassification", "score": "ForSequenceClassification"}
+"""The HF class a head's checkpoint loads as: `<Family>` + suffix (LlamaForTokenClassification)."""
+
+
+def hf_head_config(base: dict, head: str) -> dict:
+    """The HF `config.json` of a `head` model exported from `base` (a causal LM's or another
+    head model's config): its architecture renamed to the head's class, one label."""
+    check_kind(head)
+    config = dict(base)
+    names = []
+    for arch in base.get("architectures") or []:
+        family = arch
+        for suffix in ("ForCausalLM", *HF_TASK_SUFFIXES.values()):
+            family = family.removesuffix(suffix)
+        names.append(family + HF_TASK_SUFFIXES[head])
+    if not names:
+        raise ValueError("the base config names no architectures: cannot name the head's class")
+    config.update(architectures=names, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    config.pop("num_labels", None)
+    return config
+
+
 def attach_scalar_head(model, config, head: str, tp_group, seed: int) -> None:
     """Replace the LM output layer of `model` (a GPTModel stage built with untied embeddings)
     by a `head` ScalarHead, initialised N(0, init_method_std^2) from `seed`, bias zeros. Stages

@@ -1,10 +1,10 @@
 """The learn side's critic and reward model: values, model rewards, GAE, the critic's steps.
 
-Owned here, called by `roles.learn.LearnSide`:
-- `score_forwards` (the ref stage): the `critic` role's values of the step's tokens (the old
-  values V_old, per position) and the `reward_model` role's score of each sample (its head at
-  the last non-pad token), on their own ranks; the reporting rank of each keeps them for the
-  train stage's gather.
+Owned here, called by `roles.learn.LearnSide` (its stages of the same names):
+- `critic_values`: the `critic` role's values of the step's tokens (the old values V_old, per
+  position), and `reward_scores`: the `reward_model` role's score of each sample (its head at
+  the last non-pad token), each on its role's own ranks; the reporting rank of each keeps them
+  for the train stage's gather.
 - `model_rewards`: rule_weight x the reward function's + weight x the reward model's.
 - `gae_advantages`: per-token advantages and returns of PPO (`algorithms.ppo`: terminal
   token rewards, GAE over the model tokens, optional whitening) and the critic's metrics.
@@ -32,23 +32,30 @@ def _reports(role) -> bool:
         dist.get_rank(role.pgc.dp) == 0  # fmt: skip
 
 
-def score_forwards(roles: dict, batch: dict, pad_id: int) -> dict[str, torch.Tensor]:
-    """The critic's old values [B, T - 1] and the reward model's scores [B], on the rank that
-    reports each (collective over each role's ranks; empty elsewhere)."""
-    out = {}
-    size = len(batch["tokens"])
+def critic_values(roles: dict, batch: dict) -> dict[str, torch.Tensor]:
+    """The `critic_values` stage: the critic's old values [B, T - 1] on the rank that reports
+    them (collective over the critic's ranks; empty elsewhere)."""
     critic = roles.get("critic")
-    if critic is not None:
-        values = critic.values(batch["tokens"], critic.args.get("micro_batch_size") or size)
-        if values is not None and _reports(critic):
-            out["old_values"] = values[:, :-1].cpu()
+    if critic is None:
+        return {}
+    size = len(batch["tokens"])
+    values = critic.values(batch["tokens"], critic.args.get("micro_batch_size") or size)
+    if values is not None and _reports(critic):
+        return {"old_values": values[:, :-1].cpu()}
+    return {}
+
+
+def reward_scores(roles: dict, batch: dict, pad_id: int) -> dict[str, torch.Tensor]:
+    """The `reward_model` stage: the reward model's scores [B] on the rank that reports them
+    (collective over the reward model's ranks; empty elsewhere)."""
     scorer = roles.get("reward_model")
-    if scorer is not None:
-        mbs = scorer.args.get("micro_batch_size") or size
-        scores = scorer.scores(batch["tokens"], pad_id, mbs)
-        if scores is not None and _reports(scorer):
-            out["rm_scores"] = scores.cpu()
-    return out
+    if scorer is None:
+        return {}
+    mbs = scorer.args.get("micro_batch_size") or len(batch["tokens"])
+    scores = scorer.scores(batch["tokens"], pad_id, mbs)
+    if scores is not None and _reports(scorer):
+        return {"rm_scores": scores.cpu()}
+    return {}
 
 
 def model_rewards(rewards_B: torch.Tensor, scores_B: torch.Tensor, cfg) -> torch.Tensor:

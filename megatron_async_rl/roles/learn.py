@@ -1,8 +1,10 @@
 """The learn side on the Megatron ranks: a step's samples to log-probs, advantages, its
 optimizer steps (PPO mini-batches), and the step's metrics.
 
-Owned here: `LearnSide`, its stages as methods `StepWork -> StepWork` (`logp`, `ref`, `train`),
-its guard `logp_waits_for`, and `log` (the leader writes `metrics.jsonl`). Results cross the
+Owned here: `LearnSide`, its stages as methods `StepWork -> StepWork` (`logp`, `ref`,
+`reward_model`, `critic_values`, `train`, `critic_train`: their order is the jobs'
+`learn_stages`), its guards `logp_waits_for` and
+`critic_waits_for`, and `log` (the leader writes `metrics.jsonl`). Results cross the
 Megatron ranks over the `megatron` group only, so generate ranks never take part and can run
 ahead. Called by both loops in `jobs/`; weights leave through the loops' exchange.
 """
@@ -193,6 +195,8 @@ class LearnSide:
         self.progress = Progress(cfg.trainer.num_steps, enabled=self.is_leader)
         self.logp_version = 0
         """The policy version the logp role holds (its weights come with every sync)."""
+        self.critic_version = 0
+        """Steps the critic has trained through (a resumed run starts at its version)."""
         self.steps_logged = 0
         self.pending_metrics: dict[str, float] = {}
         """Metrics to add to the next step logged (e.g. `resume/*`, `checkpoint/*`)."""
@@ -210,6 +214,14 @@ class LearnSide:
             return f"logp weights v{work.step} (logp holds v{self.logp_version})"
         return None
 
+    def critic_waits_for(self, work: StepWork) -> str | None:
+        """What the critic_values stage still waits for before `work`: the critic trained
+        through step `work.step - 1` (as in the synchronous loop, whatever steps ahead)."""
+        if "critic" in self.roles and self.critic_version < work.step:
+            return f"the critic trained through step {work.step - 1} (it holds " \
+                f"v{self.critic_version})"  # fmt: skip
+        return None
+
     def weights_synced(self, version: int) -> None:
         self.logp_version = version
 
@@ -221,10 +233,35 @@ class LearnSide:
         return work
 
     def ref(self, work: StepWork) -> StepWork:
-        """ref_logp: the reference policy's log-probs (on the ref ranks); the critic's values
-        and the reward model's scores (on theirs: `roles.critic`)."""
+        """ref_logp: the reference policy's log-probs (on the ref ranks)."""
         work.ref_logp_BT = self._forward("ref", work)
-        work.batch.update(critic.score_forwards(self.roles, work.batch, self.pad_id))
+        return work
+
+    def reward_model(self, work: StepWork) -> StepWork:
+        """reward_model: the reward model's score of each sample (on its ranks)."""
+        work.batch.update(critic.reward_scores(self.roles, work.batch, self.pad_id))
+        return work
+
+    def critic_values(self, work: StepWork) -> StepWork:
+        """critic_values: the critic's values of the step's tokens (on its ranks), from the
+        critic trained through step `work.step - 1` (`critic_waits_for`)."""
+        work.batch.update(critic.critic_values(self.roles, work.batch))
+        if "critic" in self.roles:
+            memory_hygiene(self.roles["critic"].args, work.step, after="critic_values")
+        return work
+
+    def critic_train(self, work: StepWork) -> StepWork:
+        """critic_train: the critic's optimizer steps on the returns the train stage computed
+        (on its ranks, while the actor trains on its own)."""
+        value_model = self.roles.get("critic")
+        if value_model is not None:
+            metrics = critic.train_critic(value_model, work, self.cfg)
+            memory_hygiene(value_model.args, work.step, after="critic")
+            if value_model.is_last_stage and dist.get_rank(value_model.pgc.tp) == 0:
+                keys = critic.CRITIC_LOSS_KEYS
+                work.report.add_sums({k: v for k, v in metrics.items() if k in keys})
+                work.report.add_means({k: v for k, v in metrics.items() if k not in keys})
+            self.critic_version = work.step + 1
         return work
 
     def _forward(self, name: str, work: StepWork) -> torch.Tensor | None:
@@ -337,15 +374,12 @@ class LearnSide:
             if _reports(train):
                 work.report.add_sums({k: v for k, v in metrics.items() if k in LOSS_KEYS})
                 work.report.add_means({k: v for k, v in metrics.items() if k not in LOSS_KEYS})
-        value_model = self.roles.get("critic")
-        if value_model is not None:
-            metrics = critic.train_critic(value_model, work, self.cfg)
-            memory_hygiene(value_model.args, work.step, after="critic")
-            if value_model.is_last_stage and dist.get_rank(value_model.pgc.tp) == 0:
-                keys = critic.CRITIC_LOSS_KEYS
-                work.report.add_sums({k: v for k, v in metrics.items() if k in keys})
-                work.report.add_means({k: v for k, v in metrics.items() if k not in keys})
         real = batch["mask"] > 0
+        if "rm_scores" in batch:  # the two parts of the reward, apart
+            work.batch_metrics.update({
+                **summarize(batch["rule_rewards"].tolist(), "reward/rule"),
+                **summarize(batch["rm_scores"].tolist(), "reward_model/score"),
+            })  # fmt: skip
         work.batch_metrics.update({
             **summarize(batch["rewards"].tolist(), "reward"),
             **summarize(batch["response_len"].tolist(), "response_len"),

@@ -10,9 +10,10 @@ scheduler moves a machine; a move not in its stage's table is a bug in the sched
 with stage, from, to and why.
 
 Stages (design.md, section 3): `dataloader -> generate -> reward -> logp -> ref_logp -> train ->
-param_update`, plus `validation` and `checkpoint`. GRPO advantages are computed where `train`
-takes its batch, as in the synchronous loop (`jobs/grpo_sync.py`), so they are not a stage of
-their own.
+param_update`, plus `validation` and `checkpoint`; with the optional roles (PPO), `reward_model`
+(its scores) and `critic_values` after `ref_logp`, and `critic_train` after `train`, each on its
+role's own ranks. Advantages (GRPO's or GAE's) are computed where `train` takes its batch, as in
+the synchronous loop (`jobs/grpo_sync.py`), so they are not a stage of their own.
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ class Stage(str, Enum):
     REWARD = "reward"
     LOGP = "logp"
     REF_LOGP = "ref_logp"
+    REWARD_MODEL = "reward_model"
+    CRITIC_VALUES = "critic_values"
     TRAIN = "train"
+    CRITIC_TRAIN = "critic_train"
     PARAM_UPDATE = "param_update"
     VALIDATION = "validation"
     CHECKPOINT = "checkpoint"
@@ -69,7 +73,7 @@ BASE_TABLE: Table = {
     S.ERROR: frozenset(),
     S.DONE: frozenset(),
 }
-"""dataloader, reward, logp, ref_logp, train."""
+"""dataloader, reward, logp, ref_logp, reward_model, critic_values, train, critic_train."""
 
 GENERATE_TABLE: Table = {
     S.IDLE: frozenset({S.WAITING_INPUT, S.RUNNING, S.DONE, S.ERROR}),
@@ -119,7 +123,10 @@ TRANSITIONS: dict[Stage, Table] = {
     Stage.REWARD: BASE_TABLE,
     Stage.LOGP: BASE_TABLE,
     Stage.REF_LOGP: BASE_TABLE,
+    Stage.REWARD_MODEL: BASE_TABLE,
+    Stage.CRITIC_VALUES: BASE_TABLE,
     Stage.TRAIN: BASE_TABLE,
+    Stage.CRITIC_TRAIN: BASE_TABLE,
     Stage.PARAM_UPDATE: PARAM_UPDATE_TABLE,
     Stage.VALIDATION: VALIDATION_TABLE,
     Stage.CHECKPOINT: VALIDATION_TABLE,

@@ -7,7 +7,8 @@
   weight update ("requests in flight"). Its real twin, SGLang, runs in tests/e2e and
   tests/distributed/test_sglang_engine.py.
 - `FakeLearner`: the learn side's stage methods without a model (`roles/learn.py:LearnSide` is
-  the real twin, run in tests/e2e): each stage sleeps a chosen time and records the event; the
+  the real twin, run in tests/e2e), the critic's and reward model's stages included (their twin:
+  tests/e2e/test_ppo_job.py): each stage sleeps a chosen time and records the event; the
   "weights" are one tensor holding the number of optimizer steps taken; `log` keeps each step's
   merged metrics.
 - `CharTokenizer` and `make_generate_side`: a real `GenerateSide` with a real dataset (the
@@ -134,6 +135,7 @@ class FakeLearner:
     def __init__(self, durations=lambda stage, step: 0.0):
         self.durations = durations
         self.logp_version = 0
+        self.critic_version = 0
         self.trained = 0
         self.events: list[tuple[str, int]] = []
         self.logged: list[dict] = []
@@ -153,11 +155,29 @@ class FakeLearner:
     def weights_synced(self, version):
         self.logp_version = version
 
+    def critic_waits_for(self, work):
+        if self.critic_version < work.step:
+            return f"the critic trained through step {work.step - 1}"
+        return None
+
     def logp(self, work):
         return self._stage("logp", work)
 
     def ref(self, work):
         return self._stage("ref", work)
+
+    def reward_model(self, work):
+        return self._stage("reward_model", work)
+
+    def critic_values(self, work):
+        work.batch_metrics["critic/values_from"] = float(self.critic_version)
+        return self._stage("critic_values", work)
+
+    def critic_train(self, work):
+        self._stage("critic_train", work)
+        self.critic_version = work.step + 1
+        work.report.add_sums({"critic/value_loss": 0.25})
+        return work
 
     def train(self, work):
         self._stage("train", work)
@@ -209,7 +229,8 @@ def make_cfg(tmp_path, *, steps: int, ahead: int, mode: str = "wait", validation
              validation_version="exact", timeout_s: float = 30.0, prompts: int = 2,
              samples: int = 2, max_new_tokens: int = 4, pause: str = "retract",
              refill: bool = False, max_refill_rounds: int = 10,
-             refill_exhausted: str = "pad"):  # fmt: skip
+             refill_exhausted: str = "pad",
+             roles=("train", "logp", "ref", "generate")):  # fmt: skip
     data = write_arithmetic_dataset(tmp_path / "train.jsonl", num_rows=40, seed=0)
     val = write_arithmetic_dataset(tmp_path / "val.jsonl", num_rows=4, seed=1)
     return SimpleNamespace(
@@ -234,6 +255,7 @@ def make_cfg(tmp_path, *, steps: int, ahead: int, mode: str = "wait", validation
             loop="async" if ahead == 0 else "auto",
         ),  # fmt: skip
         validation=ValidationConfig(data=DatasetConfig(path=str(val)), num_prompts=2),
+        roles=SimpleNamespace(placed_roles=lambda: tuple(roles)),
     )
 
 

@@ -109,6 +109,43 @@ def test_lag_bound_holds_on_every_token_over_200_steps_with_random_durations(tmp
     assert [m["step"] for m in learner.logged] == list(range(200))
 
 
+PPO_ROLES = ("train", "logp", "ref", "reward_model", "critic", "generate")
+
+
+def test_critic_stages_at_zero_steps_ahead_are_the_synchronous_loop(tmp_path):
+    cfg = make_cfg(tmp_path, steps=4, ahead=0, roles=PPO_ROLES)
+    sync_learner = FakeLearner()
+    run_steps(make_generate_side(cfg, TimedEngine()), sync_learner,
+              LocalExchange(sync_learner.state), RankClock(0, ("generate", "train")), cfg)
+    async_learner = FakeLearner()
+    run_async(cfg, TimedEngine(), async_learner)
+    assert [stable(m) for m in async_learner.logged] == [stable(m) for m in sync_learner.logged]
+    want = ["logp", "ref", "reward_model", "critic_values", "train", "critic_train"]
+    for learner in (sync_learner, async_learner):
+        assert [name for name, step in learner.events if step == 2] == want
+        assert [m["critic/values_from"] for m in learner.logged] == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_critic_values_wait_for_the_critic_trained_through_the_step_before(tmp_path, ahead):
+    """Generation runs ahead, the critic's stages are slow at random: the values of step k are
+    always those of the critic trained through step k - 1, as in the synchronous loop."""
+    rng = random.Random(ahead)
+    stages = ("logp", "ref", "critic_values", "train", "critic_train")
+    table = {(s, k): rng.choice([0.0, 0.001, 0.004]) for s in stages for k in range(60)}
+    learner = FakeLearner(lambda stage, step: table.get((stage, step), 0.0))
+    cfg = make_cfg(tmp_path, steps=60, ahead=ahead, max_new_tokens=2,
+                   roles=("train", "logp", "ref", "critic", "generate"))  # fmt: skip
+    _, clock = run_async(cfg, TimedEngine(token_s=0.0005), learner)
+    assert [m["critic/values_from"] for m in learner.logged] == [float(k) for k in range(60)]
+    assert max(m["policy_lag/max"] for m in learner.logged) <= ahead
+    order = {event: i for i, event in enumerate(learner.events)}
+    for k in range(1, 60):
+        assert order["critic_train", k - 1] < order["critic_values", k]
+    timings = [m for m in learner.logged if "timing/critic_train_s" in m]
+    assert len(timings) == 60 and all("timing/critic_values_s" in m for m in timings)
+
+
 def test_weights_reach_the_engine_once_per_version_in_order(tmp_path):
     engine = TimedEngine()
     run_async(make_cfg(tmp_path, steps=5, ahead=1), engine, FakeLearner())

@@ -157,3 +157,20 @@ def test_tiny_classification_models(tiny_model, tmp_path):
         write_tiny_model(tmp_path, "llama", task="reward")
     with pytest.raises(ValueError, match="is written for .* not 'qwen3_moe'"):
         write_tiny_model(tmp_path, "qwen3_moe", task="sequence_classification")
+
+
+def test_hf_head_config_names_the_classifier_and_one_label():
+    base = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 8, "num_labels": 2,
+            "tie_word_embeddings": False}  # fmt: skip
+    value = heads.hf_head_config(base, "value")
+    assert value["architectures"] == ["Qwen3ForTokenClassification"]
+    assert value["id2label"] == {"0": "LABEL_0"} and "num_labels" not in value
+    assert value["hidden_size"] == 8 and base["architectures"] == ["Qwen3ForCausalLM"]
+    from_rm = heads.hf_head_config({"architectures": ["LlamaForSequenceClassification"]}, "value")
+    assert from_rm["architectures"] == ["LlamaForTokenClassification"]
+    score = heads.hf_head_config(base, "score")
+    assert score["architectures"] == ["Qwen3ForSequenceClassification"]
+    with pytest.raises(ValueError, match="no architectures"):
+        heads.hf_head_config({}, "value")
+    with pytest.raises(ValueError, match="head='lm'"):
+        heads.hf_head_config(base, "lm")

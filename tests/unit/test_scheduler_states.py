@@ -85,8 +85,8 @@ ILLEGAL = [
 def test_every_stage_has_a_table():
     assert set(TRANSITIONS) == set(Stage)
     assert [s.value for s in Stage] == [
-        "dataloader", "generate", "reward", "logp", "ref_logp", "train", "param_update",
-        "validation", "checkpoint",
+        "dataloader", "generate", "reward", "logp", "ref_logp", "reward_model", "critic_values",
+        "train", "critic_train", "param_update", "validation", "checkpoint",
     ]  # fmt: skip
 
 
@@ -101,7 +101,10 @@ EXPECTED = {
     "reward": BASE,
     "logp": BASE,
     "ref_logp": BASE,
+    "reward_model": BASE,
+    "critic_values": BASE,
     "train": BASE,
+    "critic_train": BASE,
     "param_update": "IDLE: WAITING_INPUT DONE | WAITING_INPUT: WAITING_OUTPUT_SPACE RUNNING DONE"
     " | WAITING_OUTPUT_SPACE: RUNNING | RUNNING: IDLE",
     "validation": "IDLE: WAITING_INPUT RUNNING DONE | WAITING_INPUT: RUNNING DONE | RUNNING: IDLE",
