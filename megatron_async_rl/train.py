@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         groups = build_world_groups(
             layout, platform.backend, datetime.timedelta(seconds=timeout_s),
             control_timeout=datetime.timedelta(seconds=start_up_s),
+            role_args=cfg.role_megatron_args, device=platform.device(),
         )  # fmt: skip
         if rank == 0:
             Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)

@@ -1,11 +1,20 @@
 """PPO mini-batches: which samples of a rollout batch each optimizer step trains on.
 
 Owned here: the plan of one RL step's optimizer steps (`plan_minibatches`), their count
-(`optimizer_steps_per_rl_step`) and Megatron's batch-size rules (`check_minibatches`). Megatron's
-`--global-batch-size` G is the number of samples per optimizer step: a rollout batch of B samples
-gives B / G optimizer steps per epoch, repeated `algorithm.ppo_epochs` times. G None: one step
-over the whole batch per epoch. `roles/learn.py:train_on_batch` runs the plan; config resolution
-calls `check_minibatches`. Pure: no torch, no collectives.
+(`optimizer_steps_per_rl_step`), Megatron's batch-size rules (`check_minibatches`) and the G of
+each RL step (`global_batch_size_at`). Megatron's `--global-batch-size` G is the number of
+samples per optimizer step: a rollout batch of B samples gives B / G optimizer steps per epoch,
+repeated `algorithm.ppo_epochs` times. G None: one step over the whole batch per epoch.
+`roles/learn.py:train_on_batch` and `roles/critic.py:train_critic` run the plan; config
+resolution calls `check_minibatches`. Pure: no torch, no collectives, no megatron (a run with
+--rampup-batch-size or --decrease-batch-size-if-needed asks megatron-core's calculator through
+`algorithms.batch_ramp`, imported only then).
+
+Consumed samples: Megatron-LM feeds its batch-size calculator the samples its optimizer steps
+have consumed. Here every optimizer step of RL step k trains on the same G (its mini-batches
+cover the rollout batch), and the samples consumed before RL step k are k x B x ppo_epochs
+(`consumed_samples_before`): a function of k alone, so a resumed run continues a ramp where it
+stopped and every data-parallel rank agrees.
 
 Every data-parallel rank and every rerun must pick the same split, so the shuffle comes from
 `random.Random` seeded by (seed, RL step, epoch) alone (a string seed is hashed with SHA-512, the
@@ -59,6 +68,28 @@ def run_optimizer_steps_per_rl_step(cfg) -> int:
         cfg.role_megatron_args["train"].get("global_batch_size"),
         cfg.algorithm.ppo_epochs,
     )
+
+
+def consumed_samples_before(step: int, num_samples: int, ppo_epochs: int) -> int:
+    """Samples Megatron counts as consumed (through the optimizer) before RL step `step`: each
+    earlier RL step trained on its `num_samples` samples `ppo_epochs` times."""
+    return step * num_samples * ppo_epochs
+
+
+def global_batch_size_at(
+    args: dict, step: int, num_samples: int, ppo_epochs: int, dp_size: int
+) -> int | None:
+    """The G of RL step `step` for a role whose resolved Megatron args are `args`.
+
+    --global-batch-size as given; with --rampup-batch-size or --decrease-batch-size-if-needed,
+    the G megatron-core's calculator runs after `consumed_samples_before(step, ...)` samples
+    (`batch_ramp.ramped_global_batch_size`, which checks every G of the run once first).
+    """
+    if args.get("rampup_batch_size") is None and not args.get("decrease_batch_size_if_needed"):
+        return args.get("global_batch_size")
+    from megatron_async_rl.algorithms import batch_ramp
+
+    return batch_ramp.ramped_global_batch_size(args, step, num_samples, ppo_epochs, dp_size)
 
 
 def plan_minibatches(

@@ -177,6 +177,13 @@ APPLIED_HERE = {
     "role": ("fp16_lm_cross_entropy", "disable_jit_fuser"),
     # gpt_model_kwargs: GPTModel arguments
     "gpt": ("rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor"),
+    # algorithms/batch_ramp.py: the G of each RL step (roles/learn.py, roles/critic.py)
+    "batch": ("rampup_batch_size", "decrease_batch_size_if_needed"),
+    # distributed/pg_options.py: options of each role's groups (distributed/groups.py)
+    "groups": (
+        "nccl_communicator_config_path", "high_priority_stream_groups", "use_sharp",
+        "sharp_enabled_group",
+    ),
 }  # fmt: skip
 
 _LIST_TYPES = {"int": "int_list", "str": "str_list"}
@@ -199,7 +206,8 @@ def _specs_from_megatron_lm(known: dict[str, ArgSpec]) -> list[ArgSpec]:
         kind = kind if kind in ("int", "float", "str") else "str"
         if dest in ("window_size", "moe_layer_freq"):
             kind = "int"  # "(a, b)" / "[1]*3+[0]" expressions: parsed by _int_list_expr
-        if row.nargs in ("+", "*") or dest in ("window_size", "moe_layer_freq"):
+        several = row.nargs in ("+", "*") or (isinstance(row.nargs, int) and row.nargs > 1)
+        if several or dest in ("window_size", "moe_layer_freq"):
             kind = _LIST_TYPES[kind]
         choices = row.choices  # typed as Megatron-LM's (ints for --empty-unused-memory-level)
         out.append(ArgSpec(dest, kind, row.default, choices, True))

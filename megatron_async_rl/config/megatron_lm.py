@@ -6,8 +6,8 @@ Owned here: the inventory of Megatron-LM's flags (`megatron_lm_flags.json`, writ
 and the verdict on each flag's dest:
 
 - **applied**: the dest is a Megatron argument we build from (`megatron_flags.flag_table()`: a
-  megatron-core config field, a GPTModel argument, or a knob of our loop: LR schedule, batches,
-  seed, steps, timeouts);
+  megatron-core config field, a GPTModel argument, or a knob of our loop: LR schedule, batches
+  and their ramp, seed, steps, timeouts, the options of the role groups);
 - **aliased**: a Megatron-LM spelling of an applied dest (`ALIASES`, value translated);
 - **ignored**: means nothing for an RL trainer (pretraining data, tokenizer types, logging
   destinations, ...): accepted, and listed with its reason in one warning line;
@@ -178,7 +178,6 @@ _CHECKPOINT = (
     "dist_checkpointing, fully reshardable, saved at policy-version boundaries)"
 )
 _INFERENCE = "Megatron-LM's inference engine (generation runs in SGLang: the engine: section)"
-_BATCH_RAMP = "batch ramp-up (the rollout batch is fixed by rollout.num_prompts_per_step)"
 _MONITORING = "cluster-service integrations and debug monitors of Megatron-LM's training loop"
 _OTHER_MODELS = "other model families (BERT, T5, vision, retrieval); this trainer builds GPT models"
 
@@ -203,15 +202,12 @@ IGNORED_GROUPS = {
 }
 
 IGNORED: dict[str, str] = {
-    "rampup_batch_size": _BATCH_RAMP,
-    "decrease_batch_size_if_needed": _BATCH_RAMP,
     "decoder_num_layers": _OTHER_MODELS,
     "relative_attention_num_buckets": _OTHER_MODELS,
     "relative_attention_max_distance": _OTHER_MODELS,
     "bert_binary_head": _OTHER_MODELS,
     "onnx_safe": "ONNX export",
     "openai_gelu": "unused by Megatron-LM's megatron-core models too",
-    "high_priority_stream_groups": "CUDA stream priorities of Megatron-LM's global groups",
     "moe_pad_experts_for_cuda_graph_inference": _INFERENCE,
     "enable_experimental": "Megatron-LM's gate for its experimental paths (none exist here)",
     "data_parallel_random_init": "random init per data-parallel rank (weights load from HF)",
@@ -282,12 +278,6 @@ REFUSED: dict[str, tuple[str, str]] = {
     "use_torch_fsdp2": ("FSDP2 is not supported (DDP + distributed optimizer)", "drop the flag"),
     "torch_fsdp2_reshard_after_forward": ("FSDP2 is not supported", "drop the flag"),
     "lazy_mpu_init": ("lazy model-parallel init is not supported", "drop the flag"),
-    "use_sharp": ("SHARP groups are not built here", "drop the flag"),
-    "sharp_enabled_group": ("SHARP groups are not built here", "drop the flag"),
-    "nccl_communicator_config_path": (
-        "per-group NCCL configs are not applied to the role groups",
-        "drop the flag",
-    ),
     "use_tp_pp_dp_mapping": (
         "rank order inside a role window is fixed by distributed/layout.py",
         "drop the flag",

@@ -337,6 +337,8 @@ def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True)
         "the architecture comes from the recipe's megatron: sections alone",
     )
     architecture = hf_architecture(hf_path)
+    from megatron_async_rl.distributed import pg_options  # pure: the role groups' options
+
     loads = {}
     resolved = {}
     for role in placed:
@@ -348,6 +350,7 @@ def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True)
             **overrides.get(role, {}),
         }
         megatron_flags.check_args(args, role)
+        pg_options.check_group_flags(args, role, must_exist=check_paths)
         _matches_checkpoint(own, args, role)
         _megatron_lm_derived(args)
         # --load names the weights a role starts from: a HuggingFace directory for now
@@ -562,6 +565,10 @@ def _num_steps(tree: dict, run: RunConfig, train_args: dict[str, Any], flags: di
     gbs = train_args.get("global_batch_size")
     if run.trainer.job == "grpo":  # --global-batch-size must split the rollout batch
         optimizer_steps_per_rl_step(batch, gbs, run.algorithm.ppo_epochs)
+        if train_args.get("rampup_batch_size") or train_args.get("decrease_batch_size_if_needed"):
+            from megatron_async_rl.algorithms import batch_ramp  # megatron-core's calculator
+
+            batch_ramp.check_batch_ramp(train_args, batch, run.algorithm.ppo_epochs)
     if iters is None and samples is None:
         return run.trainer.num_steps
     if iters is not None and samples is not None:

@@ -16,7 +16,9 @@ the order they are created:
   `HyperCommGrid([etp, ep, expt_dp, pp])` with the same window (Megatron's tp-cp-dp-pp and
   tp-ep-dp-pp orders, pp outermost in both so pipeline stages agree; `layout.RoleGrid`);
   `intra_dist_opt` spans the whole role window (facts: a smaller group silently changes grad
-  clipping), `inter_dist_opt` is None (one optimizer instance);
+  clipping), `inter_dist_opt` is None (one optimizer instance); each group is created with the
+  NCCL options and SHARP the role's own Megatron args give it (`pg_options`; `dp_cp` first, as
+  megatron-core creates it, since SHARP goes to the first communicator NCCL makes with it);
 - `weight_sync` (gloo): the train ranks, engine hosts and logp ranks: each sync's outcome;
 - `weight_senders` (gloo): one group per reshard sender ({sender} + receivers), and
   `weight_senders_device`, the same over the world's backend when it is not gloo (NCCL);
@@ -30,11 +32,14 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-from typing import TYPE_CHECKING
+import os
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from megatron_async_rl.config.megatron_flags import warn_once
 from megatron_async_rl.config.roles import MEGATRON_ROLES
+from megatron_async_rl.distributed import pg_options
 from megatron_async_rl.distributed.layout import RoleGrid, RoleLayout
 
 if TYPE_CHECKING:
@@ -106,10 +111,17 @@ class WorldGroups:
         return self.layout.roles_of_rank(self.rank)
 
 
-def _role_collection(grid: RoleGrid, backend: str, timeout) -> ProcessGroupCollection | None:
-    """Create (collectively) the dense and expert grids of one role window."""
+def _role_collection(
+    grid: RoleGrid, backend: str, timeout, plan: pg_options.GroupOptions, device=None
+) -> ProcessGroupCollection | None:
+    """Create (collectively) the dense and expert grids of one role window, each group with
+    the options `plan` gives it (megatron-core's `get_nccl_options` builds them)."""
     from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.parallel_state import get_nccl_options
     from megatron.core.process_groups_config import ProcessGroupCollection
+
+    def kwargs(name: str) -> dict[str, Any]:
+        return {"timeout": timeout, "pg_options": get_nccl_options(name, plan.options)}
 
     dense = HyperCommGrid(
         [grid.tp, grid.cp, grid.dp, grid.pp],
@@ -123,29 +135,34 @@ def _role_collection(grid: RoleGrid, backend: str, timeout) -> ProcessGroupColle
         rank_offset=grid.offset,
         backend=backend,
     )
-    pgs = {
-        "tp": dense.create_pg("tp", timeout=timeout),
-        "cp": dense.create_pg("cp", timeout=timeout),
-        "dp": dense.create_pg("dp", timeout=timeout),
-        "pp": dense.create_pg("pp", timeout=timeout),
-        "dp_cp": dense.create_pg(["cp", "dp"], timeout=timeout),
-        "tp_cp": dense.create_pg(["tp", "cp"], timeout=timeout),
-        "mp": dense.create_pg(["tp", "pp"], timeout=timeout),
-        "tp_dp_cp": dense.create_pg(["tp", "cp", "dp"], timeout=timeout),
-        "intra_dist_opt": dense.create_pg(["tp", "cp", "dp", "pp"], timeout=timeout),
-        "expt_tp": expert.create_pg("tp", timeout=timeout),
-        "ep": expert.create_pg("ep", timeout=timeout),
-        "expt_dp": expert.create_pg("dp", timeout=timeout),
-        "tp_ep": expert.create_pg(["tp", "ep"], timeout=timeout),
-        "tp_ep_pp": expert.create_pg(["tp", "ep", "pp"], timeout=timeout),
-    }
+    sharp = plan.sharp_group is not None and backend == "nccl"
+    if sharp:
+        os.environ["NCCL_COLLNET_ENABLE"] = "1"
+    pgs = {"dp_cp": dense.create_pg(["cp", "dp"], **kwargs("dp_cp"))}
+    if sharp:
+        _initialise_with_sharp(pgs["dp_cp"], device)
+    pgs.update({
+        "tp": dense.create_pg("tp", **kwargs("tp")),
+        "cp": dense.create_pg("cp", **kwargs("cp")),
+        "dp": dense.create_pg("dp", **kwargs("dp")),
+        "pp": dense.create_pg("pp", **kwargs("pp")),
+        "tp_cp": dense.create_pg(["tp", "cp"], **kwargs("tp_cp")),
+        "mp": dense.create_pg(["tp", "pp"], **kwargs("mp")),
+        "tp_dp_cp": dense.create_pg(["tp", "cp", "dp"], **kwargs("tp_dp_cp")),
+        "intra_dist_opt": dense.create_pg(["tp", "cp", "dp", "pp"], **kwargs("intra_dist_opt")),
+        "expt_tp": expert.create_pg("tp", **kwargs("expt_tp")),
+        "ep": expert.create_pg("ep", **kwargs("ep")),
+        "expt_dp": expert.create_pg("dp", **kwargs("expt_dp")),
+        "tp_ep": expert.create_pg(["tp", "ep"], **kwargs("tp_ep")),
+        "tp_ep_pp": expert.create_pg(["tp", "ep", "pp"], **kwargs("tp_ep_pp")),
+    })  # fmt: skip
     # Embedding group: first and last pipeline stage of every pipeline (tied-embedding grads).
     pp_enum = dense.get_rank_enum("pp")
     embd_enum = [sorted({ranks[0], ranks[-1]}) for ranks in pp_enum]
-    pgs["embd"], _ = dist.new_subgroups_by_enumeration(embd_enum, backend=backend, timeout=timeout)
+    pgs["embd"], _ = dist.new_subgroups_by_enumeration(embd_enum, backend=backend, **kwargs("embd"))
     pos_enum = [[ranks[0]] for ranks in pp_enum]
     pgs["pos_embd"], _ = dist.new_subgroups_by_enumeration(
-        pos_enum, backend=backend, timeout=timeout
+        pos_enum, backend=backend, **kwargs("pos_embd")
     )
 
     if dist.get_rank() not in grid.ranks:
@@ -158,6 +175,42 @@ def _role_collection(grid: RoleGrid, backend: str, timeout) -> ProcessGroupColle
     collection.inter_dist_opt = None
     collection.hcp = None
     return collection
+
+
+def _initialise_with_sharp(group: dist.ProcessGroup | None, device) -> None:
+    """megatron-core's SHARP: the group's NCCL communicator is made now on this rank's `device`
+    (PyTorch makes them lazily), while NCCL_COLLNET_ENABLE=1, and the variable is then removed
+    so that no later communicator asks for SHARP too."""
+    import torch
+
+    try:
+        if group is not None:
+            if device is None:
+                raise RuntimeError("SHARP (--use-sharp) needs the rank's CUDA device to "
+                                   "initialise the data-parallel group's communicator")  # fmt: skip
+            dist.barrier(group=group, device_ids=[device.index])
+            torch.cuda.synchronize(device)
+    finally:
+        os.environ.pop("NCCL_COLLNET_ENABLE", None)
+
+
+def _group_plans(
+    layout: RoleLayout, backend: str, role_args: dict[str, dict] | None
+) -> dict[str, pg_options.GroupOptions]:
+    """Each placed Megatron role's `pg_options` plan, from its own Megatron args; every rank
+    plans alike (the args and the layout are the same everywhere)."""
+    roles = [role for role in MEGATRON_ROLES if role in layout.parallelism]
+    plans = {
+        role: pg_options.plan_group_options((role_args or {}).get(role, {}), backend)
+        for role in roles
+    }
+    windows = {role: tuple(layout.grid(role).ranks) for role in roles}
+    plans = pg_options.share_sharp(plans, windows)
+    if dist.get_rank() == 0:
+        for plan in plans.values():
+            for note in plan.notes:
+                warn_once(note)
+    return plans
 
 
 def _weight_sender_groups(layout: RoleLayout, followers: set[int], timeout, backend="gloo"):
@@ -185,13 +238,17 @@ def build_world_groups(
     backend: str,
     timeout: datetime.timedelta | None = None,
     control_timeout: datetime.timedelta | None = None,
+    role_args: dict[str, dict] | None = None,
+    device=None,
 ) -> WorldGroups:
     """Build every group of `layout` (collective: call on every rank, same arguments).
 
     `timeout`: how long any collective on these groups may wait before torch.distributed fails
     it (`ResolvedConfig.collective_timeout_s`); None: torch's default (10 min for NCCL, 30 min
     for gloo). `control_timeout`: the same for `control`, whose barriers also wait for engines
-    to start; None: `timeout`."""
+    to start; None: `timeout`. `role_args`: each Megatron role's resolved args
+    (`ResolvedConfig.role_megatron_args`), whose group flags set its groups' options (`pg_options`);
+    None: none."""
     if not dist.is_initialized():
         raise RuntimeError("build_world_groups needs torch.distributed to be initialised first")
     world_size, rank = dist.get_world_size(), dist.get_rank()
@@ -204,14 +261,12 @@ def build_world_groups(
         list(range(world_size)), backend="gloo", timeout=control_timeout or timeout
     )
     roles: dict[str, RoleGroups] = {}
-    for role in MEGATRON_ROLES:
-        if role not in layout.parallelism:
-            continue
+    for role, plan in _group_plans(layout, backend, role_args).items():
         grid = layout.grid(role)
         roles[role] = RoleGroups(
             role=role,
             ranks=tuple(grid.ranks),
-            pg_collection=_role_collection(grid, backend, timeout),
+            pg_collection=_role_collection(grid, backend, timeout, plan, device),
             pp_size=grid.pp,
         )
     placed = {role for window in layout.windows for role in window.roles}

@@ -63,7 +63,8 @@ def check_run_inputs(cfg, here: bool = False) -> None:
 
 def check_batches(cfg, layout) -> None:
     """--global-batch-size against the train role's data-parallel size and micro-batch size
-    (Megatron's rule), for the world the dry run plans: the ranks would find it at step 0."""
+    (Megatron's rule), for the world the dry run plans: the ranks would find it at step 0; with
+    --rampup-batch-size or --decrease-batch-size-if-needed, every G the run takes."""
     if cfg.trainer.job != "grpo" or "train" not in layout.parallelism:
         return
     from megatron_async_rl.algorithms.minibatch import check_minibatches
@@ -73,6 +74,12 @@ def check_batches(cfg, layout) -> None:
     if gbs is None:
         return
     batch = cfg.rollout.num_prompts_per_step * cfg.algorithm.num_samples_per_prompt
+    if args.get("rampup_batch_size") or args.get("decrease_batch_size_if_needed"):
+        from megatron_async_rl.algorithms.batch_ramp import check_batch_ramp
+
+        # every G the run reaches, as rounded for this world's data-parallel size
+        check_batch_ramp(args, batch, cfg.algorithm.ppo_epochs, layout.dp_of("train"))
+        return
     check_minibatches(batch, gbs, int(args.get("micro_batch_size") or 1), layout.dp_of("train"))
 
 

@@ -56,13 +56,19 @@ def train_on_batch(role, work: StepWork, cfg) -> dict:
     unset: one step over the whole batch). Each step's loss is normalised over its own
     mini-batch's tokens or sequences on every data-parallel rank, so a plan of one whole-batch
     step is exactly the single step. Metrics: each step's as `train_step` reports them, averaged
-    over the steps, except `actor/lr*` and `actor/wd*` (the last step's); `actor/grad_norm_max`
-    and `actor/optimizer_steps` (the count).
+    over the steps, except `actor/lr*` and `actor/wd*` (the last step's); `actor/grad_norm_max`,
+    `actor/optimizer_steps` (the count) and `actor/global_batch_size` (this RL step's G: it
+    follows --rampup-batch-size, `minibatch.global_batch_size_at`; B when G is unset).
     """
     algo, batch = cfg.algorithm, work.batch
     dp_size = dist.get_world_size(role.pgc.dp)
     mbs = int(role.args.get("micro_batch_size") or 1)  # trainer.micro_batch_size is folded in
-    num_samples, global_batch_size = batch["tokens"].shape[0], role.args.get("global_batch_size")
+    num_samples, global_batch_size = (
+        batch["tokens"].shape[0],
+        minibatch.global_batch_size_at(
+            role.args, work.step, batch["tokens"].shape[0], algo.ppo_epochs, dp_size
+        ),
+    )
     if global_batch_size is not None:
         minibatch.check_minibatches(num_samples, global_batch_size, mbs, dp_size)
     plan = minibatch.plan_minibatches(num_samples, global_batch_size, algo.ppo_epochs,
@@ -85,9 +91,10 @@ def train_on_batch(role, work: StepWork, cfg) -> dict:
     if len(steps) < len(plan):
         logger.warning("step %d: skipped optimizer iterations %s (--iterations-to-skip)", work.step,
                        sorted(i for i in range(first, first + len(plan)) if i in skip))  # fmt: skip
+    size = {"actor/global_batch_size": float(len(plan[0]))}  # the G of this RL step
     if not steps:
-        return {"actor/optimizer_steps": 0.0}
-    return _merge_steps(steps)
+        return {"actor/optimizer_steps": 0.0, **size}
+    return {**_merge_steps(steps), **size}
 
 
 def _replay_fields(mode: str, batch: dict) -> dict:

@@ -1,17 +1,21 @@
 """The train role's learning-rate and weight-decay schedule: megatron-core's own
-`OptimizerParamScheduler`, counted in optimizer steps.
+`OptimizerParamScheduler`, counted in optimizer steps of --global-batch-size samples.
 
 Owned here: turning the train role's resolved Megatron args into the scheduler's arguments
 (`schedule_kwargs`: pure, no process group, no megatron import), building the scheduler over the
 role's optimizer (`build_lr_scheduler`), reading the lr and weight decay an update uses
 (`current_lr_and_wd`) and restoring a saved schedule (`load_scheduler_state`). Called by
-`roles.megatron_role.MegatronRole` (build, then `step(increment=1)` once per applied optimizer
-step) and by `checkpoint.megatron_state` (its `state_dict()` in the checkpoint's common part).
+`roles.megatron_role.MegatronRole` (build, then `step(scheduler_increment(...))` once per
+applied optimizer step) and by `checkpoint.megatron_state` (its `state_dict()` in the
+checkpoint's common part).
 
-Units: Megatron-LM counts its scheduler in samples (each iteration adds the global batch size,
-and its iteration flags are multiplied by --global-batch-size). Here one scheduler step is one
-optimizer step: iteration flags are used as they are and sample flags are divided by
---global-batch-size (exactly, a float when it does not divide), which gives the same schedule.
+Units: Megatron-LM counts its scheduler in samples (each iteration adds the global batch size
+it ran, and its iteration flags are multiplied by --global-batch-size). Here one scheduler step
+is --global-batch-size G samples: iteration flags are used as they are, sample flags are divided
+by G (exactly, a float when it does not divide), and an optimizer step over G_k samples advances
+the schedule by G_k / G (`scheduler_increment`): 1 per optimizer step, except while
+--rampup-batch-size ramps G up or --decrease-batch-size-if-needed lowers it
+(`algorithms.batch_ramp`), which gives Megatron-LM's schedule there too.
 
 Rules, as Megatron-LM's `get_optimizer_param_scheduler` and `validate_args` apply them:
 - decay steps: --lr-decay-iters, else --train-iters, else the run's total optimizer steps (the
@@ -83,6 +87,14 @@ def _steps(args: dict[str, Any], iters: str, samples: str, unset=None):
         )
     steps = num_samples // batch if num_samples % batch == 0 else num_samples / batch
     return steps, _flag(samples), num_samples
+
+
+def scheduler_increment(args: dict[str, Any], step_samples: int) -> int | float:
+    """How far an applied optimizer step over `step_samples` samples (all data-parallel ranks)
+    advances the schedule: step_samples / --global-batch-size; 1 when they are equal or G is
+    unset (one optimizer step over the whole rollout batch)."""
+    batch = args.get("global_batch_size")
+    return 1 if not batch or step_samples == batch else step_samples / batch
 
 
 def schedule_kwargs(args: dict[str, Any], total_optimizer_steps: int | None) -> dict[str, Any]:

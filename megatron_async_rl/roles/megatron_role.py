@@ -334,7 +334,8 @@ class MegatronRole:
         `actor/lr` and `actor/wd` (the lr and weight decay THIS step's update used, read before
         the schedule advances; the lr of the default param groups, the weight decay before each
         group's wd_mult) and the loss_fn metrics averaged over micro-batches (on the last
-        stage). The lr schedule advances one step after an applied update; a skipped one
+        stage). The lr schedule advances after an applied update (by the step's samples over
+        --global-batch-size: one step but while a batch ramp runs); a skipped one
         (update_ok False: the grad scaler found an inf or NaN) leaves it where it is, as
         Megatron-LM does.
         """
@@ -386,8 +387,12 @@ class MegatronRole:
             metrics["actor/lr"], metrics["actor/wd"] = lr_schedule.current_lr_and_wd(
                 self.lr_scheduler
             )
-            if update_ok:
-                self.lr_scheduler.step(increment=1)
+            if update_ok:  # by G_k / G: see lr_schedule (1 but while a batch ramp runs)
+                step_samples = sum(len(mb["tokens"]) for mb in micro_batches)
+                step_samples *= dist.get_world_size(self.pgc.dp)
+                self.lr_scheduler.step(
+                    increment=lr_schedule.scheduler_increment(self.args, step_samples)
+                )
         if outputs:
             for key in outputs[0]:
                 metrics[key] = sum(o[key] for o in outputs) / len(outputs)

@@ -21,9 +21,12 @@ bottom first:
                     config/megatron_lm (Megatron-LM's flag inventory and verdicts),
                     config/megatron_parse (flags and megatron: sections read through them),
                     config/plugins (module:attribute names a recipe gives),
-                    algorithms/minibatch (batch arithmetic the recipe checks) and
+                    algorithms/minibatch (batch arithmetic the recipe checks),
+                    algorithms/batch_ramp (its G per RL step from megatron-core's calculator,
+                    imported lazily) and
                     every <package>/config.py: the recipe's sections, pure and validated
-    layout          distributed/layout (pure rank arithmetic), distributed/collective_errors
+    layout          distributed/layout (pure rank arithmetic), distributed/collective_errors,
+                    distributed/pg_options (the role groups' options, planned from flags)
     groups          distributed/groups, distributed/platform, compat (torch.distributed)
     models          models/, moe/ (routed experts as data, their replay in Megatron routers)
     engines         engines/
@@ -134,7 +137,7 @@ PURE = (
     "distributed.collective_errors", "scheduler.watchdog", "algorithms.minibatch",
     "config.megatron_lm", "config.megatron_parse", "moe.config", "moe.routing",
     "algorithms.advantages", "algorithms.corrections", "rollout.refill",
-    "algorithms.critic_config", "config.role_checks",
+    "algorithms.critic_config", "config.role_checks", "distributed.pg_options",
 )  # fmt: skip
 IMPURE = ("torch.distributed", "megatron", "sglang")
 
@@ -143,9 +146,9 @@ IMPURE = ("torch.distributed", "megatron", "sglang")
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("config.errors", "config.checks", "config.roles", "config.megatron_flags",
                 "config.megatron_lm", "config.megatron_parse", "config.plugins",
-                "algorithms.minibatch", "algorithms.critic_config", "config.role_checks",
-                "*.config")),
-    ("layout", ("distributed.layout", "distributed.collective_errors")),
+                "algorithms.minibatch", "algorithms.batch_ramp", "algorithms.critic_config",
+                "config.role_checks", "*.config")),
+    ("layout", ("distributed.layout", "distributed.collective_errors", "distributed.pg_options")),
     ("groups", ("distributed.groups", "distributed.platform", "distributed.devices", "compat")),
     ("models", ("models", "moe")),
     ("engines", ("engines",)),

@@ -73,7 +73,21 @@ def test_coverage_of_the_core_groups(capsys):
               f"{sum(total.values())} = {share:.1%} applied or aliased; of the flags that "
               f"configure a GPT run in Megatron-LM itself: {sum(counts.values())}/{knobs} = "
               f"{sum(counts.values()) / knobs:.1%}")  # fmt: skip
-    assert share >= 0.88
+    assert share >= 0.90
+
+
+def test_batch_ramp_and_group_flags_are_applied():
+    """Their effects: tests/unit/test_batch_ramp.py (the G of each RL step, the lr schedule) and
+    tests/unit/test_pg_options.py (each role group's NCCL options and SHARP)."""
+    applied = frozenset(mf.flag_table()[0])
+    for dest in ("rampup_batch_size", "decrease_batch_size_if_needed",
+                 "nccl_communicator_config_path", "high_priority_stream_groups", "use_sharp",
+                 "sharp_enabled_group"):  # fmt: skip
+        assert ml.classify(dest, applied) == ml.Verdict("applied"), dest
+    args = mp.parse_megatron_flags(["--rampup-batch-size", "16", "16", "128", "--use-sharp",
+                                    "--high-priority-stream-groups", "dp_cp", "tp"])  # fmt: skip
+    assert args == {"rampup_batch_size": [16, 16, 128], "use_sharp": True,
+                    "high_priority_stream_groups": ["dp_cp", "tp"]}  # fmt: skip
 
 
 def _other_value(spec: mf.ArgSpec):

@@ -81,6 +81,20 @@ def test_a_mistake_is_one_line_and_exit_2(setup, monkeypatch, capsys, change, ar
     assert errors[0].startswith(f"error: config error: {expected}"), errors[0]
 
 
+def test_the_dry_run_checks_g_as_decrease_batch_size_if_needed_rounds_it(
+    setup, monkeypatch, capsys
+):
+    root, recipe = setup
+    recipe = {**recipe, "rollout": {**recipe["rollout"], "num_prompts_per_step": 12}}  # B = 96
+    flags = ["--", "--global-batch-size", "48", "--micro-batch-size", "32"]
+    code, errors = _dry_run(root, recipe, monkeypatch, capsys, *flags)
+    assert code == 2 and "must be a multiple of the micro-batch size" in errors[0], errors
+    # rounded down to 32, which divides the rollout batch of 96
+    code, errors = _dry_run(root, recipe, monkeypatch, capsys, *flags,
+                            "--decrease-batch-size-if-needed")  # fmt: skip
+    assert (code, errors) == (0, [])
+
+
 def test_the_recipe_as_it_is_passes(setup, monkeypatch, capsys):
     root, recipe = setup
     code, errors = _dry_run(root, recipe, monkeypatch, capsys)
