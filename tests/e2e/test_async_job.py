@@ -6,10 +6,11 @@ Contracts checked:
   optimizer mini-batch steps per RL step under an lr schedule) exactly: same seed
   and data give identical metrics (every key but timings, throughput, scheduler and
   utilization seconds) at every step, validation results included;
-- the same holds with the non-default loss side on (GSPO, RLOO advantages, tis_seq weights, a
-  geometric-mean rejection band, DAPO's overlong penalty and truncation filter) over 2 steps of
-  2 mini-batches each, and the knobs act (the penalty is paid, the metrics are logged);
-- at `generate_ahead_steps: 1` with `weight_update_mode: in_flight` over 10 steps, no token is
+- the same holds with the non-default loss side on, together with refill
+  (tests/e2e/test_refill_job.py, one pair of runs for both);
+- at `generate_ahead_steps: 1` with `weight_update_mode: in_flight` over 10 steps, on four
+  windows of one rank each (train | logp | ref | generate; logp waits for its weights of version
+  s before scoring step s, and every group's utilization is logged), no token is
   ever trained more than one policy version after the one that produced it (`policy_lag/max`
   read from the per-token versions the engine reported), generation does run ahead (some step
   has lag 1), updates land while the engine generates (samples mix versions,
@@ -59,15 +60,28 @@ def test_zero_steps_ahead_is_the_synchronous_loop_exactly(task, sync_run, tmp_pa
         )
 
 
-def test_one_step_ahead_in_flight_mixes_versions_within_the_bound(task, tmp_path):
+def test_one_step_ahead_in_flight_on_four_windows_mixes_versions_within_the_bound(task, tmp_path):
+    # [train] [logp] [ref] [generate]: each Megatron role on its own rank, one scheduler each;
+    # logp waits for its weights of version s before scoring step s (its proximal policy).
     # Long responses keep the engine busy when the next version arrives: it pauses in place,
     # loads and continues, so later tokens of the same sample carry the newer version. The
     # scheduling rules themselves (admission over 200 steps, validation gating, timeouts) are
     # unit-tested in one process (tests/unit/test_async_pipeline.py); this run checks them
     # with the real engine, Megatron and gloo.
-    rows = run_recipe(task, tmp_path / "n1", 29643, "trainer.num_steps=10",
-                "scheduler.generate_ahead_steps=1", "scheduler.weight_update_mode=in_flight",
-                "rollout.max_new_tokens=48").rows  # fmt: skip
+    recipe = tmp_path / "four_windows.yaml"
+    recipe.write_text(
+        (REPO / "tests" / "e2e" / "four_windows.yaml")
+        .read_text()
+        .replace("MODEL_PATH", str(task.model))
+        .replace("DATA_PATH", str(task.data))
+    )
+    cmd = launch_command(recipe, tmp_path / "n1", "trainer.num_steps=10",
+                         "scheduler.weight_update_mode=in_flight", "rollout.max_new_tokens=48")
+    proc = subprocess.run(cmd, env=launch_env(29643, nproc=4), capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    lines = (tmp_path / "n1" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
     assert len(rows) == 10
     lags = [row["policy_lag/max"] for row in rows]
     assert max(lags) <= 1, lags
@@ -77,66 +91,11 @@ def test_one_step_ahead_in_flight_mixes_versions_within_the_bound(task, tmp_path
     mixed = [row["policy_lag/mixed_samples"] for row in rows]
     assert max(mixed) > 0, f"no sample mixed versions: {mixed}"
     assert all("weight_sync/stall_s" in row for row in rows)
+    for role in ("train", "logp", "ref", "generate"):
+        assert all(f"utilization/{role}/busy_s" in row for row in rows), role
     trace = json.loads((tmp_path / "n1" / "trace.json").read_text())
     from megatron_async_rl.observability.trace import validate_trace
 
     validate_trace(trace)
     paused = [e for e in trace["traceEvents"] if e.get("name") == "generate (paused)"]
     assert paused, "in-flight loads put generate in PAUSED"
-
-
-def test_logp_and_ref_on_ranks_of_their_own_run_ahead_within_the_bound(task, tmp_path):
-    # [train] [logp] [ref] [generate]: each Megatron role on its own rank, one scheduler each;
-    # logp waits for its weights of version s before scoring step s (its proximal policy).
-    recipe = tmp_path / "four_windows.yaml"
-    recipe.write_text(
-        (REPO / "tests" / "e2e" / "four_windows.yaml")
-        .read_text()
-        .replace("MODEL_PATH", str(task.model))
-        .replace("DATA_PATH", str(task.data))
-    )
-    cmd = launch_command(recipe, tmp_path / "four")
-    proc = subprocess.run(cmd, env=launch_env(29645, nproc=4), capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    lines = (tmp_path / "four" / "metrics.jsonl").read_text().splitlines()
-    rows = [json.loads(line) for line in lines]
-    assert len(rows) == 6
-    assert max(row["policy_lag/max"] for row in rows) == 1
-    for role in ("train", "logp", "ref", "generate"):
-        assert all(f"utilization/{role}/busy_s" in row for row in rows), role
-
-
-LOSS_SIDE_SETS = (
-    "trainer.num_steps=2",
-    "megatron.global_batch_size=64",
-    "algorithm.policy_loss=gspo",
-    "algorithm.loss_agg_mode=null",  # the recipe's token-mean: GSPO takes its own
-    "algorithm.advantage_estimator=rloo",
-    "algorithm.off_policy_correction=tis_seq",
-    "algorithm.off_policy_mask=geo_mean",
-    "algorithm.off_policy_mask_low=0.99",
-    "algorithm.off_policy_mask_high=1.01",
-    "algorithm.overlong_buffer_len=2",
-    "algorithm.overlong_penalty_factor=0.5",
-    "algorithm.mask_truncated=true",
-)
-
-
-def test_zero_steps_ahead_is_the_synchronous_loop_with_the_loss_side_knobs(task, tmp_path):
-    sync = run_recipe(task, tmp_path / "sync", 29646, *LOSS_SIDE_SETS).rows
-    async_ = run_recipe(task, tmp_path / "async", 29647, *LOSS_SIDE_SETS, "scheduler.loop=async")
-    assert len(sync) == len(async_.rows) == 2
-    for a, b in zip(sync, async_.rows, strict=True):
-        assert _stable(a) == _stable(b), (
-            a["step"],
-            set(_stable(a).items()) ^ set(_stable(b).items()),
-        )
-    resolved = (async_.run_dir / "config.resolved.yaml").read_text()
-    assert "loss_agg_mode: seq-mean-token-mean" in resolved and "policy_loss: gspo" in resolved
-    # answers are 1-2 digits then <eos> within max_new_tokens 4: lengths 3-4 pay the penalty
-    assert min(r["reward/overlong_penalty_mean"] for r in sync) < 0
-    for key in ("mismatch/k1", "mismatch/k3_kl/trained", "mismatch/max_abs",
-                "offpolicy/masked_seq_frac", "samples/masked_truncated"):  # fmt: skip
-        assert all(key in r for r in sync), key
-    assert all(r["actor/optimizer_steps"] == 2.0 for r in sync)

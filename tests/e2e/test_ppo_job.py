@@ -7,9 +7,9 @@ Contracts checked (2 RL steps, the first a critic warm-up step):
   Megatron role on one) exactly: every metric but timings is identical at every step (rewards
   with the reward model's scores, GAE's advantages and returns, the critic's value loss,
   gradient norm and explained variance, the actor's loss);
-- in the five-window run, every group's utilization is logged, and the trace shows the critic's
-  stages on their own rank overlapping the actor's: `critic_values` with logp/ref, and
-  `critic_train` with `train`, at the same step;
+- in the five-window run, every group's utilization is logged, the critic's and the reward
+  model's stages run on their own ranks, and the trace shows `critic_train` overlapping the
+  actor's `train` at the same step;
 - the warm-up trains the critic alone (no actor optimizer step at step 0, one at step 1) and
   the critic's optimizer steps every step;
 - its checkpoint holds the critic's model and optimizer next to the actor's, and its HF export
@@ -120,10 +120,13 @@ def test_ppo_with_a_reward_model_async_on_five_windows_is_the_synchronous_loop(
         for group in GROUPS:
             assert f"utilization/{group}/busy_s" in row, (group, sorted(row))
     spans = _spans(tmp_path / "async")
-    actor_forwards = {"logp": "logp", "ref": "ref"}
-    assert _overlap(spans, "critic_values", "critic", actor_forwards, 1) > 0
-    assert _overlap(spans, "reward_model", "reward_model", actor_forwards, 1) > 0
+    # The critic trains while the actor trains (both start after the train stage's gather).
+    # critic_values and reward_model have no dependency on logp/ref either, but here they take
+    # ~10 ms and the samples reach the ranks tens of ms apart: their overlap is not asserted.
     assert _overlap(spans, "critic_train", "critic", {"train": "train"}, 1) > 0
+    for stage, role in (("critic_values", "critic"), ("reward_model", "reward_model")):
+        ran = [e for e in spans if e["name"] == stage and e["pid"] == RANKS[role]]
+        assert len(ran) == 2 and all(e["dur"] > 0 for e in ran), (stage, ran)
     saved = sorted((tmp_path / "sync" / "checkpoints").glob("step_*"))
     assert saved and (saved[-1] / "critic").is_dir() and (saved[-1] / "megatron").is_dir()
     _check_critic_export(tmp_path / "sync" / "checkpoints" / "hf_step_00000002_critic", task)

@@ -10,7 +10,11 @@ responses such a group almost always has rewards that differ; any other group sc
   prompts a step, each with an even answer in the data file); refill rounds did run;
 - the asynchronous loop at `generate_ahead_steps: 0` reproduces the synchronous loop exactly
   with refill: identical metrics (every key but timings, throughput, scheduler and utilization
-  seconds) and the same prompts trained at every step.
+  seconds) and the same prompts trained at every step;
+- the same pair of runs has the non-default loss side on (GSPO, RLOO advantages, tis_seq
+  weights, a geometric-mean rejection band, DAPO's overlong penalty and truncation filter, 2
+  mini-batches per step), and its knobs act: the penalty is paid, their metrics are logged, the
+  truncation filter and the rejection band mask samples the refill kept.
 Nothing is faked: real torchrun, megatron-core, gloo and SGLang on CPU; the reward is a
 `module:function` reward as a user writes one.
 """
@@ -52,11 +56,25 @@ REFILL_SETS = (
     "algorithm.refill=true",
     "reward.name=tests.e2e.test_refill_job:even_answers_only",
 )
+LOSS_SIDE_SETS = (
+    "megatron.global_batch_size=64",
+    "algorithm.policy_loss=gspo",
+    "algorithm.loss_agg_mode=null",  # the recipe's token-mean: GSPO takes its own
+    "algorithm.advantage_estimator=rloo",
+    "algorithm.off_policy_correction=tis_seq",
+    "algorithm.off_policy_mask=geo_mean",
+    "algorithm.off_policy_mask_low=0.99",
+    "algorithm.off_policy_mask_high=1.01",
+    "algorithm.overlong_buffer_len=2",
+    "algorithm.overlong_penalty_factor=0.5",
+    "algorithm.mask_truncated=true",
+)
 
 
 def test_refill_batches_hold_exactly_the_informative_groups_and_zero_ahead_is_sync(task, tmp_path):
-    sync = run_recipe(task, tmp_path / "sync", 29681, *REFILL_SETS)
-    async_ = run_recipe(task, tmp_path / "async", 29682, *REFILL_SETS, "scheduler.loop=async")
+    sets = (*REFILL_SETS, *LOSS_SIDE_SETS)
+    sync = run_recipe(task, tmp_path / "sync", 29681, *sets)
+    async_ = run_recipe(task, tmp_path / "async", 29682, *sets, "scheduler.loop=async")
     answers = {}
     for line_number, line in enumerate(task.data.read_text().splitlines(), start=1):
         try:
@@ -69,7 +87,10 @@ def test_refill_batches_hold_exactly_the_informative_groups_and_zero_ahead_is_sy
             assert row["dynamic_sampling/groups_kept"] == PROMPTS
             assert row["dynamic_sampling/groups_padded"] == 0
             assert row["data/zero_variance_groups"] == 0.0 and row["data/dropped_groups"] == 0
-            assert row["samples/kept"] == PROMPTS * SAMPLES
+            # the truncation filter, then the rejection band, mask some of them (the loss side)
+            untruncated = PROMPTS * SAMPLES - row["samples/masked_truncated"]
+            rejected = round(row["offpolicy/masked_seq_frac"] * untruncated)
+            assert row["samples/kept"] == untruncated - rejected
         assert max(r["dynamic_sampling/rounds"] for r in run.rows) > 1, "no refill round ran"
         for entry in read_ledger(run.run_dir / "ledger.jsonl"):
             assert len(set(entry["prompts"])) == PROMPTS
@@ -80,3 +101,15 @@ def test_refill_batches_hold_exactly_the_informative_groups_and_zero_ahead_is_sy
         assert stable_a == stable_b, (a["step"], set(stable_a.items()) ^ set(stable_b.items()))
     ledgers = [read_ledger(run.run_dir / "ledger.jsonl") for run in (sync, async_)]
     assert [e["prompts"] for e in ledgers[0]] == [e["prompts"] for e in ledgers[1]]
+    _check_loss_side(sync)
+
+
+def _check_loss_side(run) -> None:
+    resolved = (run.run_dir / "config.resolved.yaml").read_text()
+    assert "loss_agg_mode: seq-mean-token-mean" in resolved and "policy_loss: gspo" in resolved
+    # answers are 1-2 digits then <eos> within max_new_tokens 4: lengths 3-4 pay the penalty
+    assert min(r["reward/overlong_penalty_mean"] for r in run.rows) < 0
+    for key in ("mismatch/k1", "mismatch/k3_kl/trained", "mismatch/max_abs",
+                "offpolicy/masked_seq_frac", "samples/masked_truncated"):  # fmt: skip
+        assert all(key in r for r in run.rows), key
+    assert all(r["actor/optimizer_steps"] == 2.0 for r in run.rows)
