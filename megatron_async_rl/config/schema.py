@@ -317,7 +317,7 @@ class RunConfig:
 
     def _check_value_roles(self) -> None:
         """A critic role exactly when advantages are GAE's; a reward_model role exactly when
-        the recipe has a `reward_model:` section."""
+        the recipe has a `reward_model:` section, and then no refill."""
         placed = self.roles.placed_roles()
         gae = self.algorithm.advantage_estimator == "gae"
         if gae and "critic" not in placed:
@@ -341,6 +341,15 @@ class RunConfig:
                 "a reward_model role needs the reward_model: section (its checkpoint) and the "
                 "section needs the role",
                 "add both, e.g. reward_model: {hf_path: my-rm} and a group with reward_model",
+            )  # fmt: skip
+        if self.reward_model is not None and self.algorithm.refill:
+            raise ConfigError(
+                "algorithm.refill", True,
+                "refill decides on the engine hosts, on the reward: function's values, before "
+                "the reward model scores the samples: groups its scores tell apart would be "
+                "dropped (with reward_model.rule_weight 0, every group)",
+                "set algorithm.refill: false (algorithm.dynamic_filtering then filters on the "
+                "combined reward, on the learn side)",
             )  # fmt: skip
 
 
