@@ -31,6 +31,14 @@ def main() -> None:
     from megatron_async_rl.roles.lr_schedule import schedule_kwargs
 
     cfg = resolve(args.run_dir / "config.resolved.yaml", [], [], check_paths=False)
+    ramp = {k: cfg.role_megatron_args["train"].get(k)
+            for k in ("rampup_batch_size", "decrease_batch_size_if_needed")}  # fmt: skip
+    if any(ramp.values()):
+        raise SystemExit(
+            f"{args.run_dir}: {ramp}: this check replays a fixed --global-batch-size (one "
+            "scheduler step per optimizer step); a ramped schedule (G_k / G per step) is checked "
+            "against megatron-core's in tests/unit/test_batch_ramp.py"
+        )
     per_step = run_optimizer_steps_per_rl_step(cfg)
     train_args = cfg.role_megatron_args["train"]
     kwargs = schedule_kwargs(train_args, cfg.trainer.num_steps * per_step)
