@@ -9,10 +9,12 @@ spans alone come:
 - `timing/<name>_s` of a step: the sum of the stage's RUNNING spans labelled with that step
   (`timings(step)`);
 - `utilization/<group>/*`: the union of the rank's RUNNING spans in the window since the last
-  call (`utilization()`); a wait (WAITING_INPUT, WAITING_OUTPUT_SPACE, PAUSED) is never busy.
+  call (`utilization()`), of the learn stages only those of roles the rank holds
+  (`LEARN_STAGE_ROLES`); a wait (WAITING_INPUT, WAITING_OUTPUT_SPACE, PAUSED) is never busy.
 
-So the three agree by construction; `scheduler/<stage>/busy_s` (the machines' own totals) is the
-running sum of the same spans. Called by the jobs (one clock per rank, passed to the sides).
+So the three agree by construction (on a rank holding every role it runs);
+`scheduler/<stage>/busy_s` (the machines' own totals) is the running sum of the same spans.
+Called by the jobs (one clock per rank, passed to the sides).
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ METRIC_NAMES = {
 """Stages whose metric and trace name is not the stage's own (names users already know)."""
 GENERATE_SIDE_NAMES = {Stage.PARAM_UPDATE: "load_weights"}
 """On a generate-only rank the param_update machine loads weights into the engine."""
+LEARN_STAGE_ROLES = {"logp": "logp", "ref": "ref", "reward_model": "reward_model",
+                     "critic_values": "critic", "train": "train", "critic_train": "critic"}
+"""The role whose work a learn stage is. Every Megatron rank runs every learn stage, and on a
+rank without the role the stage is the batch's layout, the train stage's gather (a wait for the
+other roles) and GAE, or nothing: not counted busy in `utilization()` (timings and the trace
+keep every span)."""
 PAUSED_SUFFIX = " (paused)"
 MAX_OPEN_STEPS = 64
 """Steps whose timings are kept until taken; older ones are dropped (a view nobody read)."""
@@ -94,6 +102,8 @@ class RankClock:
         if now <= since:
             return {}
         spans = [
-            s for s in self.trace.spans(since_s=since) if not s["stage"].endswith(PAUSED_SUFFIX)
-        ]
+            s for s in self.trace.spans(since_s=since)
+            if not s["stage"].endswith(PAUSED_SUFFIX)
+            and LEARN_STAGE_ROLES.get(s["stage"], self.roles[0]) in self.roles
+        ]  # fmt: skip
         return busy_idle(spans, since, now, {self.rank: self.roles})

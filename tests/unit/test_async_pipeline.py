@@ -268,7 +268,8 @@ def test_latest_validation_never_holds_a_load_back(tmp_path):
 
 def test_timings_utilization_and_trace_are_views_of_the_same_spans(tmp_path):
     learner = FakeLearner(lambda stage, step: 0.003)
-    clocks = (RankClock(1, ("generate",)), RankClock(0, ("train",)))
+    roles = ("train", "logp", "ref")  # the fake learner's rank runs all three roles' work
+    clocks = (RankClock(1, ("generate",)), RankClock(0, roles))
     run_async(make_cfg(tmp_path, steps=4, ahead=1), TimedEngine(token_s=0.001), learner, clocks)
     events = [e for e in clocks[1].trace.events() if e.get("ph") == "X"]
     for metrics in learner.logged:
@@ -280,9 +281,27 @@ def test_timings_utilization_and_trace_are_views_of_the_same_spans(tmp_path):
             assert metrics[f"timing/{name}_s"] == pytest.approx(sum(spans), abs=1e-6)
     # utilization windows tile the run: their busy seconds add up to the union of the spans
     spans = clocks[1].trace.spans()
-    union = busy_idle(spans, 0.0, max(s["end_s"] for s in spans) + 1, {0: ("train",)})
-    total = sum(m["utilization/train/busy_s"] for m in learner.logged)
-    assert total == pytest.approx(union["utilization/train/busy_s"], abs=1e-5)
+    union = busy_idle(spans, 0.0, max(s["end_s"] for s in spans) + 1, {0: roles})
+    total = sum(m["utilization/train+logp+ref/busy_s"] for m in learner.logged)
+    assert total == pytest.approx(union["utilization/train+logp+ref/busy_s"], abs=1e-5)
+
+
+def test_a_rank_is_busy_only_in_the_stages_of_its_own_roles(tmp_path):
+    """A critic rank runs every learn stage; logp, ref and train (the batch's layout, the train
+    stage's gather and GAE) are not its busy time, critic_values and critic_train are."""
+    learner = FakeLearner(lambda stage, step: 0.01)
+    cfg = make_cfg(tmp_path, steps=3, ahead=1, roles=("train", "logp", "ref", "critic",
+                                                      "generate"))  # fmt: skip
+    clocks = (RankClock(1, ("generate",)), RankClock(0, ("critic",)))
+    run_async(cfg, TimedEngine(token_s=0.001), learner, clocks)
+    spans = clocks[1].trace.spans()
+    end = max(s["end_s"] for s in spans) + 1
+    own = [s for s in spans if s["stage"] in ("critic_values", "critic_train", "weight_sync")]
+    want = busy_idle(own, 0.0, end, {0: ("critic",)})["utilization/critic/busy_s"]
+    every = busy_idle(spans, 0.0, end, {0: ("critic",)})["utilization/critic/busy_s"]
+    total = sum(m["utilization/critic/busy_s"] for m in learner.logged)
+    assert total == pytest.approx(want, abs=1e-5)
+    assert every > want + 0.05  # logp, ref and train slept 10 ms a step each
 
 
 class WaitingExchange(LocalExchange):

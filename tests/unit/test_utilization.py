@@ -79,7 +79,7 @@ def test_busy_idle_against_hand_numbers():
 def test_busy_idle_on_the_clock_of_stage_machines():
     # one clock: a rank's machines report their spans; timings, trace and utilization agree
     now = [100.0]
-    clock = RankClock(0, ("train",), clock=lambda: now[0])
+    clock = RankClock(0, ("train", "logp"), clock=lambda: now[0])
     train, logp = clock.machine(Stage.TRAIN), clock.machine(Stage.LOGP)
 
     def at(t, machine, state, **step):
@@ -100,9 +100,25 @@ def test_busy_idle_on_the_clock_of_stage_machines():
         ("train", 102.0, 104.0),
     ]
     metrics = clock.utilization()  # window 100 -> 105
-    assert metrics["utilization/train/busy_s"] == pytest.approx(3.0)
+    assert metrics["utilization/train+logp/busy_s"] == pytest.approx(3.0)
     assert metrics["utilization/bubble_ratio"] == pytest.approx(0.4)
-    assert busy_idle(spans, 100.0, 105.0, {0: ("train",)}) == metrics
+    assert busy_idle(spans, 100.0, 105.0, {0: ("train", "logp")}) == metrics
+
+
+def test_a_learn_stage_of_a_role_the_rank_does_not_hold_is_not_busy():
+    # a train-only rank runs the logp stage too (the batch's layout): not its busy time
+    now = [100.0]
+    clock = RankClock(0, ("train",), clock=lambda: now[0])
+    train, logp = clock.machine(Stage.TRAIN), clock.machine(Stage.LOGP)
+    for t, machine, state in ((100.0, logp, StageState.RUNNING), (101.0, logp, StageState.IDLE),
+                              (102.0, train, StageState.RUNNING),
+                              (104.0, train, StageState.IDLE)):  # fmt: skip
+        now[0] = t
+        machine.transition(state, "test", step=3)
+    now[0] = 105.0
+    assert clock.timings(3) == {"timing/logp_s": 1.0, "timing/train_s": 2.0}  # all kept
+    assert [s["stage"] for s in clock.trace.spans()] == ["logp", "train"]
+    assert clock.utilization()["utilization/train/busy_s"] == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize(
