@@ -92,6 +92,19 @@ def global_batch_size_at(
     return batch_ramp.ramped_global_batch_size(args, step, num_samples, ppo_epochs, dp_size)
 
 
+def plan_role_step(args: dict, num_samples: int, algo, seed: int, step: int, dp_size: int
+                   ) -> list[list[int]]:  # fmt: skip
+    """`plan_minibatches` of RL step `step` for a trained role (the actor, the critic) whose
+    resolved Megatron args are `args`: its G at that step (`global_batch_size_at`), checked
+    against its micro-batch and data-parallel sizes (`check_minibatches`)."""
+    mbs = int(args.get("micro_batch_size") or 1)
+    global_batch_size = global_batch_size_at(args, step, num_samples, algo.ppo_epochs, dp_size)
+    if global_batch_size is not None:
+        check_minibatches(num_samples, global_batch_size, mbs, dp_size)
+    return plan_minibatches(num_samples, global_batch_size, algo.ppo_epochs,
+                            algo.shuffle_minibatches, seed, step)  # fmt: skip
+
+
 def plan_minibatches(
     num_samples: int,
     global_batch_size: int | None,

@@ -10,6 +10,10 @@ negative (`--no-async-tensor-model-parallel-allreduce`), as Megatron-LM does. Fi
 types (callables, dtypes, enums, lists) are skipped. Megatron-LM's own names that differ from the
 dataclasses come from the two documented tables below.
 
+Size: past ~600 lines, as one concept (what a Megatron flag is, its type, default and range, and
+the megatron-core config kwargs it becomes); the next split is the kwargs builders
+(`transformer_config_kwargs` and its neighbours) into a module of their own.
+
 Values are keyed by `dest` (argparse's name, underscores): `tensor_model_parallel_size: 2`.
 `coerce` types one value; `config.megatron_parse` reads the flags after `--` and the recipe's
 `megatron:` sections with it. Cross-field rules live in `check_args`, and `*_kwargs` turn a

@@ -6,6 +6,10 @@ Megatron args: defaults < the architecture read from `model.hf_path` (its config
 `build_config` folds them into each role's overrides so that the written `config.resolved.yaml`
 reproduces the same config on its own).
 
+Size: past ~600 lines, as the one place where the layers of precedence meet; the optional roles'
+checks already live in `config/role_checks.py`, and the Megatron-LM derived-flag rules are the
+next to move out.
+
 A recipe is our tree plus Megatron sections:
 
     run_dir: runs/tiny            # RunConfig fields (schema.py)

@@ -91,16 +91,8 @@ def train_critic(role, work, cfg) -> dict:
     algo, critic_cfg, batch = cfg.algorithm, cfg.critic, work.batch
     dp_rank, dp_size = dist.get_rank(role.pgc.dp), dist.get_world_size(role.pgc.dp)
     mbs = int(role.args.get("micro_batch_size") or 1)
-    num_samples, global_batch_size = (
-        batch["tokens"].shape[0],
-        minibatch.global_batch_size_at(
-            role.args, work.step, batch["tokens"].shape[0], algo.ppo_epochs, dp_size
-        ),
-    )
-    if global_batch_size is not None:
-        minibatch.check_minibatches(num_samples, global_batch_size, mbs, dp_size)
-    plan = minibatch.plan_minibatches(num_samples, global_batch_size, algo.ppo_epochs,
-                                      algo.shuffle_minibatches, cfg.seed, work.step)  # fmt: skip
+    plan = minibatch.plan_role_step(role.args, batch["tokens"].shape[0], algo, cfg.seed,
+                                    work.step, dp_size)  # fmt: skip
     fields = {"tokens": batch["tokens"], "mask": work.loss_mask_BT,
               "old_values": batch["old_values"], "returns": batch["returns"]}  # fmt: skip
     _, budget = response_budget(cfg)

@@ -63,16 +63,8 @@ def train_on_batch(role, work: StepWork, cfg) -> dict:
     algo, batch = cfg.algorithm, work.batch
     dp_size = dist.get_world_size(role.pgc.dp)
     mbs = int(role.args.get("micro_batch_size") or 1)  # trainer.micro_batch_size is folded in
-    num_samples, global_batch_size = (
-        batch["tokens"].shape[0],
-        minibatch.global_batch_size_at(
-            role.args, work.step, batch["tokens"].shape[0], algo.ppo_epochs, dp_size
-        ),
-    )
-    if global_batch_size is not None:
-        minibatch.check_minibatches(num_samples, global_batch_size, mbs, dp_size)
-    plan = minibatch.plan_minibatches(num_samples, global_batch_size, algo.ppo_epochs,
-                                      algo.shuffle_minibatches, cfg.seed, work.step)  # fmt: skip
+    plan = minibatch.plan_role_step(role.args, batch["tokens"].shape[0], algo, cfg.seed,
+                                    work.step, dp_size)  # fmt: skip
     fields = {
         "tokens": batch["tokens"], "mask": work.loss_mask_BT, "adv": work.adv_B,
         "old_logp": work.logp_BT, "ref_logp": work.ref_logp_BT,
