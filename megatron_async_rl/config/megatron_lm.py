@@ -355,6 +355,101 @@ NOT_BUILT: dict[str, tuple[str, str]] = {
 before they reach a config, since a model built with them could not load or sync its weights."""
 
 
+def _on(value: Any) -> bool:
+    return bool(value)
+
+
+def _set(value: Any) -> bool:
+    return value is not None
+
+
+_FSDP = (
+    "Megatron FSDP is not built here: roles wrap their model in megatron-core's DDP with the "
+    "distributed optimizer (and megatron-core 0.16.1's FSDP adapter builds CUDA device meshes only)"
+)
+_TE_GRAPHS = (
+    "Transformer Engine's graph capture is driven by Megatron-LM's training loop (its "
+    "TECudaGraphHelper), which this trainer does not run"
+)
+
+REFUSED_VALUES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
+    "use_megatron_fsdp": (_on, _FSDP, "use --use-distributed-optimizer to shard optimizer state"),
+    "num_distributed_optimizer_instances": (
+        lambda v: v is not None and int(v) > 1,
+        "several distributed-optimizer instances need an inter-instance group, which the role "
+        "groups do not build (one instance shards over the role's data-parallel ranks)",
+        "drop the flag (1 instance)",
+    ),
+    "tp_comm_overlap": (
+        _on,
+        "Transformer Engine's userbuffers are not initialised here; they also need one fixed "
+        "sequence length per micro-batch, while RL batches are padded to their longest sample",
+        "drop the flag",
+    ),
+    "experimental_attention_variant": (
+        _set,
+        "experimental attention variants (gated delta net, DSA) are not built by the layer "
+        "specs here, and the HF name map has no names for their weights",
+        "drop the flag",
+    ),
+    "external_cuda_graph": (_on, _TE_GRAPHS, "use --cuda-graph-impl local"),
+    "pipeline_model_parallel_comm_backend": (
+        lambda v: v not in (None, "nccl"),
+        "pipeline groups are created with the platform's backend (nccl on GPUs, gloo on CPU)",
+        "drop the flag",
+    ),
+}
+"""Dests that reach a megatron-core config field but whose meaning is built by Megatron-LM's own
+training loop or model builders, which this trainer does not run: a value that asks for it is
+refused (the default passes). Classified refused: no value of theirs does anything here."""
+
+VALUE_LIMITS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
+    "cuda_graph_impl": (lambda v: v == "transformer_engine", _TE_GRAPHS,
+                        "use --cuda-graph-impl local"),  # fmt: skip
+}
+"""Applied dests of which one value is refused, as `REFUSED_VALUES` (others are built)."""
+
+ONLY_WITH: dict[str, str] = {
+    **{name: "use_megatron_fsdp" for name in (
+        "data_parallel_sharding_strategy", "outer_dp_sharding_strategy", "fsdp_double_buffer",
+        "fsdp_manual_registration", "suggested_communication_unit_size",
+        "keep_fp8_transpose_cache",
+    )},
+    **{name: "tp_comm_overlap" for name in (
+        "tp_comm_bulk_wgrad", "tp_comm_bulk_dgrad", "tp_comm_overlap_ag", "tp_comm_overlap_rs",
+        "tp_comm_overlap_rs_dgrad", "tp_comm_split_ag", "tp_comm_split_rs",
+        "tp_comm_bootstrap_backend",
+    )},
+    **{name: "hybrid_override_pattern" for name in (
+        "mamba_head_dim", "mamba_num_groups", "mamba_num_heads", "mamba_state_dim",
+        "use_mamba_mem_eff_path", "is_hybrid_model",
+    )},
+    **{name: "experimental_attention_variant" for name in (
+        "linear_conv_kernel_dim", "linear_key_head_dim", "linear_num_key_heads",
+        "linear_num_value_heads", "linear_value_head_dim", "dsa_indexer_head_dim",
+        "dsa_indexer_loss_coeff", "dsa_indexer_n_heads", "dsa_indexer_topk",
+        "dsa_indexer_use_sparse_loss",
+    )},
+    **{name: "mtp_num_layers" for name in ("mtp_loss_scaling_factor", "mtp_standalone")},
+}  # fmt: skip
+"""Dests read only by a structure whose own flag is refused here: they configure nothing (as in
+Megatron-LM without that flag), so they are ignored with that reason, in the one warning line."""
+
+INERT_HERE: dict[str, str] = {
+    "moe_per_layer_logging": "MoE auxiliary-loss logging (Megatron-LM's training loop logs it; "
+    "the MoE metrics here are the routing-replay ones)",
+}
+"""Dests that reach a config field nothing here reads: ignored with the reason."""
+
+
+def refused_value(dest: str, value: Any) -> tuple[str, str] | None:
+    """(reason, hint) when `value` of `dest` asks for what is not built here, else None."""
+    rule = REFUSED_VALUES.get(dest) or VALUE_LIMITS.get(dest)
+    if rule is None or not rule[0](value):
+        return None
+    return rule[1], rule[2]
+
+
 @dataclass(frozen=True)
 class Verdict:
     kind: Literal["applied", "aliased", "ignored", "refused", "unknown"]
@@ -367,6 +462,13 @@ def classify(dest: str, applied: set[str] | frozenset[str]) -> Verdict:
     spec = lm_dests().get(dest)
     if dest in NOT_BUILT:
         return Verdict("refused", *NOT_BUILT[dest])
+    if dest in REFUSED_VALUES:
+        return Verdict("refused", *REFUSED_VALUES[dest][1:])
+    if dest in ONLY_WITH:
+        parent = ONLY_WITH[dest]
+        return Verdict("ignored", f"read only with --{parent.replace('_', '-')}, refused here")
+    if dest in INERT_HERE:
+        return Verdict("ignored", INERT_HERE[dest])
     if dest in applied:
         return Verdict("applied")
     if dest in ALIASES:
