@@ -367,9 +367,11 @@ _FSDP = (
     "Megatron FSDP is not built here: roles wrap their model in megatron-core's DDP with the "
     "distributed optimizer (and megatron-core 0.16.1's FSDP adapter builds CUDA device meshes only)"
 )
-_TE_GRAPHS = (
-    "Transformer Engine's graph capture is driven by Megatron-LM's training loop (its "
-    "TECudaGraphHelper), which this trainer does not run"
+_GRAPHS = (
+    "CUDA graphs (Megatron-LM's RL loop captures its inference engine with them and trains "
+    "without unless --rl-training-cuda-graphs; the SGLang engines here capture their own, and "
+    "megatron-core 0.16.1's graph manager reads its global parallel state, which roles built from "
+    "explicit groups do not initialise: an AssertionError at model build on an H100)"
 )
 
 REFUSED_VALUES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
@@ -392,7 +394,6 @@ REFUSED_VALUES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
         "specs here, and the HF name map has no names for their weights",
         "drop the flag",
     ),
-    "external_cuda_graph": (_on, _TE_GRAPHS, "use --cuda-graph-impl local"),
     "pipeline_model_parallel_comm_backend": (
         lambda v: v not in (None, "nccl"),
         "pipeline groups are created with the platform's backend (nccl on GPUs, gloo on CPU)",
@@ -402,12 +403,6 @@ REFUSED_VALUES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
 """Dests that reach a megatron-core config field but whose meaning is built by Megatron-LM's own
 training loop or model builders, which this trainer does not run: a value that asks for it is
 refused (the default passes). Classified refused: no value of theirs does anything here."""
-
-VALUE_LIMITS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
-    "cuda_graph_impl": (lambda v: v == "transformer_engine", _TE_GRAPHS,
-                        "use --cuda-graph-impl local"),  # fmt: skip
-}
-"""Applied dests of which one value is refused, as `REFUSED_VALUES` (others are built)."""
 
 ONLY_WITH: dict[str, str] = {
     **{name: "use_megatron_fsdp" for name in (
@@ -436,6 +431,10 @@ ONLY_WITH: dict[str, str] = {
 Megatron-LM without that flag), so they are ignored with that reason, in the one warning line."""
 
 INERT_HERE: dict[str, str] = {
+    **{name: _GRAPHS for name in (
+        "cuda_graph_impl", "enable_cuda_graph", "external_cuda_graph", "cuda_graph_warmup_steps",
+        "cuda_graph_scope",
+    )},
     "moe_per_layer_logging": "MoE auxiliary-loss logging (Megatron-LM's training loop logs it; "
     "the MoE metrics here are the routing-replay ones)",
 }
@@ -444,7 +443,7 @@ INERT_HERE: dict[str, str] = {
 
 def refused_value(dest: str, value: Any) -> tuple[str, str] | None:
     """(reason, hint) when `value` of `dest` asks for what is not built here, else None."""
-    rule = REFUSED_VALUES.get(dest) or VALUE_LIMITS.get(dest)
+    rule = REFUSED_VALUES.get(dest)
     if rule is None or not rule[0](value):
         return None
     return rule[1], rule[2]

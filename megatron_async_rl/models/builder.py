@@ -90,9 +90,6 @@ def build_transformer_config(args: dict[str, Any], par: Parallelism, platform: P
         kwargs["use_cpu_initialization"] = True
         for name in _CPU_OFF:
             kwargs[name] = False
-        if kwargs.get("enable_cuda_graph") or kwargs.get("cuda_graph_impl", "none") != "none":
-            megatron_flags.warn_once("--cuda-graph-impl local is off on CPU (CUDA graphs)")
-            kwargs.update(enable_cuda_graph=False, cuda_graph_impl="none")
     if kwargs.get("use_te_rng_tracker") and not te_available(platform):
         raise ValueError(
             "--te-rng-tracker: Transformer Engine's RNG tracker needs Transformer Engine on a "
@@ -194,12 +191,10 @@ def build_gpt_model(config, spec: ModelSpec, pg_collection, seed: int, device=No
     pp_rank = torch.distributed.get_rank(pg_collection.pp)
     pp_size = torch.distributed.get_world_size(pg_collection.pp)
     seed_generators(seed, pp_rank)
-    # As Megatron-LM's `_set_random_seed`: TE's tracker with --te-rng-tracker, and graph-safe
-    # generators when layers are captured in CUDA graphs (--cuda-graph-impl local).
+    # As Megatron-LM's `_set_random_seed`: TE's tracker with --te-rng-tracker.
     model_parallel_cuda_manual_seed(
         seed,
         te_rng_tracker=bool(config.use_te_rng_tracker),
-        use_cudagraphable_rng=config.cuda_graph_impl != "none",
         tp_rank=torch.distributed.get_rank(pg_collection.tp),
         ep_rank=torch.distributed.get_rank(pg_collection.ep),
         etp_rank=torch.distributed.get_rank(pg_collection.expt_tp),
