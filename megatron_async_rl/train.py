@@ -31,6 +31,7 @@ from megatron_async_rl.config.errors import (
 )
 from megatron_async_rl.config.recipe import RESOLVED_NAME, resolve, write_resolved
 from megatron_async_rl.jobs import preflight
+from megatron_async_rl.models import upcycle
 from megatron_async_rl.observability.logs import leader_print, setup_logging
 from megatron_async_rl.observability.quiet import quiet_known_noise
 
@@ -105,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
             write_resolved(cfg, Path(cfg.run_dir) / RESOLVED_NAME)
         try:
+            # --moe-use-upcycling: rank 0 writes the MoE checkpoint every role and engine loads
+            cfg = upcycle.use_upcycled(cfg, rank == 0, lambda: dist.barrier(group=groups.control))
             _run_job(cfg, groups, platform)
         except ConfigError as err:  # found at run time: a checkpoint, a plugin, /dev/shm, ...
             if err.rank_local or first_report_on_node(str(err)):  # by whichever rank found it

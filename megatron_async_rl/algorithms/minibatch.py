@@ -152,3 +152,56 @@ def check_minibatches(
             f"{micro_batch_size} x {dp_size} = {per_step}",
             f"use a multiple of {per_step} that divides the rollout batch of {num_samples}",
         )
+
+
+def check_virtual_pipeline_microbatches(
+    num_micro: int, micro_batch_size: int, pp: int, vp: int, group: int | None, where: str
+) -> None:
+    """megatron-core's rules for the micro-batches of one pass through the interleaved schedule
+    (`vp` > 1 model chunks per pipeline rank): at least N of them, and a count whose remainder
+    after groups of N is 0 or >= `pp` (N: --microbatch-group-size-per-virtual-pipeline-stage,
+    `group`, default `pp`). ConfigError naming --micro-batch-size, the batch and the rule."""
+    group = group or pp
+    if num_micro >= group and (num_micro % group == 0 or num_micro % group >= pp):
+        return
+    raise ConfigError(
+        "--micro-batch-size", micro_batch_size,
+        f"{where}: a pass of {num_micro * micro_batch_size} samples in {num_micro} micro-"
+        f"batches, but the interleaved schedule ({vp} virtual pipeline stages per rank, "
+        f"pipeline size {pp}) needs at least N = {group} micro-batches and a count whose "
+        f"remainder after groups of N is 0 or >= {pp} (N: --microbatch-group-size-per-virtual-"
+        "pipeline-stage, default the pipeline size)",
+        f"use micro-batches that give a multiple of {group} per pass",
+    )  # fmt: skip
+
+
+def check_role_microbatches(role: str, args: dict, num_samples: int, dp_size: int) -> None:
+    """`check_virtual_pipeline_microbatches` for each pass a Megatron role with virtual pipeline
+    stages runs over a rollout batch of `num_samples`: its forward over every sample (logp,
+    ref, the critic's values, the reward model's scores), and a trained role's optimizer step
+    over its data-parallel share of --global-batch-size (or of the batch). Nothing to check
+    without virtual stages."""
+    from megatron_async_rl.config.megatron_flags import virtual_stages
+
+    vp, pp = virtual_stages(args), int(args.get("pipeline_model_parallel_size") or 1)
+    if vp == 1:
+        return
+    from megatron_async_rl.config.roles import TRAINED_ROLES
+
+    group = args.get("microbatch_group_size_per_vp_stage")
+    mbs = args.get("micro_batch_size")
+    if role != "train":  # its forward passes (a micro-batch of the whole batch when unset)
+        size = mbs or num_samples
+        if num_samples % size == 0:
+            check_virtual_pipeline_microbatches(
+                num_samples // size, size, pp, vp, group, f"role {role}'s forward"
+            )
+    if role in TRAINED_ROLES:
+        gbs = args.get("global_batch_size") or num_samples
+        size = int(mbs or 1)
+        if gbs % (size * dp_size) == 0:  # else `check_minibatches` names --global-batch-size
+            check_virtual_pipeline_microbatches(
+                gbs // (size * dp_size), size, pp, vp, group,
+                f"role {role}'s optimizer step (--global-batch-size {gbs} over {dp_size} "
+                "data-parallel ranks)",
+            )  # fmt: skip

@@ -59,17 +59,28 @@ def _metadata(role) -> dict:
     return {"dp_cp_group": role.pgc.dp_cp, "distrib_optim_sharding_type": SHARDING}
 
 
+def _model_keys(role) -> list[str]:
+    """Each model chunk's key in the checkpoint, as Megatron-LM names them: "model" for one
+    chunk, "model0", "model1", ... with virtual pipeline stages (the tensors inside carry global
+    layer offsets, so a checkpoint loads whatever the chunking)."""
+    return ["model"] if len(role.chunks) == 1 else [f"model{v}" for v in range(len(role.chunks))]
+
+
 def _sharded(role, loading: bool) -> dict:
     metadata = _metadata(role)
-    model = role.module.sharded_state_dict(metadata=metadata)
-    out = {"model": model}
+    model = {
+        key: chunk.sharded_state_dict(metadata=metadata)
+        for key, chunk in zip(_model_keys(role), role.chunks, strict=True)
+    }
+    out = dict(model)
     if role.optimizer is not None:
         if loading:
             _create_optimizer_state(role)
         with _without_forced_full_gc():
             out["optimizer"] = role.optimizer.sharded_state_dict(
-                model, is_loading=loading, metadata=metadata
-            )
+                model["model"] if len(model) == 1 else model, is_loading=loading,
+                metadata=metadata,
+            )  # fmt: skip
     if role.lr_scheduler is not None and not loading:
         out[SCHEDULER] = role.lr_scheduler.state_dict()
     return out
@@ -236,7 +247,8 @@ def load_train_state(train, path: Path) -> None:
     loaded = dist_checkpointing.load(state, str(path))
     if train is None:
         return
-    train.module.load_state_dict(loaded["model"])
+    for key, chunk in zip(_model_keys(train), train.chunks, strict=True):
+        chunk.load_state_dict(loaded[key])
     if train.optimizer is not None:
         distributed = [o for o in _optimizers(train) if hasattr(o, "model_param_group_index_map")]
         for opt in distributed:

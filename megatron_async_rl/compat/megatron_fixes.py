@@ -31,6 +31,14 @@ defect is absent.
   given and ask the layout for the global parallel state's pipeline rank (uninitialised with
   explicit groups). The fixed versions pass it on; installed into every megatron-core module that
   imported the originals. Seen in the layout parity test (2026-11-26).
+- With --moe-router-enable-expert-bias (DeepSeek-V3's aux-loss-free balancing, set by every
+  deepseek_v3 checkpoint), `finalize_model_grads` updates the routers' expert bias with
+  `get_updated_expert_bias`, which all-reduces the tokens per expert over the global parallel
+  state's tensor-and-data-parallel group: "tensor and data parallel group is not initialized"
+  at the first optimizer step of every such model. `finalize_model_grads_in_role` (the trained
+  roles' `finalize_model_grads_func`) makes the same update over the role's own `tp_dp_cp`
+  group, then lets megatron-core finalize the rest. Seen training a tiny DeepSeek-V3 on CPU
+  (2026-11-26); `tests/distributed/test_expert_bias_update.py`.
 """
 
 from __future__ import annotations
@@ -162,3 +170,38 @@ def mla_local_spec(block_spec):
             if attention.submodules.core_attention is DotProductAttention:
                 attention.submodules.core_attention = core
     return block_spec
+
+
+def finalize_model_grads_in_role(model, num_tokens=None, pg_collection=None,
+                                 force_all_reduce=False):  # fmt: skip
+    """megatron-core's `finalize_model_grads`, with the expert-bias update over the role's
+    `pg_collection.tp_dp_cp` (see the module docstring). The update is megatron-core's formula
+    (`moe_utils.get_updated_expert_bias`: each bias moves by the update rate towards the mean
+    load, by the sign of its expert's deficit), written out here because that function's
+    all-reduce names the global group; it runs before the gradient sync instead of after it,
+    which nothing in between reads."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.utils import get_attr_wrapped_model, get_model_config
+
+    config = get_model_config(model[0])
+    if not config.moe_router_enable_expert_bias:
+        return finalize_model_grads(model, num_tokens, pg_collection, force_all_reduce)
+    routers = [
+        module for chunk in model for module in get_attr_wrapped_model(chunk, "modules")()
+        if getattr(module, "expert_bias", None) is not None
+    ]  # fmt: skip
+    if routers:
+        with torch.no_grad():
+            tokens = torch.stack([r.local_tokens_per_expert for r in routers])
+            dist.all_reduce(tokens, group=pg_collection.tp_dp_cp)
+            deficit = tokens.sum(dim=-1, keepdim=True) / tokens.shape[-1] - tokens
+            for router, row in zip(routers, deficit):
+                router.expert_bias.add_(torch.sign(row) * config.moe_router_bias_update_rate)
+                router.local_tokens_per_expert.zero_()
+    config.moe_router_enable_expert_bias = False  # megatron-core's own update: done above
+    try:
+        return finalize_model_grads(model, num_tokens, pg_collection, force_all_reduce)
+    finally:
+        config.moe_router_enable_expert_bias = True

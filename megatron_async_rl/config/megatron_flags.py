@@ -188,6 +188,20 @@ APPLIED_HERE = {
         "nccl_communicator_config_path", "high_priority_stream_groups", "use_sharp",
         "sharp_enabled_group",
     ),
+    # distributed/layout.py: the rank order inside each Megatron role's window (its groups in
+    # distributed/groups.py, the weight-sync senders in weight_sync/plan.py)
+    "rank_order": ("use_tp_pp_dp_mapping",),
+    # roles/param_groups.py: the train role's optimizer param groups, written after it is built
+    "param_groups": ("dump_param_to_param_group_map",),
+    # virtual (interleaved) pipeline stages: `virtual_stages` -> transformer_config_kwargs
+    # (virtual_pipeline_model_parallel_size), models/builder.py (one GPTModel per model chunk),
+    # models/name_map.py (each chunk's layers), roles/megatron_role.py (the interleaved schedule)
+    "virtual_pipeline": (
+        "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+    ),
+    # models/upcycle.py: the MoE checkpoint made from model.hf_path's dense one, checked by
+    # config/recipe.py (the MoE architecture every role builds), written by train.py at start
+    "upcycling": ("moe_use_upcycling", "moe_upcycling_granularity"),
 }  # fmt: skip
 
 _LIST_TYPES = {"int": "int_list", "str": "str_list"}
@@ -359,9 +373,11 @@ MEGATRON_LM_DEFAULTS = {
     "apply_rope_fusion": True,
     "gradient_accumulation_fusion": True,
     "persist_layer_norm": True,
+    "overlap_p2p_comm": True,
 }
 """Where Megatron-LM's default differs from megatron-core's dataclass (review finding 12: with
-the dataclass's False, TE never fused wgrad into main_grad on GPUs)."""
+the dataclass's False, TE never fused wgrad into main_grad on GPUs). `overlap_p2p_comm`, as in
+Megatron-LM, takes effect with virtual pipeline stages only (`transformer_config_kwargs`)."""
 
 
 def defaults() -> dict[str, Any]:
@@ -502,7 +518,29 @@ def transformer_config_kwargs(args: dict[str, Any]) -> dict[str, Any]:
     if args["fp8_param_gather"]:
         kwargs["fp8_param"] = True
     kwargs["params_dtype"] = kwargs["pipeline_dtype"] = _params_dtype(args)
+    vp = virtual_stages(args)
+    kwargs["virtual_pipeline_model_parallel_size"] = vp if vp > 1 else None
+    if vp > 1:  # Megatron-LM: batched p2p ops only without the overlap
+        kwargs["batch_p2p_comm"] = not kwargs["overlap_p2p_comm"]
+    else:  # Megatron-LM: the non-interleaved schedule does not overlap p2p communication
+        kwargs["overlap_p2p_comm"] = False
     return kwargs
+
+
+def virtual_stages(args: dict[str, Any]) -> int:
+    """Model chunks per pipeline rank (V; 1 without virtual pipeline stages), as Megatron-LM
+    derives its virtual_pipeline_model_parallel_size: --num-virtual-stages-per-pipeline-rank, or
+    the layers of a pipeline rank over --num-layers-per-virtual-pipeline-stage (`check_args`
+    has checked both). With pp = 1 the model is one chunk."""
+    pp = args.get("pipeline_model_parallel_size") or 1
+    if pp == 1:
+        return 1
+    if args.get("num_virtual_stages_per_pipeline_rank"):
+        return int(args["num_virtual_stages_per_pipeline_rank"])
+    per_stage = args.get("num_layers_per_virtual_pipeline_stage")
+    if per_stage:
+        return int(args["num_layers"]) // pp // int(per_stage)
+    return 1
 
 
 def optimizer_config_kwargs(args: dict[str, Any]) -> dict[str, Any]:
@@ -544,6 +582,8 @@ _AT_LEAST_ONE = frozenset(
     + ("num_query_groups", "num_experts", "moe_router_topk", "moe_ffn_hidden_size")
     + ("micro_batch_size", "global_batch_size", "seq_length", "max_position_embeddings")
     + ("vocab_size", "make_vocab_size_divisible_by", "rotary_base", "train_iters")
+    + ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
+    + ("microbatch_group_size_per_vp_stage",)
 )
 _NON_NEGATIVE = frozenset(
     ("lr", "min_lr", "decoupled_lr", "decoupled_min_lr", "weight_decay", "clip_grad")
@@ -590,7 +630,8 @@ def layout_stage_layers(layout: str, pp: int, num_layers: int) -> tuple[int, ...
         if stages != pp:
             raise ValueError(
                 f"has {stages} stages; one per pipeline rank ({pp}) is built here (virtual "
-                "pipeline stages are not)"
+                "stages from a layout are not: --num-virtual-stages-per-pipeline-rank builds "
+                "them)"
             )
         parsed = PipelineParallelLayerLayout(layout, pp)
         parsed.validate_layer_layout(num_layers, None)
@@ -619,6 +660,98 @@ def _layout_rules(a: dict[str, Any], pp: int) -> tuple:
         "e.g. 'Et*3|t*4L' for 7 layers on 2 stages: E embedding, t a decoder layer, L the loss,"
         " | between stages",
     ),)  # fmt: skip
+
+
+_VP_LAYERS = "--num-layers-per-virtual-pipeline-stage"
+_VP_STAGES = "--num-virtual-stages-per-pipeline-rank"
+_AT_MOST_ONE = "(Megatron-LM takes at most one of them)"
+
+
+def _virtual_pipeline_problem(a: dict[str, Any], pp: int) -> tuple | None:
+    """(flag, value, rule, hint) of the first virtual-pipeline rule `a` breaks (Megatron-LM's
+    `validate_args` and megatron-core's TransformerConfig checks), else None."""
+    per_stage = a.get("num_layers_per_virtual_pipeline_stage")
+    stages = a.get("num_virtual_stages_per_pipeline_rank")
+    direct = a.get("virtual_pipeline_model_parallel_size")
+    if direct is not None:
+        return (
+            "--virtual-pipeline-model-parallel-size", direct,
+            "is derived here, as in Megatron-LM, from the virtual pipeline flags",
+            f"use {_VP_STAGES} (or {_VP_LAYERS})",
+        )  # fmt: skip
+    if per_stage is not None and stages is not None:
+        return (
+            _VP_LAYERS, per_stage, f"cannot be combined with {_VP_STAGES} = {stages} "
+            f"{_AT_MOST_ONE}", "keep one of the two",
+        )  # fmt: skip
+    if per_stage is None and stages is None:
+        return None
+    flag, value = (_VP_STAGES, stages) if stages is not None else (_VP_LAYERS, per_stage)
+    if a.get("pipeline_model_parallel_layout") is not None:
+        return (
+            flag, value, f"cannot be combined with --pipeline-model-parallel-layout "
+            f"{_AT_MOST_ONE}", "keep one of the two",
+        )  # fmt: skip
+    first = a.get("num_layers_in_first_pipeline_stage")
+    last = a.get("num_layers_in_last_pipeline_stage")
+    num_layers = a["num_layers"]
+    if per_stage is not None:
+        if first is not None or last is not None:
+            return (
+                _VP_LAYERS, per_stage,
+                "cannot be combined with --decoder-first/last-pipeline-num-layers (Megatron-LM)",
+                f"with uneven stages give {_VP_STAGES}",
+            )  # fmt: skip
+        if num_layers % pp or (num_layers // pp) % per_stage:
+            return (
+                _VP_LAYERS, per_stage, "must divide the layers of each pipeline rank "
+                f"(--num-layers = {num_layers} over --pipeline-model-parallel-size = {pp})",
+                "use a divisor of num_layers / pp",
+            )  # fmt: skip
+        stages = num_layers // pp // per_stage
+    if stages == 1:
+        return None  # one chunk per rank: Megatron-LM's plain pipeline
+    if pp == 1:
+        return (
+            flag, value, "needs --pipeline-model-parallel-size > 1 (the interleaved schedule "
+            "runs model chunks over pipeline ranks)", "raise the pipeline size, or drop the flag",
+        )  # fmt: skip
+    if pp == 2 and not a["overlap_p2p_comm"]:
+        return (
+            "--no-overlap-p2p-communication", True, f"with {stages} virtual pipeline stages per "
+            "rank needs --pipeline-model-parallel-size > 2 (Megatron-LM: two ranks would "
+            "exchange several sends and receives in one batch)",
+            "drop --no-overlap-p2p-communication",
+        )  # fmt: skip
+    group = a.get("microbatch_group_size_per_vp_stage")
+    if group is not None and group < pp:
+        return (
+            "--microbatch-group-size-per-virtual-pipeline-stage", group,
+            f"must be >= --pipeline-model-parallel-size = {pp}", None,
+        )  # fmt: skip
+    middle, middle_stages = num_layers, pp
+    for name, layers in (("first", first), ("last", last)):
+        if layers is not None:
+            if layers % stages:
+                return (
+                    f"--decoder-{name}-pipeline-num-layers", layers,
+                    f"must be divisible by the {stages} virtual pipeline stages per pipeline "
+                    "rank", None,
+                )  # fmt: skip
+            middle, middle_stages = middle - layers, middle_stages - 1
+    if middle_stages and middle % (middle_stages * stages):
+        what = "pipeline rank" if middle_stages == pp else "middle pipeline rank"
+        return (
+            flag, value, f"each {what} holds {middle} / {middle_stages} of --num-layers = "
+            f"{num_layers}: must split into {stages} model chunks of whole layers",
+            "choose a number of virtual stages that divides each pipeline rank's layers",
+        )  # fmt: skip
+    return None
+
+
+def _virtual_pipeline_rules(a: dict[str, Any], pp: int) -> tuple:
+    problem = _virtual_pipeline_problem(a, pp)
+    return () if problem is None else ((True, *problem),)
 
 
 def check_args(args: dict[str, Any], role: str | None = None) -> None:
@@ -714,6 +847,7 @@ def check_args(args: dict[str, Any], role: str | None = None) -> None:
         ),
     )
     pp = a["pipeline_model_parallel_size"]
+    rules += _virtual_pipeline_rules(a, pp)
     rules += _layout_rules(a, pp)
     rules += tuple(
         (

@@ -345,14 +345,20 @@ def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True)
 
     loads = {}
     resolved = {}
+    plans = {}  # role -> its upcycling plan, for the roles that load model.hf_path
     for role in placed:
-        own = _role_architecture(run, role, check_paths) or architecture
-        args = {
-            **megatron_flags.defaults(),
-            **own,
-            **run.megatron,
-            **overrides.get(role, {}),
-        }
+        given = {**run.megatron, **overrides.get(role, {})}
+        own = _role_architecture(run, role, check_paths)
+        if own is None:
+            plans[role], own = _upcycling(run.model.hf_path, hf_path, architecture, given, role)
+        elif given.get("moe_use_upcycling"):
+            raise ConfigError(
+                "--moe-use-upcycling", True,
+                f"upcycles model.hf_path, but role {role} loads its own checkpoint",
+                "set it in roles.<role>.megatron: of the roles that load model.hf_path",
+            )  # fmt: skip
+        own = own or architecture
+        args = {**megatron_flags.defaults(), **own, **given}
         megatron_flags.check_args(args, role)
         pg_options.check_group_flags(args, role, must_exist=check_paths)
         _matches_checkpoint(own, args, role)
@@ -364,6 +370,13 @@ def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True)
             loads[load] = _path_to_check(load, "--load", check_paths, "weights not checked")
         _check_hf_path(loads[load], key="--load")
         resolved[role] = args
+    if len(set(plans.values())) > 1:
+        raise ConfigError(
+            "--moe-use-upcycling", {role: plan or "off" for role, plan in plans.items()},
+            "must upcycle model.hf_path alike for every role that loads it: one MoE checkpoint "
+            "serves them and the engines",
+            "set the upcycling flags in megatron: or after --, not in roles.<role>.megatron:",
+        )  # fmt: skip
     fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(RunConfig)}
     fields["roles"] = RolesConfig(groups=run.roles.groups, megatron=overrides)
     fields["trainer"] = dataclasses.replace(
@@ -377,6 +390,26 @@ def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True)
         role_checks.check_reward_model(run.reward_model.hf_path,
                             policy if policy and Path(policy).is_dir() else None)  # fmt: skip
     return resolved_config
+
+
+def _upcycling(
+    configured: str | None, hf_path: str | None, architecture: dict, given: dict, role: str
+) -> tuple[Any, dict[str, Any]]:
+    """(plan, architecture) of a role that loads model.hf_path (`configured`; `hf_path`: None
+    where a dry run cannot read it): with --moe-use-upcycling, the plan (`models/upcycle.py`)
+    and the architecture of the MoE model upcycled from the dense one, which train.py writes at
+    start and every role and engine loads; else (None, the checkpoint's architecture)."""
+    if "moe_use_upcycling" not in given and "moe_upcycling_granularity" not in given:
+        return None, architecture
+    from megatron_async_rl.models import upcycle
+
+    if given.get("moe_use_upcycling") and configured is None:
+        raise ConfigError("model.hf_path", None, "--moe-use-upcycling upcycles a dense HF "
+                          "checkpoint", "set model.hf_path to it")  # fmt: skip
+    dense = json.loads((Path(hf_path) / "config.json").read_text()) if hf_path else None
+    args = {**megatron_flags.defaults(), **architecture, **given}
+    plan = upcycle.plan_upcycling(args, dense, role)
+    return plan, architecture if plan is None else {**architecture, **plan.moe_args()}
 
 
 def _role_architecture(run: RunConfig, role: str, check_paths: bool) -> dict[str, Any] | None:

@@ -13,8 +13,9 @@ the order they are created:
 - `control` (gloo, the world): control messages and Python objects, the final barrier;
 - per Megatron role (train, logp, ref): a `ProcessGroupCollection` over its rank window, from a
   dense grid `HyperCommGrid([tp, cp, dp, pp], rank_offset=window.offset)` and an expert grid
-  `HyperCommGrid([etp, ep, expt_dp, pp])` with the same window (Megatron's tp-cp-dp-pp and
-  tp-ep-dp-pp orders, pp outermost in both so pipeline stages agree; `layout.RoleGrid`);
+  `HyperCommGrid([etp, ep, expt_dp, pp])` with the same window (Megatron-LM's tp-cp-dp-pp and
+  tp-ep-dp-pp orders, pp outermost in both so pipeline stages agree; with the role's
+  --use-tp-pp-dp-mapping, tp-cp-pp-dp and tp-ep-pp-dp: `layout.RoleGrid.dense_dims`);
   `intra_dist_opt` spans the whole role window (facts: a smaller group silently changes grad
   clipping), `inter_dist_opt` is None (one optimizer instance); each group is created with the
   NCCL options and SHARP the role's own Megatron args give it (`pg_options`; `dp_cp` first, as
@@ -111,30 +112,35 @@ class WorldGroups:
         return self.layout.roles_of_rank(self.rank)
 
 
+def hyper_comm_grids(grid: RoleGrid, backend: str | None = None):
+    """The dense and expert `HyperCommGrid`s of a role's grid, dimensions in the grid's rank
+    order (`RoleGrid.dense_dims`, `expert_dims`), so their groups hold the ranks the layout
+    names. Makes no group (a `HyperCommGrid` creates one only in `create_pg`)."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    return tuple(
+        HyperCommGrid(
+            [size for _, size in dims],
+            [name for name, _ in dims],
+            rank_offset=grid.offset,
+            backend=backend,
+        )
+        for dims in (grid.dense_dims, grid.expert_dims)
+    )
+
+
 def _role_collection(
     grid: RoleGrid, backend: str, timeout, plan: pg_options.GroupOptions, device=None
 ) -> ProcessGroupCollection | None:
     """Create (collectively) the dense and expert grids of one role window, each group with
     the options `plan` gives it (megatron-core's `get_nccl_options` builds them)."""
-    from megatron.core.hyper_comm_grid import HyperCommGrid
     from megatron.core.parallel_state import get_nccl_options
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     def kwargs(name: str) -> dict[str, Any]:
         return {"timeout": timeout, "pg_options": get_nccl_options(name, plan.options)}
 
-    dense = HyperCommGrid(
-        [grid.tp, grid.cp, grid.dp, grid.pp],
-        ["tp", "cp", "dp", "pp"],
-        rank_offset=grid.offset,
-        backend=backend,
-    )
-    expert = HyperCommGrid(
-        [grid.etp, grid.ep, grid.expt_dp, grid.pp],
-        ["tp", "ep", "dp", "pp"],
-        rank_offset=grid.offset,
-        backend=backend,
-    )
+    dense, expert = hyper_comm_grids(grid, backend)
     sharp = plan.sharp_group is not None and backend == "nccl"
     if sharp:
         os.environ["NCCL_COLLNET_ENABLE"] = "1"

@@ -14,6 +14,14 @@ unit-tested alone.
     window:  [train     ]  [logp] [ref]
              TP=2 DP=1     DP=1   DP=1
 
+Inside a Megatron role's window, ranks follow Megatron-LM's order: tp fastest, then cp, ep, dp
+and pp slowest ("tp-cp-ep-dp-pp"); with the role's --use-tp-pp-dp-mapping, pp comes before dp
+("tp-cp-ep-pp-dp"): a replica's pipeline stages sit next to each other.
+
+    train window of 4 ranks, pp=2 dp=2:  rank  0     1     2     3
+        tp-cp-ep-dp-pp (default)         pp,dp 0,0   0,1   1,0   1,1
+        tp-cp-ep-pp-dp (the flag)        pp,dp 0,0   1,0   0,1   1,1
+
 Engines: with `engine.tp_size = T` each SGLang engine spans T consecutive ranks of the generate
 window. The first rank of each group of T is the engine *host* (it starts `sglang.Engine`, whose
 TP workers use that rank's local GPU and the next T-1); the other T-1 ranks are *followers*: they
@@ -36,6 +44,12 @@ from megatron_async_rl.config.roles import MEGATRON_ROLES, RoleGroupSpec
 
 _TOLERANCE = 1e-6
 
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+"""Megatron-LM's rank order (`initialize_model_parallel(order=...)`), fastest first."""
+TP_PP_DP_ORDER = "tp-cp-ep-pp-dp"
+"""The order --use-tp-pp-dp-mapping asks for (Megatron-LM's `initialize.py`)."""
+ORDERS = (DEFAULT_ORDER, TP_PP_DP_ORDER)
+
 
 @dataclass(frozen=True)
 class Parallelism:
@@ -47,10 +61,23 @@ class Parallelism:
     cp: int = 1
     etp: int = 1
     """Expert tensor parallel size. Megatron defaults it to tp (see `from_megatron_args`)."""
+    order: str = DEFAULT_ORDER
+    """Rank order inside the window, one of `ORDERS` (TP_PP_DP_ORDER: --use-tp-pp-dp-mapping)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep", "cp", "etp"):
             require_int(name, getattr(self, name), 1)
+        if self.order not in ORDERS:
+            raise ValueError(f"rank order {self.order!r} is not one of {ORDERS}")
+
+    @property
+    def pp_groups_agree(self) -> bool:
+        """Whether the dense and expert grids put the same ranks in each pipeline group, as
+        megatron-core requires: always with pp slowest; with pp before dp, when pp = 1 or the
+        expert grid's etp*ep equals the dense grid's tp*cp (its data-parallel sizes then agree)."""
+        if self.order == DEFAULT_ORDER or self.pp == 1:
+            return True
+        return self.etp * self.ep == self.tp * self.cp
 
     @classmethod
     def from_megatron_args(cls, args: dict) -> Parallelism:
@@ -62,6 +89,7 @@ class Parallelism:
             ep=args.get("expert_model_parallel_size", 1),
             cp=args.get("context_parallel_size", 1),
             etp=args.get("expert_tensor_parallel_size") or tp,
+            order=TP_PP_DP_ORDER if args.get("use_tp_pp_dp_mapping") else DEFAULT_ORDER,
         )
 
     @property
@@ -80,11 +108,12 @@ class Parallelism:
 class RoleGrid:
     """A Megatron role's grid placed on its window: the global rank of every grid coordinate.
 
-    Dense grid (tp, cp, dp, pp) and expert grid (etp, ep, expt_dp, pp), tp fastest and pp
-    slowest in both: the orders of the `HyperCommGrid`s that `distributed.groups` builds over the
-    window, so `dense_rank` and `expert_rank` name the ranks of those groups (tested against
-    megatron-core's own enumerations). Made by `RoleLayout.grid(role)`; the reshard planner
-    (`weight_sync.plan`) takes the train role's grid.
+    Dense grid (tp, cp, dp, pp) and expert grid (etp, ep, expt_dp, pp), in `order` (tp fastest;
+    the dense grid skips ep, the expert grid cp): the orders of the `HyperCommGrid`s that
+    `distributed.groups` builds over the window (`dense_dims`, `expert_dims`), so `dense_rank`
+    and `expert_rank` name the ranks of those groups (tested against megatron-core's own
+    enumerations). Made by `RoleLayout.grid(role)`; the reshard planner (`weight_sync.plan`)
+    takes the train role's grid.
     """
 
     offset: int
@@ -95,21 +124,28 @@ class RoleGrid:
     cp: int = 1
     ep: int = 1
     etp: int = 1
+    order: str = DEFAULT_ORDER
+    """Rank order, one of `ORDERS` (`Parallelism.order`)."""
 
     def __post_init__(self) -> None:
         require_int("offset", self.offset, 0)
         require_int("dp", self.dp, 1)
-        Parallelism(self.tp, self.pp, self.ep, self.cp, self.etp)  # raises on a bad size
+        par = self.parallelism  # raises on a bad size or order
         if self.size % (self.etp * self.ep * self.pp):
             raise ValueError(
                 f"grid of {self.size} ranks does not split into etp={self.etp} x ep={self.ep} x "
                 f"pp={self.pp}"
             )
+        if not par.pp_groups_agree:
+            raise ValueError(
+                f"rank order {self.order} with pp={self.pp}: etp*ep={self.etp * self.ep} must "
+                f"equal tp*cp={self.tp * self.cp} (the pipeline groups of both grids must agree)"
+            )
 
     @property
     def parallelism(self) -> Parallelism:
         """The model-parallel sizes of this grid."""
-        return Parallelism(self.tp, self.pp, self.ep, self.cp, self.etp)
+        return Parallelism(self.tp, self.pp, self.ep, self.cp, self.etp, self.order)
 
     @property
     def size(self) -> int:
@@ -125,11 +161,40 @@ class RoleGrid:
         """Expert data-parallel size: what the expert grid etp*ep*pp leaves of the window."""
         return self.size // (self.etp * self.ep * self.pp)
 
+    @property
+    def dense_dims(self) -> tuple[tuple[str, int], ...]:
+        """(name, size) of the dense grid's dimensions, fastest first."""
+        sizes = {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
+        return tuple((name, sizes[name]) for name in self.order.split("-") if name in sizes)
+
+    @property
+    def expert_dims(self) -> tuple[tuple[str, int], ...]:
+        """(name, size) of the expert grid's dimensions, fastest first (tp: etp, dp: expt_dp)."""
+        sizes = {"tp": self.etp, "ep": self.ep, "dp": self.expt_dp, "pp": self.pp}
+        return tuple((name, sizes[name]) for name in self.order.split("-") if name in sizes)
+
+    def _rank(self, dims: tuple[tuple[str, int], ...], coords: dict[str, int]) -> int:
+        index, stride = 0, 1
+        for name, size in dims:
+            index += coords[name] * stride
+            stride *= size
+        return self.offset + index
+
     def dense_rank(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
-        return self.offset + ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+        return self._rank(self.dense_dims, {"tp": tp, "cp": cp, "dp": dp, "pp": pp})
 
     def expert_rank(self, etp: int = 0, ep: int = 0, expt_dp: int = 0, pp: int = 0) -> int:
-        return self.offset + ((pp * self.expt_dp + expt_dp) * self.ep + ep) * self.etp + etp
+        return self._rank(self.expert_dims, {"tp": etp, "ep": ep, "dp": expt_dp, "pp": pp})
+
+    def dense_coords(self, rank: int) -> dict[str, int]:
+        """Global `rank`'s dense grid coordinates ("tp", "cp", "dp", "pp"); its "pp" is its
+        expert grid's too (the pipeline groups agree)."""
+        if rank not in self.ranks:
+            raise ValueError(f"rank {rank} is outside the grid's ranks {self.ranks}")
+        index, coords = rank - self.offset, {}
+        for name, size in self.dense_dims:
+            index, coords[name] = divmod(index, size)
+        return coords
 
     def sender_ranks(self) -> tuple[int, ...]:
         """The first rank of every (pp, ep) slice: one per PP stage, plus one per further EP
@@ -188,7 +253,7 @@ class RoleLayout:
         """The grid of Megatron role `role` on its window."""
         par, window = self.parallelism[role], self.window_of(role)
         dp = par.dp_for(window.size)
-        return RoleGrid(window.offset, par.tp, par.pp, dp, par.cp, par.ep, par.etp)
+        return RoleGrid(window.offset, par.tp, par.pp, dp, par.cp, par.ep, par.etp, par.order)
 
     def dp_of(self, role: str) -> int:
         """Data-parallel size of a Megatron role."""
@@ -226,6 +291,9 @@ class RoleLayout:
                 rows.append((_span(window), role, *map(str, sizes)))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        for role, par in self.parallelism.items():
+            if par.order != DEFAULT_ORDER:
+                lines.append(f"{role}: ranks in order {par.order} (--use-tp-pp-dp-mapping)")
         hosts = self.engine_host_ranks()
         if hosts:
             size = self.engine_tp_size
@@ -314,6 +382,18 @@ def _check_parallelism(role: str, par: Parallelism, window: RoleWindow, index: i
             f"{key}.expert_model_parallel_size",
             f"ep={par.ep} etp={par.etp} pp={par.pp}",
             f"expert grid ep*etp*pp = {expert_size} must divide {where}",
+        )
+    if not par.pp_groups_agree:
+        # megatron-core 0.16.1 `initialize_model_parallel` asserts it: with pp not the slowest
+        # dimension, the attention and MoE layers must have the same data-parallel size.
+        raise ConfigError(
+            f"{key}.use_tp_pp_dp_mapping",
+            True,
+            f"the rank order {par.order} with pipeline_model_parallel_size {par.pp} > 1 needs "
+            f"the expert grid's etp*ep = {par.etp}*{par.ep} to equal tp*cp = {par.tp}*{par.cp} "
+            "(megatron-core: when pp is not the last dimension, the attention and MoE layers "
+            "must have the same data-parallel size)",
+            "set --expert-tensor-parallel-size so that etp*ep = tp*cp, or drop the flag",
         )
 
 

@@ -64,16 +64,21 @@ def check_run_inputs(cfg, here: bool = False) -> None:
 def check_batches(cfg, layout) -> None:
     """--global-batch-size against the train role's data-parallel size and micro-batch size
     (Megatron's rule), for the world the dry run plans: the ranks would find it at step 0; with
-    --rampup-batch-size or --decrease-batch-size-if-needed, every G the run takes."""
+    --rampup-batch-size or --decrease-batch-size-if-needed, every G the run takes. A role with
+    virtual pipeline stages: its micro-batch counts against the interleaved schedule's rules
+    (`minibatch.check_role_microbatches`)."""
     if cfg.trainer.job != "grpo" or "train" not in layout.parallelism:
         return
-    from megatron_async_rl.algorithms.minibatch import check_minibatches
+    from megatron_async_rl.algorithms.minibatch import check_minibatches, check_role_microbatches
 
+    batch = cfg.rollout.num_prompts_per_step * cfg.algorithm.num_samples_per_prompt
+    for role, role_args in cfg.role_megatron_args.items():  # virtual pipeline stages' passes
+        if role in layout.parallelism:
+            check_role_microbatches(role, role_args, batch, layout.dp_of(role))
     args = cfg.role_megatron_args["train"]
     gbs = args.get("global_batch_size")
     if gbs is None:
         return
-    batch = cfg.rollout.num_prompts_per_step * cfg.algorithm.num_samples_per_prompt
     if args.get("rampup_batch_size") or args.get("decrease_batch_size_if_needed"):
         from megatron_async_rl.algorithms.batch_ramp import check_batch_ramp
 

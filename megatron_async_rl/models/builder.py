@@ -1,4 +1,4 @@
-"""Build a Megatron GPT model (one pipeline stage) for a role from resolved Megatron args.
+"""Build a Megatron GPT model (a pipeline stage's model chunks) for a role from Megatron args.
 
 Owned here: TransformerConfig from Megatron flags + the role's parallel layout, the layer spec
 (Transformer Engine on a GPU when importable, local otherwise), the padded vocabulary, and the
@@ -133,10 +133,10 @@ def model_spec(
     )
 
 
-def layer_spec(config, spec: ModelSpec, pp_rank: int = 0):
-    """One layer spec for uniform models; megatron-core's block spec (this stage's layers, each
-    dense or MoE by --moe-layer-freq) for multi-latent attention, mixed dense/MoE stacks and
-    --pipeline-model-parallel-layout."""
+def layer_spec(config, spec: ModelSpec, pp_rank: int = 0, vp_stage: int | None = None):
+    """One layer spec for uniform models; megatron-core's block spec (this stage's layers, or
+    model chunk `vp_stage`'s, each dense or MoE by --moe-layer-freq) for multi-latent
+    attention, mixed dense/MoE stacks and --pipeline-model-parallel-layout."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     freq = config.moe_layer_freq
@@ -144,7 +144,7 @@ def layer_spec(config, spec: ModelSpec, pp_rank: int = 0):
     if config.multi_latent_attention or mixed or config.pipeline_model_parallel_layout:
         block = gpt_layer_specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=spec.use_te, normalization=config.normalization,
-            pp_rank=pp_rank,
+            pp_rank=pp_rank, vp_stage=vp_stage,
         )  # fmt: skip
         return block if spec.use_te else megatron_fixes.mla_local_spec(block)
 
@@ -181,10 +181,13 @@ def seed_generators(seed: int, pp_rank: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_gpt_model(config, spec: ModelSpec, pg_collection, seed: int, device=None):
-    """The GPTModel stage held by this rank (pre/post process from the PP rank), moved whole to
-    `device` (the rank's; as Megatron-LM's `get_model` does): modules that megatron-core builds
-    on the CPU whatever the config (torch norms without TE, the MoE router) follow it."""
+def build_gpt_chunks(config, spec: ModelSpec, pg_collection, seed: int, device=None) -> list:
+    """The GPTModel model chunks held by this rank, in order: one, or one per virtual pipeline
+    stage (`config.virtual_pipeline_model_parallel_size`: `GPTModel(vp_stage=v)`, as
+    Megatron-LM's `get_model` builds them, the generators seeded once before the first). Pre
+    and post process come from the PP rank and the chunk; each is moved whole to `device` (the
+    rank's; as `get_model` does): modules that megatron-core builds on the CPU whatever the
+    config (torch norms without TE, the MoE router) follow it."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -200,19 +203,25 @@ def build_gpt_model(config, spec: ModelSpec, pg_collection, seed: int, device=No
         etp_rank=torch.distributed.get_rank(pg_collection.expt_tp),
         force_reset_rng=True,
     )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec(config, spec, pp_rank),
-        vocab_size=spec.padded_vocab_size,
-        max_sequence_length=spec.max_sequence_length,
-        pre_process=pp_rank == 0,
-        post_process=pp_rank == pp_size - 1,
-        parallel_output=True,
-        pg_collection=pg_collection,
-        **spec.gpt_kwargs,
-    )
-    if spec.head is not None:
-        heads.attach_scalar_head(model, config, spec.head, pg_collection.tp, seed)
-    if device is not None and torch.device(device).type != "cpu":
-        model = model.to(device)
-    return model
+    vp_size = config.virtual_pipeline_model_parallel_size or 1
+    chunks = []
+    for v in range(vp_size):
+        vp_stage = v if vp_size > 1 else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(config, spec, pp_rank, vp_stage),
+            vocab_size=spec.padded_vocab_size,
+            max_sequence_length=spec.max_sequence_length,
+            pre_process=pp_rank == 0 and v == 0,
+            post_process=pp_rank == pp_size - 1 and v == vp_size - 1,
+            parallel_output=True,
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+            **spec.gpt_kwargs,
+        )
+        if spec.head is not None:
+            heads.attach_scalar_head(model, config, spec.head, pg_collection.tp, seed)
+        if device is not None and torch.device(device).type != "cpu":
+            model = model.to(device)
+        chunks.append(model)
+    return chunks

@@ -2,7 +2,7 @@
 
 Owned here: `ScalarHead`, which takes the place of a GPTModel's LM output layer (hidden -> padded
 vocabulary, split over TP) with hidden -> 1 (HF `num_labels=1`); `attach_scalar_head`, which
-swaps it in (`models.builder.build_gpt_model`, for a `ModelSpec` with a head); `head_reader`, the
+swaps it in (`models.builder.build_gpt_chunks`, for a `ModelSpec` with a head); `head_reader`, the
 HF side of loading it (shape checks, and the initial head of a checkpoint without one: a critic
 starting from the policy's checkpoint); and the reward model's pooling at each row's last non-pad
 token (`last_non_pad_index`). Called by `models.builder`, `models.weights` and

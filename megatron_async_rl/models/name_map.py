@@ -35,6 +35,12 @@ Megatron layouts (read from megatron-core 0.16.1, logits-checked by the lead):
   `score.weight` (`score.bias`) of `*ForSequenceClassification` (`*ForTokenClassification`),
   replicated over TP; a head model has untied embeddings, and a policy checkpoint's `lm_head`
   is ignored when loading one.
+- Virtual pipeline stages (`ModelDims.vp_size` V > 1): a rank holds V model chunks, chunk v of
+  pipeline rank p the layers of virtual stage v x pp + p (`stage_layers` with a vp stage), the
+  embedding in rank 0's chunk 0, the final norm and output layer in the last rank's chunk V - 1.
+  Each chunk's state dict is stage-local; a rank names its chunks' tensors `model{v}.<name>`
+  (`chunk_name`, Megatron-LM's checkpoint keys; unchanged with one chunk), the names
+  `stage_entries`, the reshard plan and `rank_state_dict` share.
 HF experts are named per expert (`mlp.experts.{j}.gate_proj.weight`): the hub format on disk,
 which transformers 5.12.1 fuses on load into `gate_up_proj` (E, 2F, H) = [gate; up] and SGLang
 loads as is.
@@ -120,14 +126,41 @@ class ModelDims:
     head: str | None = None
     """A scalar head in place of the LM head (`HEAD_HF_NAMES`): "value" (HF
     `*ForTokenClassification`), "score" (`*ForSequenceClassification`); None: `lm_head`."""
+    vp_size: int = 1
+    """Model chunks per pipeline rank (virtual pipeline stages, `megatron_flags.virtual_stages`):
+    chunk v of pipeline rank p is virtual stage v x pp + p; one chunk when pp is 1."""
 
     def is_moe(self, layer: int) -> bool:
         if self.num_experts is None:
             return False
         return self.moe_layers is None or bool(self.moe_layers[layer])
 
-    def stage_layers(self, pp_rank: int, pp_size: int) -> range:
-        """Global indices of the decoder layers pipeline stage `pp_rank` holds."""
+    def stage_layers(self, pp_rank: int, pp_size: int, vp_stage: int | None = None) -> range:
+        """Global indices of the decoder layers pipeline stage `pp_rank` holds; with virtual
+        pipeline stages, those of its model chunk `vp_stage` (as megatron-core's
+        `get_transformer_layer_offset` with a vp_stage: the model is split into `vp_size`
+        rounds of num_layers / vp_size layers, each round over the pipeline stages as without
+        virtual stages, first/last stage layers divided by vp_size)."""
+        if self.vp_size > 1 and pp_size > 1:
+            if vp_stage is None or not 0 <= vp_stage < self.vp_size:
+                raise ValueError(
+                    f"vp_stage={vp_stage}: a model of {self.vp_size} virtual pipeline stages "
+                    f"per rank needs the model chunk (0..{self.vp_size - 1})"
+                )
+            if self.layout_layers is not None:
+                raise ValueError("virtual pipeline stages from a layout are not mapped")
+            sizes = (self.num_layers, self.first_stage_layers or 0, self.last_stage_layers or 0)
+            if any(n % self.vp_size for n in sizes):
+                raise ValueError(
+                    f"num_layers={self.num_layers}, first={self.first_stage_layers} and "
+                    f"last={self.last_stage_layers} stage layers must be divisible by "
+                    f"vp_size={self.vp_size}"
+                )
+            per_round = self.num_layers // self.vp_size
+            first, last = (None if n is None else n // self.vp_size
+                           for n in (self.first_stage_layers, self.last_stage_layers))
+            part = stage_layers(pp_rank, pp_size, per_round, first, last)
+            return range(vp_stage * per_round + part.start, vp_stage * per_round + part.stop)
         if self.layout_layers is not None and pp_size > 1:  # pp_size 1: the whole model
             if len(self.layout_layers) != pp_size:
                 raise ValueError(f"the layout has {len(self.layout_layers)} stages, not {pp_size}")
@@ -137,7 +170,13 @@ class ModelDims:
             pp_rank, pp_size, self.num_layers, self.first_stage_layers, self.last_stage_layers
         )
 
+    def chunks(self, pp_size: int) -> range:
+        """The model chunks (vp stages) of a pipeline rank: one when pp_size is 1."""
+        return range(self.vp_size if pp_size > 1 else 1)
+
     def __post_init__(self) -> None:
+        if self.vp_size < 1:
+            raise ValueError(f"vp_size={self.vp_size} must be >= 1")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -175,6 +214,8 @@ class ModelDims:
                 a["pipeline_model_parallel_layout"], int(a["pipeline_model_parallel_size"]),
                 int(a["num_layers"]),
             )  # fmt: skip
+        from megatron_async_rl.config.megatron_flags import virtual_stages
+
         moe_layers = None
         if num_experts and a.get("moe_layer_freq", 1) != 1:
             moe_layers = moe_layer_pattern(a["moe_layer_freq"], int(a["num_layers"]))
@@ -204,6 +245,7 @@ class ModelDims:
             if num_experts else None,
             expert_bias=bool(num_experts and a.get("moe_router_enable_expert_bias")),
             layout_layers=layout_layers,
+            vp_size=virtual_stages(a),
         )
 
 
@@ -429,17 +471,30 @@ def stage_param_names(
     pp_size: int = 1,
     ep_rank: int = 0,
     ep_size: int = 1,
+    vp_stage: int | None = None,
 ) -> list[str]:
-    """Global names of the parameters one (pp_rank, ep_rank) holds; all of them by default."""
-    layers = dims.stage_layers(pp_rank, pp_size)
+    """Global names of the parameters one (pp_rank, ep_rank) holds; all of them by default.
+    With virtual pipeline stages (`ModelDims.vp_size`), those of its model chunk `vp_stage`,
+    or of all its chunks in chunk order when `vp_stage` is None."""
+    chunks = dims.chunks(pp_size)
+    if len(chunks) > 1 and vp_stage is None:
+        return [
+            name for v in chunks for name in stage_param_names(
+                dims, pp_rank=pp_rank, pp_size=pp_size, ep_rank=ep_rank, ep_size=ep_size,
+                vp_stage=v,
+            )
+        ]  # fmt: skip
+    layers = dims.stage_layers(pp_rank, pp_size, vp_stage)
     experts = range(0)
     if dims.num_experts is not None:
         e0 = expert_offset(ep_rank, ep_size, dims.num_experts)
         experts = range(e0, e0 + dims.num_experts // ep_size)
-    names = ["embedding.word_embeddings.weight"] if pp_rank == 0 else []
+    first_chunk = len(chunks) == 1 or vp_stage == 0
+    last_chunk = len(chunks) == 1 or vp_stage == len(chunks) - 1
+    names = ["embedding.word_embeddings.weight"] if pp_rank == 0 and first_chunk else []
     for layer in layers:
         names += _layer_param_names(dims, layer, experts)
-    if pp_rank == pp_size - 1:
+    if pp_rank == pp_size - 1 and last_chunk:
         names.append("decoder.final_layernorm.weight")
         if not dims.tied_embeddings or pp_size > 1:
             names.append("output_layer.weight")
@@ -508,6 +563,46 @@ def to_global_name(local_name: str, *, layer_offset: int = 0, expert_offset: int
 def to_local_name(global_name: str, *, layer_offset: int = 0, expert_offset: int = 0) -> str:
     """Inverse of `to_global_name`."""
     return _shift(global_name, -layer_offset, -expert_offset)
+
+
+def chunk_name(name: str, vp_stage: int, num_chunks: int) -> str:
+    """A model chunk's own state-dict name as a rank names it among its `num_chunks` chunks:
+    unchanged for one chunk, else prefixed `model{vp_stage}.` (Megatron-LM's checkpoint keys of
+    model chunks)."""
+    return name if num_chunks == 1 else f"model{vp_stage}.{name}"
+
+
+def split_chunk_name(name: str, num_chunks: int) -> tuple[int, str]:
+    """Inverse of `chunk_name`: (vp_stage, the chunk's own name)."""
+    if num_chunks == 1:
+        return 0, name
+    m = re.match(r"^model(\d+)\.(.+)$", name)
+    if not m or int(m[1]) >= num_chunks:
+        raise ValueError(f"{name!r} is not the name of one of {num_chunks} model chunks")
+    return int(m[1]), m[2]
+
+
+def rank_state_dict(chunks) -> dict[str, Tensor]:
+    """A rank's tensors by the names `chunk_name` gives them, from its model chunks (a list of
+    modules, or one object with `state_dict()`); `_extra_state` entries left out."""
+    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    return {
+        chunk_name(k, v, len(chunks)): t
+        for v, chunk in enumerate(chunks)
+        for k, t in chunk.state_dict().items()
+        if not k.endswith("._extra_state")
+    }
+
+
+def rank_global_name(
+    name: str, dims: ModelDims, *, pp_rank: int, pp_size: int, expert_offset: int = 0
+) -> str:
+    """The global name of a rank's `rank_state_dict` name (chunk, stage-local layer, EP-local
+    expert -> global layer and expert)."""
+    chunks = dims.chunks(pp_size)
+    vp_stage, local = split_chunk_name(name, len(chunks))
+    l0 = dims.stage_layers(pp_rank, pp_size, vp_stage if len(chunks) > 1 else None).start
+    return to_global_name(local, layer_offset=l0, expert_offset=expert_offset)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
@@ -801,21 +896,26 @@ def stage_entries(
     dims: ModelDims, *, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, ep_rank=0, ep_size=1,
     etp_rank=None, etp_size=None,
 ) -> list[StageEntry]:  # fmt: skip
-    """What one rank holds, parameter by parameter (keyword arguments as `stage_state_dict`)."""
+    """What one rank holds, parameter by parameter (keyword arguments as `stage_state_dict`),
+    named as `rank_state_dict` names them (every model chunk of the rank)."""
     etp_rank, etp_size = (tp_rank, tp_size) if etp_size is None else (etp_rank or 0, etp_size)
-    l0 = dims.stage_layers(pp_rank, pp_size).start
     e0 = expert_offset(ep_rank, ep_size, dims.num_experts) if dims.num_experts else 0
+    chunks = dims.chunks(pp_size)
     out = []
-    for name in stage_param_names(
-        dims, pp_rank=pp_rank, pp_size=pp_size, ep_rank=ep_rank, ep_size=ep_size
-    ):
-        source = name
-        if name == "output_layer.weight" and dims.tied_embeddings:
-            source = "embedding.word_embeddings.weight"
-        spec = shard_spec(name, dims)
-        rank, size = (etp_rank, etp_size) if spec.is_expert else (tp_rank, tp_size)
-        local = to_local_name(name, layer_offset=l0, expert_offset=e0)
-        out.append(StageEntry(local, source, spec, rank, size))
+    for v in chunks:
+        vp_stage = v if len(chunks) > 1 else None
+        l0 = dims.stage_layers(pp_rank, pp_size, vp_stage).start
+        for name in stage_param_names(
+            dims, pp_rank=pp_rank, pp_size=pp_size, ep_rank=ep_rank, ep_size=ep_size,
+            vp_stage=vp_stage,
+        ):  # fmt: skip
+            source = name
+            if name == "output_layer.weight" and dims.tied_embeddings:
+                source = "embedding.word_embeddings.weight"
+            spec = shard_spec(name, dims)
+            rank, size = (etp_rank, etp_size) if spec.is_expert else (tp_rank, tp_size)
+            local = to_local_name(name, layer_offset=l0, expert_offset=e0)
+            out.append(StageEntry(chunk_name(local, v, len(chunks)), source, spec, rank, size))
     return out
 
 

@@ -53,18 +53,15 @@ def stage_ranks(pgc) -> dict[str, int]:
     }
 
 
-def _own_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in module.state_dict().items() if not k.endswith("._extra_state")}
-
-
 @torch.no_grad()
 def load_hf_into_megatron(
-    module, path: str, args: dict[str, Any], pgc, spec, *, head_init_std: float | None = None,
+    chunks, path: str, args: dict[str, Any], pgc, spec, *, head_init_std: float | None = None,
     head_seed: int = 0,
 ) -> int:  # fmt: skip
-    """Copy this rank's slice of every parameter of the HF checkpoint at `path` into `module`,
-    reading only what this rank's parameters come from: its pipeline stage's layers, its
-    experts, and of TP-split tensors its rows or columns. Returns the bytes read.
+    """Copy this rank's slice of every parameter of the HF checkpoint at `path` into its model
+    `chunks` (a list, or one module), reading only what this rank's parameters come from: its
+    pipeline stage's layers, its experts, and of TP-split tensors its rows or columns. Returns
+    the bytes read.
 
     With a scalar head (`spec.head`), head tensors the checkpoint lacks are initialised when
     `head_init_std` is given (`heads.head_reader`: N(0, std^2) from `head_seed`, 0: zeros)."""
@@ -78,16 +75,16 @@ def load_hf_into_megatron(
     name_map.check_hf_names(names, dims)
     ranks = stage_ranks(pgc)
     local = name_map.stage_state_dict_from_hf(read, dims, reader.read_range, **ranks)
-    _copy_into(module, local, path)
+    _copy_into(chunks, local, path)
     return reader.bytes_read
 
 
 @torch.no_grad()
 def load_hf_state_dict_into_megatron(
-    module, hf_sd: dict, args: dict[str, Any], pgc, spec, path: str = "<in memory>"
+    chunks, hf_sd: dict, args: dict[str, Any], pgc, spec, path: str = "<in memory>"
 ) -> None:
-    """Copy this rank's slice of every tensor of a full HF state dict into `module` (cut from
-    the HF tensors directly: no whole-model conversion)."""
+    """Copy this rank's slice of every tensor of a full HF state dict into its model `chunks`
+    (cut from the HF tensors directly: no whole-model conversion)."""
     dims = model_dims(args, spec)
 
     def read_range(name: str, dim: int, start: int, stop: int):
@@ -96,12 +93,12 @@ def load_hf_state_dict_into_megatron(
     local = name_map.stage_state_dict_from_hf(
         hf_sd.__getitem__, dims, read_range, **stage_ranks(pgc)
     )
-    _copy_into(module, local, path)
+    _copy_into(chunks, local, path)
 
 
-def _copy_into(module, local: dict, path: str) -> None:
-    """Copy the rank's local slices into `module`'s parameters; every one must match."""
-    own = _own_tensors(module)
+def _copy_into(chunks, local: dict, path: str) -> None:
+    """Copy the rank's local slices into its chunks' parameters; every one must match."""
+    own = name_map.rank_state_dict(chunks)
     missing, unexpected = sorted(own.keys() - local.keys()), sorted(local.keys() - own.keys())
     if missing or unexpected:
         raise RuntimeError(
@@ -120,14 +117,14 @@ def _copy_into(module, local: dict, path: str) -> None:
 
 
 @torch.no_grad()
-def gather_megatron_state_dict(module, args: dict[str, Any], pgc, spec):
+def gather_megatron_state_dict(chunks, args: dict[str, Any], pgc, spec):
     """The full, global-named Megatron state dict on the role's first rank; None elsewhere.
+    `chunks`: the rank's model chunks (a list, or one module).
 
     Collective over the role (every rank of its window must call it).
     """
     dims = model_dims(args, spec)
     ranks = stage_ranks(pgc)
-    l0 = dims.stage_layers(ranks["pp_rank"], ranks["pp_size"]).start
     e0 = (
         name_map.expert_offset(ranks["ep_rank"], ranks["ep_size"], dims.num_experts)
         if dims.num_experts
@@ -138,8 +135,10 @@ def gather_megatron_state_dict(module, args: dict[str, Any], pgc, spec):
     dense_sender = dist.get_rank(pgc.dp) == 0 and ranks["tp_rank"] == 0
     expert_sender = dist.get_rank(pgc.expt_dp) == 0 and ranks["etp_rank"] == 0
     gathered: dict[str, torch.Tensor] = {}
-    for local_name, tensor in _own_tensors(module).items():
-        name = name_map.to_global_name(local_name, layer_offset=l0, expert_offset=e0)
+    for local_name, tensor in name_map.rank_state_dict(chunks).items():
+        name = name_map.rank_global_name(
+            local_name, dims, pp_rank=ranks["pp_rank"], pp_size=ranks["pp_size"], expert_offset=e0
+        )
         spec_ = name_map.shard_spec(name, dims)
         group = pgc.expt_tp if spec_.is_expert else pgc.tp
         if spec_.partition_dim is not None and dist.get_world_size(group) > 1:
@@ -167,9 +166,9 @@ def gather_megatron_state_dict(module, args: dict[str, Any], pgc, spec):
     return merged
 
 
-def gather_hf_state_dict(module, args: dict[str, Any], pgc, spec):
+def gather_hf_state_dict(chunks, args: dict[str, Any], pgc, spec):
     """`gather_megatron_state_dict` converted to HF names (on the role's first rank)."""
-    merged = gather_megatron_state_dict(module, args, pgc, spec)
+    merged = gather_megatron_state_dict(chunks, args, pgc, spec)
     if merged is None:
         return None
     return name_map.megatron_to_hf(merged, model_dims(args, spec))

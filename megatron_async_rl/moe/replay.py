@@ -103,15 +103,18 @@ class RouterSlot(RouterReplay):
 class RoleRouting:
     """The replay slots of one role's model stage and the data each micro-batch needs."""
 
-    def __init__(self, module, moe_layers: list[int], tp_group, sequence_parallel: bool,
+    def __init__(self, chunks, moe_layers: list[int], tp_group, sequence_parallel: bool,
                  noise: float = 0.0):  # fmt: skip
-        """`moe_layers`: the model's MoE layer numbers (0-based, global, in order); `noise`:
-        `faults.router_noise` (`RouterSlot`)."""
+        """`chunks`: the stage's model chunks (a list, or one module): with virtual pipeline
+        stages every chunk's routers get a slot, and `micro_batch` before a chunk's forward
+        sets them all (only the chunk that runs reads its slots); `moe_layers`: the model's
+        MoE layer numbers (0-based, global, in order); `noise`: `faults.router_noise`
+        (`RouterSlot`)."""
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         position = {layer: i for i, layer in enumerate(moe_layers)}
         self.num_moe_layers = len(moe_layers)
         self.slots: list[RouterSlot] = []
-        for layer in _decoder_layers(module):
+        for layer in (x for c in _as_list(chunks) for x in _decoder_layers(c)):
             router = getattr(getattr(layer, "mlp", None), "router", None)
             if router is None:
                 continue
@@ -205,6 +208,10 @@ def gather_recorded(routing: RoleRouting, recorded: dict[int, torch.Tensor], pp_
             f"0..{routing.num_moe_layers - 1}"
         )
     return torch.stack([merged[i] for i in range(routing.num_moe_layers)], dim=2)
+
+
+def _as_list(chunks) -> list:
+    return list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
 
 
 def _decoder_layers(module):

@@ -22,6 +22,7 @@ import xxhash
 from megatron_async_rl.algorithms import advantages, corrections, grpo, losses, minibatch
 from megatron_async_rl.algorithms.config import check_overlong_budget, response_budget
 from megatron_async_rl.distributed import devices
+from megatron_async_rl.models.name_map import chunk_name
 from megatron_async_rl.moe.routing import agreement_metrics, routing_counts
 from megatron_async_rl.observability.ledger import PromptLedger
 from megatron_async_rl.observability.metrics import MetricsWriter, summarize
@@ -154,7 +155,12 @@ def check_replicas_agree(role, step: int) -> None:
     if not interval or step % interval:
         return
     digest = xxhash.xxh3_64()
-    for name, param in sorted(role.module.named_parameters()):
+    named = (
+        (chunk_name(name, v, len(role.chunks)), param)
+        for v, chunk in enumerate(role.chunks)
+        for name, param in chunk.named_parameters()
+    )
+    for name, param in sorted(named, key=lambda item: item[0]):
         digest.update(name.encode())
         digest.update(param.detach().float().cpu().numpy().tobytes())
     hashes = [None] * dist.get_world_size(role.pgc.dp)

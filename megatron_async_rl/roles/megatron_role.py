@@ -4,11 +4,17 @@ Owned here: building a role's model from resolved Megatron args and its `RoleGro
 HuggingFace checkpoint shard by shard; computing per-token log-probs of a token batch through
 the role's pipeline (forward only). Called by the entry point for each Megatron role that lives
 on this rank. `train` gets `DistributedDataParallel`, Megatron's optimizer and its lr schedule
-(`roles.lr_schedule`); `logp` and `ref` are forward-only, and `ref` is frozen (requires_grad
+(`roles.lr_schedule`), its param-group map written with --dump-param-to-param-group-map
+(`roles.param_groups`); `logp` and `ref` are forward-only, and `ref` is frozen (requires_grad
 False).
 
 A role built with a scalar head (`head`, `models.heads`: a critic's "value", a reward model's
 "score") has no logits: `values` / `scores` and `train_step(outputs="values")` instead.
+
+With virtual pipeline stages (--num-virtual-stages-per-pipeline-rank V > 1) a rank holds V model
+chunks (`chunks`; `models`, each in its own DDP wrapper for a trained role), run by megatron-core's
+interleaved schedule with one data iterator per chunk over the same micro-batches (whose count
+`algorithms.minibatch.check_virtual_pipeline_microbatches` checks first).
 
 Batch tensors: tokens_BT (int64, right-padded), logp_BT / entropy_BT for positions 1..T-1
 (column t is the log-prob of tokens[:, t + 1]); values_BT for positions 0..T-1 (column t is the
@@ -24,7 +30,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_async_rl.algorithms import minibatch
 from megatron_async_rl.algorithms.logprobs import vocab_parallel_logprobs
+from megatron_async_rl.compat import megatron_fixes
 from megatron_async_rl.config import megatron_flags
 from megatron_async_rl.config.roles import TRAINED_ROLES
 from megatron_async_rl.distributed import devices
@@ -32,7 +40,7 @@ from megatron_async_rl.distributed.groups import MEGATRON_ROLES, RoleGroups, Wor
 from megatron_async_rl.distributed.layout import Parallelism
 from megatron_async_rl.distributed.platform import Platform
 from megatron_async_rl.models import builder, heads, weights
-from megatron_async_rl.roles import lr_schedule
+from megatron_async_rl.roles import lr_schedule, param_groups
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +74,9 @@ class MegatronRole:
     """A role's model stage on this rank."""
 
     lr_scheduler = None
+    gather_after_step = False
+    """--overlap-param-gather with the distributed optimizer: all-gather the updated weights
+    right after each optimizer step (`train_step`)."""
     """megatron-core's OptimizerParamScheduler (train only), one step per applied update."""
     head: str | None = None
     """"value" or "score": a scalar head in place of the LM output layer (`models.heads`)."""
@@ -103,28 +114,49 @@ class MegatronRole:
         self.config = builder.build_transformer_config(args, par, platform)
         self.head, self.seed = head, seed
         self.spec = builder.model_spec(args, par, platform, head)
-        self.module = builder.build_gpt_model(self.config, self.spec, self.pgc, seed, self.device)
+        self.chunks = builder.build_gpt_chunks(self.config, self.spec, self.pgc, seed, self.device)
+        """This rank's model chunks (GPTModels) in order: one, or one per virtual pipeline stage
+        (--num-virtual-stages-per-pipeline-rank: chunk v holds virtual stage v x pp + pp_rank)."""
+        self.models = list(self.chunks)
+        """The chunks as the schedule runs them (each in its DDP wrapper for a trained role)."""
         self.pp_rank = dist.get_rank(self.pgc.pp)
         self.is_last_stage = self.pp_rank == par.pp - 1
-        self.model = self.module
         self.routing = None
         """`moe.replay.RoleRouting` of this stage's MoE routers, when asked for."""
         if routing:
-            self.routing = _role_routing(self.module, args, self.pgc, router_noise)
+            self.routing = _role_routing(self.chunks, args, self.pgc, router_noise)
         self.optimizer = None
         if role in TRAINED_ROLES:  # the actor, and PPO's critic
             self._wrap_for_training(total_optimizer_steps)
         else:
-            self.module.eval()
-            if role in ("ref", "reward_model"):
-                for param in self.module.parameters():
-                    param.requires_grad_(False)
+            for chunk in self.chunks:
+                chunk.eval()
+                if role in ("ref", "reward_model"):
+                    for param in chunk.parameters():
+                        param.requires_grad_(False)
+
+    @property
+    def module(self):
+        """The model stage of a role of one model chunk (`chunks` with several)."""
+        return self._one(self.chunks)
+
+    @property
+    def model(self):
+        """`module` as the schedule runs it (`models` with several chunks)."""
+        return self._one(self.models)
+
+    def _one(self, chunks: list):
+        if len(chunks) != 1:
+            raise RuntimeError(
+                f"role {self.role} (global rank {dist.get_rank()}) holds {len(chunks)} model "
+                "chunks (virtual pipeline stages): use its `chunks` / `models`"
+            )
+        return chunks[0]
 
     def _wrap_for_training(self, total_optimizer_steps: int | None) -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
-            finalize_model_grads,
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -132,24 +164,38 @@ class MegatronRole:
         if self.args.get("ddp_num_buckets"):  # as Megatron-LM: the role's parameters / N
             if self.args.get("bucket_size") is not None:
                 raise ValueError("--ddp-num-buckets cannot be combined with --ddp-bucket-size")
-            numel = sum(p.numel() for p in self.module.parameters())
+            numel = sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
             ddp_kwargs["bucket_size"] = max(numel // self.args["ddp_num_buckets"], 1)
         ddp_config = DistributedDataParallelConfig(**ddp_kwargs)
-        self.model = DistributedDataParallel(
-            self.config, ddp_config, self.module, pg_collection=self.pgc
-        )
+        # One DDP wrapper per model chunk, buckets for the first only (Megatron-LM's get_model).
+        self.models = [
+            DistributedDataParallel(
+                self.config, ddp_config, chunk, disable_bucketing=v > 0, pg_collection=self.pgc
+            )
+            for v, chunk in enumerate(self.chunks)
+        ]
         # Reduces gradients over data-parallel ranks (and tied embeddings over stages) at the
         # end of each step's backward; the schedule passes our pg_collection to it.
-        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.finalize_model_grads_func = megatron_fixes.finalize_model_grads_in_role
         opt_kwargs = megatron_flags.optimizer_config_kwargs(self.args)
         opt_kwargs.setdefault("bf16", bool(self.args.get("bf16")))
         opt_kwargs["use_distributed_optimizer"] = ddp_config.use_distributed_optimizer
         with role_scoped_object_gather(self.pgc.intra_dist_opt):
             self.optimizer = get_megatron_optimizer(
                 OptimizerConfig(**opt_kwargs),
-                [self.model],
+                self.models,
                 use_gloo_process_groups=False,
                 pg_collection=self.pgc,
+            )
+        dump_path = self.args.get("dump_param_to_param_group_map")
+        if dump_path and self.role == "train":  # megatron-core's own writer cannot run here
+            param_groups.dump_param_to_param_group_map(
+                dump_path, self.optimizer, self.models, self.config.num_moe_experts, self.pgc
+            )
+        elif dump_path and dist.get_rank(self.pgc.intra_dist_opt) == 0:
+            megatron_flags.warn_once(
+                f"--dump-param-to-param-group-map is written for the train role only; the "
+                f"{self.role} role's optimizer groups are not written"
             )
         self.lr_scheduler = lr_schedule.build_lr_scheduler(
             self.optimizer, self.args, total_optimizer_steps
@@ -158,12 +204,14 @@ class MegatronRole:
         # loss by the optimizer's loss scale (fp16; 1 otherwise), and with an overlapped grad
         # reduce / param gather it drives DDP's sync hooks across micro-batches.
         self.config.grad_scale_func = self.optimizer.scale_loss
+        # (one function, or one per model chunk for the interleaved schedule)
         if ddp_config.overlap_grad_reduce:
-            self.config.no_sync_func = self.model.no_sync
+            self.config.no_sync_func = _per_chunk([m.no_sync for m in self.models])
             if self.args.get("align_grad_reduce", True):
-                self.config.grad_sync_func = self.model.start_grad_sync
+                self.config.grad_sync_func = _per_chunk([m.start_grad_sync for m in self.models])
+        self.gather_after_step = bool(ddp_config.overlap_param_gather)
         if ddp_config.overlap_param_gather and ddp_config.align_param_gather:
-            self.config.param_sync_func = self.model.start_param_sync
+            self.config.param_sync_func = _per_chunk([m.start_param_sync for m in self.models])
 
     # ------------------------------------------------------------------------------------------
     def load_hf_checkpoint(self, path: str, head_init_std: float | None = None) -> None:
@@ -171,7 +219,7 @@ class MegatronRole:
         the tensors of its stage and experts). `head_init_std`: with a scalar head, initialise
         head tensors the checkpoint lacks (a policy's: N(0, std^2), 0: zeros; `models.heads`)."""
         read = weights.load_hf_into_megatron(
-            self.module, path, self.args, self.pgc, self.spec, head_init_std=head_init_std,
+            self.chunks, path, self.args, self.pgc, self.spec, head_init_std=head_init_std,
             head_seed=self.seed,
         )  # fmt: skip
         logger.info("role %s: read %.1f MB of %s for this rank's stage", self.role, read / 2**20,
@@ -182,7 +230,7 @@ class MegatronRole:
 
     def gather_hf_state_dict(self):
         """The whole model in HF names on the role's first rank (collective over the role)."""
-        return weights.gather_hf_state_dict(self.module, self.args, self.pgc, self.spec)
+        return weights.gather_hf_state_dict(self.chunks, self.args, self.pgc, self.spec)
 
     # ------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -210,7 +258,8 @@ class MegatronRole:
             logits_BTV = model(tokens, positions, attention_mask=None)
             return logits_BTV, lambda logits: (logits.new_zeros(()), reduce(logits, tokens))
 
-        self.model.eval()
+        for model in self.models:
+            model.eval()
         micro_batches = _split({"tokens": tokens_BT, **(routing or {})}, micro_batch_size)
         outputs = self._run_schedule(forward_step, micro_batches, seq_len, micro_batch_size, True)
         return outputs if self.is_last_stage else None
@@ -239,11 +288,21 @@ class MegatronRole:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-        forward_backward = get_forward_backward_func(pp_size=self.par.pp, vp_size=None)
+        vp_size = len(self.models)
+        data_iterator = iter(micro_batches)
+        if vp_size > 1:  # the interleaved schedule: each chunk reads every micro-batch in turn
+            minibatch.check_virtual_pipeline_microbatches(
+                len(micro_batches), mb_size, self.par.pp, vp_size,
+                self.config.microbatch_group_size_per_vp_stage, f"role {self.role}",
+            )  # fmt: skip
+            data_iterator = [iter(micro_batches) for _ in self.models]
+        forward_backward = get_forward_backward_func(
+            pp_size=self.par.pp, vp_size=vp_size if vp_size > 1 else None
+        )
         return forward_backward(
             forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
-            model=[self.model],
+            data_iterator=data_iterator,
+            model=self.models,
             num_microbatches=len(micro_batches),
             seq_length=seq_len,
             micro_batch_size=mb_size,
@@ -376,11 +435,18 @@ class MegatronRole:
 
             return logits, loss_func
 
-        self.model.train()
-        self.model.zero_grad_buffer()
+        for model in self.models:
+            model.train()
+            model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run_schedule(forward_step, micro_batches, seq_len, mb_size, False)
         update_ok, grad_norm, _ = self.optimizer.step()
+        if self.gather_after_step:
+            # The distributed optimizer leaves the updated shards' all-gather to the next
+            # forward; the weights are read right after the step here (weight sync, export,
+            # checkpoint), so gather now, as Megatron-LM does before it saves or evaluates.
+            for model in self.models:
+                model.start_param_sync(force_sync=True)
         metrics = {"actor/grad_norm": float(grad_norm or 0.0), "actor/update_ok": float(update_ok)}
         if self.lr_scheduler is not None:  # None only in a role built without __init__ (fakes)
             # Read before the schedule advances: the lr and weight decay this update used.
@@ -412,7 +478,12 @@ def _split(batch: dict, size: int) -> list[dict]:
     ]
 
 
-def _role_routing(module, args: dict, pgc, noise: float = 0.0):
+def _per_chunk(funcs: list):
+    """A DDP hook for the schedule's config: the one chunk's, or the list of each chunk's."""
+    return funcs[0] if len(funcs) == 1 else funcs
+
+
+def _role_routing(chunks: list, args: dict, pgc, noise: float = 0.0):
     """Replay slots on the MoE routers of this stage (`moe.replay`), or None (dense model)."""
     if not args.get("num_experts"):
         return None
@@ -422,7 +493,7 @@ def _role_routing(module, args: dict, pgc, noise: float = 0.0):
     num_layers = int(args["num_layers"])
     pattern = moe_layer_pattern(args.get("moe_layer_freq") or 1, num_layers)
     moe_layers = [i for i in range(num_layers) if pattern[i]]
-    return RoleRouting(module, moe_layers, pgc.tp, bool(args.get("sequence_parallel")), noise)
+    return RoleRouting(chunks, moe_layers, pgc.tp, bool(args.get("sequence_parallel")), noise)
 
 
 def build_local_roles(

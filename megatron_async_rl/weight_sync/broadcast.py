@@ -95,7 +95,7 @@ def _bridge_device(bridge: str, backend: str, on_cuda: bool, engine_tp: int = 1)
 def _train_key(groups, role, version: int, config: WeightSyncConfig) -> PlanKey:
     layout = groups.layout.grid("train")
     dims = weights.model_dims(role.args, role.spec)
-    param = next(role.module.parameters())
+    param = next(role.chunks[0].parameters())
     dtype = str(param.dtype).removeprefix("torch.")
     engine_tp = groups.layout.engine_tp_size
     device = _bridge_device(config.bridge, groups.backend, param.is_cuda, engine_tp)
@@ -103,15 +103,14 @@ def _train_key(groups, role, version: int, config: WeightSyncConfig) -> PlanKey:
 
 
 def _local_state(role, reshard: plan.ReshardPlan, rank: int) -> dict[str, torch.Tensor]:
-    local = {k: v for k, v in role.module.state_dict().items() if not k.endswith("._extra_state")}
+    local = name_map.rank_state_dict(role.chunks)  # every model chunk's, `chunk_name`d
     dims, pgc = reshard.dims, role.pgc
-    l0 = dims.stage_layers(dist.get_rank(pgc.pp), dist.get_world_size(pgc.pp)).start
     e0 = 0
     if dims.num_experts:
         e0 = name_map.expert_offset(
             dist.get_rank(pgc.ep), dist.get_world_size(pgc.ep), dims.num_experts
         )
-    plan.check_stage_names(reshard, rank, list(local), l0, e0)
+    plan.check_stage_names(reshard, rank, list(local), dist.get_rank(pgc.pp), e0)
     return local
 
 
@@ -334,7 +333,7 @@ def sync_weights(
         def into_shards(reshard, key, counter):
             dims, ranks = weights.model_dims(role.args, role.spec), weights.stage_ranks(role.pgc)
             dtype = buffers.torch_dtype(reshard.dtype)
-            return ShardSink(role.module, dims, ranks, counter, dtype, groups.rank)
+            return ShardSink(role.chunks, dims, ranks, counter, dtype, groups.rank)
 
         return _reshard(groups, roles, version, config, into_shards, pool, device, tamper)[1]
     staged, metrics = broadcast_weights(groups, roles, config, version, pool, device, tamper)
@@ -347,7 +346,7 @@ def sync_weights(
     if "logp" in roles:
         role = roles["logp"]
         weights.load_hf_state_dict_into_megatron(
-            role.module, staged, role.args, role.pgc, role.spec
+            role.chunks, staged, role.args, role.pgc, role.spec
         )
     metrics["timing/weight_sync/load_s"] = start + time.perf_counter() - begin
     return metrics

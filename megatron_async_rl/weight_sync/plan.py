@@ -16,11 +16,13 @@ functions only).
          message (gather the parameters a message starts, pack it, put it on the wire).
 
 Every PP stage and EP rank has its own sender, so stages send in parallel and no rank holds more
-than its stage's parameters. A message is the unit of sending, checksumming and loading; a
-tensor larger than a message is cut into pieces and reassembled by the receiver. Ranks follow
-`ReshardPlan.schedule`, one global order of (sender, bucket), so blocking collectives never wait
-on each other in a cycle. Grid orders are those of `RoleGrid` (HyperCommGrid: tp fastest, pp
-slowest; expert grid etp, ep, expt_dp, pp).
+than its stage's parameters; with virtual pipeline stages a sender sends its model chunks in
+turn (parameters named by `name_map.chunk_name`). A message is the unit of sending,
+checksumming and loading; a tensor larger than a message is cut into pieces and reassembled by
+the receiver. Ranks follow `ReshardPlan.schedule`, one global order of (sender, bucket), so
+blocking collectives never wait on each other in a cycle. Grid orders are those of `RoleGrid`
+(HyperCommGrid: tp fastest, pp slowest, or pp before dp with --use-tp-pp-dp-mapping; expert
+grid etp, ep, expt_dp, pp).
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ from megatron_async_rl.distributed.layout import RoleGrid
 from megatron_async_rl.models.name_map import (
     ModelDims,
     ShardSpec,
+    chunk_name,
     expert_offset,
     hf_names_for,
     hf_shape,
+    rank_global_name,
     shard_spec,
     stage_param_names,
-    to_global_name,
     to_local_name,
 )
 
@@ -60,7 +63,8 @@ class Gather:
     param: str
     """Global name (global layer and expert indices)."""
     local_name: str
-    """The name in the state dict of every rank in `ranks` (stage-local, EP-local)."""
+    """The name in the state dict of every rank in `ranks` (stage-local, EP-local; its model
+    chunk's `name_map.chunk_name` with virtual pipeline stages)."""
     spec: ShardSpec
     ranks: tuple[int, ...]
     """Global ranks holding its shards, in (expert-)TP rank order; `ranks[0]` is the sender."""
@@ -175,13 +179,17 @@ class ReshardPlan:
         }
 
 
-def check_stage_names(plan: ReshardPlan, rank: int, local_names, l0: int, e0: int) -> None:
+def check_stage_names(plan: ReshardPlan, rank: int, local_names, pp_rank: int, e0: int) -> None:
     """ValueError naming a parameter of `rank`'s model stage that the plan cannot map or lacks.
 
-    `local_names` are the rank's state-dict names; `l0` / `e0` its layer and expert offsets.
+    `local_names` are the rank's state-dict names (`name_map.rank_state_dict`: every model
+    chunk's); `pp_rank` / `e0` its pipeline rank and expert offset.
     """
     for local in local_names:
-        shard_spec(to_global_name(local, layer_offset=l0, expert_offset=e0), plan.dims)
+        name = rank_global_name(
+            local, plan.dims, pp_rank=pp_rank, pp_size=plan.layout.pp, expert_offset=e0
+        )
+        shard_spec(name, plan.dims)
     missing = sorted(plan.params_of(rank) - set(local_names))
     if missing:
         raise ValueError(
@@ -205,13 +213,16 @@ def _sender_gathers(layout: RoleGrid, dims: ModelDims) -> dict[int, list[Gather]
     """Sender rank -> the parameters it assembles, in model order."""
     out: dict[int, list[Gather]] = {}
     moe = dims.num_experts is not None
-    for p in range(layout.pp):
-        l0 = dims.stage_layers(p, layout.pp).start
+    chunks = dims.chunks(layout.pp)
+    for p, v in ((p, v) for p in range(layout.pp) for v in chunks):  # a rank's chunks in order
+        vp_stage = v if len(chunks) > 1 else None
+        l0 = dims.stage_layers(p, layout.pp, vp_stage).start
         for e in range(layout.ep if moe else 1):
             e0 = expert_offset(e, layout.ep, dims.num_experts) if moe else 0
             names = stage_param_names(
-                dims, pp_rank=p, pp_size=layout.pp, ep_rank=e, ep_size=layout.ep
-            )
+                dims, pp_rank=p, pp_size=layout.pp, ep_rank=e, ep_size=layout.ep,
+                vp_stage=vp_stage,
+            )  # fmt: skip
             for name in names:
                 spec = shard_spec(name, dims)
                 if not hf_names_for(name, dims) or (e > 0 and not spec.is_expert):
@@ -224,7 +235,9 @@ def _sender_gathers(layout: RoleGrid, dims: ModelDims) -> dict[int, list[Gather]
                     ranks = [layout.dense_rank(tp=t, pp=p) for t in range(size)]
                 if spec.partition_dim is None:
                     ranks = ranks[:1]
-                local = to_local_name(name, layer_offset=l0, expert_offset=e0)
+                local = chunk_name(
+                    to_local_name(name, layer_offset=l0, expert_offset=e0), v, len(chunks)
+                )
                 out.setdefault(ranks[0], []).append(Gather(name, local, spec, tuple(ranks), group))
     return out
 
@@ -316,7 +329,7 @@ def build_plan(
                     first = False
             packer.releases.append(gather.param)
         packer.close_bucket()
-        pp_rank = (rank - layout.offset) // (layout.size // layout.pp)
+        pp_rank = layout.dense_coords(rank)["pp"]
         senders.append(SenderPlan(rank, pp_rank, tuple(packer.buckets)))
     shapes = tuple(
         (hf, hf_shape(hf, dims))

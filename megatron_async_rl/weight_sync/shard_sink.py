@@ -27,15 +27,15 @@ from megatron_async_rl.models import name_map
 
 
 class ShardSink:
-    """Copies the pieces `module`'s rank needs into its parameters (see the module doc)."""
+    """Copies the pieces `chunks`' rank needs into its parameters (see the module doc)."""
 
     borrows_buffers = False
 
-    def __init__(self, module, dims: name_map.ModelDims, ranks: dict, counter, dtype, rank: int):
-        """`ranks`: the module's place in its grid (`weights.stage_ranks`); `rank`: the global
-        rank (named in errors)."""
+    def __init__(self, chunks, dims: name_map.ModelDims, ranks: dict, counter, dtype, rank: int):
+        """`chunks`: the rank's model chunks (a list, or one module); `ranks`: their place in
+        the grid (`weights.stage_ranks`); `rank`: the global rank (named in errors)."""
         self.dims, self.counter, self.dtype, self.rank = dims, counter, dtype, rank
-        own = {k: v for k, v in module.state_dict().items() if not k.endswith("._extra_state")}
+        own = name_map.rank_state_dict(chunks)
         entries = name_map.stage_entries(dims, **ranks)
         expected = {e.local for e in entries}
         missing, unexpected = sorted(own.keys() - expected), sorted(expected - own.keys())

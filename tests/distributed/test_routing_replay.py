@@ -85,7 +85,8 @@ def replay_checks(model, role: str) -> dict:
     recorded = gather_recorded(routing, routing.take_recorded(2), pp)
     replayed = logp(replay=recorded, compare=recorded, valid=valid)
     counts_same = routing.take_counts()
-    _perturb_routers(model.module)
+    for chunk in model.chunks:  # one, or each virtual pipeline stage's
+        _perturb_routers(chunk)
     perturbed = logp(compare=recorded, valid=valid)
     counts_perturbed = routing.take_counts()
     replay_perturbed = logp(replay=recorded, valid=valid, record=True)
@@ -120,14 +121,16 @@ def test_replayed_routing_reaches_every_token(layout, tiny_model, tmp_path):
     assert check_results(results, layout) == {"train", "logp"}
 
 
-def check_results(results: list[dict], layout: str, atol: float = 1e-5) -> set[str]:
-    """The contracts of the module docstring over every rank's `replay_checks`; returns the
-    roles whose last stage compared log-probs."""
+def check_results(
+    results: list[dict], layout: str, atol: float = 1e-5, moe_layers: int = 2
+) -> set[str]:
+    """The contracts of the module docstring over every rank's `replay_checks` (a model of
+    `moe_layers` MoE layers); returns the roles whose last stage compared log-probs."""
     compared = set()
     for r in results:
         role = r["role"]
         assert torch.equal(r["used"], r["recorded"]), f"{layout} {role}: replayed != recorded"
-        assert r["recorded"].shape == (4, 24, 2, 2)  # B, T, MoE layers, top-k
+        assert r["recorded"].shape == (4, 24, moe_layers, 2)  # B, T, MoE layers, top-k
         for layer, (matched, used, total) in r["counts_same"].items():
             assert total > 0 and matched == used == total, f"{role} {layer}: {matched}/{total}"
         disagree = sum(t - m for m, _, t in r["counts_perturbed"].values())

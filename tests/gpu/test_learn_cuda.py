@@ -7,6 +7,8 @@ Contracts: `tests/distributed/test_minibatch_step.py`'s worker with its role on 
 - bf16 (`--bf16`, the mixed-precision optimizer): both steps run, the loss is within 0.02 of the
   reference's, every weight is finite and some moved;
 - a qwen3_moe role in bf16 (MoE router and experts on CUDA, without Transformer Engine): the same;
+- a deepseek_v3 role in bf16 (multi-latent attention, shared experts, the routers' expert bias
+  updated over the role's groups at each step: `compat.megatron_fixes`): the same;
 - bf16 with the flags a cluster run sets and CPU runs cannot exercise: the distributed
   optimizer, --overlap-grad-reduce, --overlap-param-gather, full activation recompute: the same.
 Marked `gpu`, skipped without one. Nothing is faked.
@@ -33,6 +35,7 @@ CASES = {
     "llama-fp32": ("llama", "fp32", None),
     "llama-bf16": ("llama", "bf16", None),
     "moe-bf16": ("qwen3_moe", "bf16", None),
+    "deepseek-bf16": ("deepseek_v3", "bf16", None),
     "llama-bf16-cluster": ("llama", "bf16", CLUSTER_FLAGS),
 }
 

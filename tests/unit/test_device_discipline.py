@@ -150,7 +150,7 @@ def _role_on_meta():
 
     role = MegatronRole.__new__(MegatronRole)  # no model build: only the entry discipline
     role.role, role.device, role.is_last_stage = "train", META, False
-    role.model, role.par = _Recorder(), SimpleNamespace(pp=1)
+    role.models, role.par = [_Recorder()], SimpleNamespace(pp=1)
     role.pgc, role.spec = SimpleNamespace(tp=None, dp=None), SimpleNamespace(vocab_size=8)
     role.optimizer = SimpleNamespace(zero_grad=lambda: None, step=lambda: (True, 0.0, None))
     batches = []
@@ -172,7 +172,8 @@ def test_megatron_role_inputs_enter_the_model_on_the_role_device(monkeypatch):
     mb = {"tokens": torch.ones(2, 5, dtype=torch.long), "mask": torch.ones(2, 4),
           "adv": torch.ones(2), "old_logp": torch.zeros(2, 4)}  # fmt: skip
     role.train_step([mb, dict(mb)], loss_fn=None)
-    assert role.model.seen and all(d == META for d in role.model.seen)
+    (model,) = role.models
+    assert model.seen and all(d == META for d in model.seen)
     fields = [
         t for batch in batches for t in (batch.values() if isinstance(batch, dict) else [batch])
     ]

@@ -241,7 +241,9 @@ def test_transformer_config_from_kwargs():
     }
     kwargs = mf.transformer_config_kwargs(args)
     assert kwargs["num_query_groups"] is None  # no --group-query-attention: Megatron-LM ignores it
-    assert all(kwargs[k] for k in mf.MEGATRON_LM_DEFAULTS)  # Megatron-LM's fusions on
+    fusions = [k for k in mf.MEGATRON_LM_DEFAULTS if k != "overlap_p2p_comm"]
+    assert all(kwargs[k] for k in fusions)  # Megatron-LM's fusions on
+    assert not kwargs["overlap_p2p_comm"]  # Megatron-LM's default, off without virtual stages
     kwargs.update(dict.fromkeys(mf.MEGATRON_LM_DEFAULTS, False))  # as the builder does on CPU
     config = TransformerConfig(**kwargs)
     assert config.gated_linear_unit and config.activation_func is torch.nn.functional.silu

@@ -108,6 +108,9 @@ def _other_value(spec: mf.ArgSpec):
 # Fields whose kwargs are derived from other flags, as Megatron-LM derives them.
 _DERIVED = {
     "num_query_groups": "applied only with --group-query-attention",
+    "virtual_pipeline_model_parallel_size": "from the virtual pipeline flags "
+    "(test_virtual_pipeline.py)",
+    "overlap_p2p_comm": "off without virtual pipeline stages, as in Megatron-LM",
     "params_dtype": "from --bf16/--fp16",
     "pipeline_dtype": "from --bf16/--fp16",
     "layernorm_epsilon": "from --norm-epsilon",
@@ -278,13 +281,12 @@ def test_every_error_of_a_command_line_together():
     with pytest.raises(ConfigErrors) as info:
         mp.parse_megatron_flags([
             "--lr", "fast", "--batch-size", "4", "--use-legacy-models",
-            "--hiden-size", "64", "--seq-length", "128", "--num-layers-per-virtual-pipeline-stage",
-            "2",
+            "--hiden-size", "64", "--seq-length", "128", "--yaml-cfg", "run.yaml",
         ])  # fmt: skip
     keys = [e.key for e in info.value.errors]
     assert keys == [
         "--lr", "--batch-size", "--use-legacy-models", "--hiden-size",
-        "--num-layers-per-virtual-pipeline-stage",
+        "--yaml-cfg",
     ]  # fmt: skip
     text = str(info.value)
     assert "use --micro-batch-size" in text and "did you mean --hidden-size?" in text
@@ -362,6 +364,10 @@ def test_megatron_lm_rl_flags_set_recipe_keys():
     assert cfg.algorithm.num_samples_per_prompt == 4 and cfg.rollout.temperature == 0.7
     cfg = build_config(_tree(algorithm={"num_samples_per_prompt": 8}), ["--grpo-group-size", "4"])
     assert cfg.algorithm.num_samples_per_prompt == 4  # the flag after -- wins
+    cfg = build_config(_tree(algorithm={"loss_agg_mode": "seq-mean-token-mean"}),
+                       ["--calculate-per-token-loss"])  # fmt: skip
+    assert cfg.algorithm.loss_agg_mode == "token-mean"  # Megatron-LM's per-token loss
+    assert not cfg.role_megatron_args["train"].get("calculate_per_token_loss")
 
 
 def test_exit_duration_stops_at_a_boundary(tmp_path):
@@ -452,7 +458,7 @@ def test_replica_weight_hash_check(tmp_path, monkeypatch):
     try:
         role = SimpleNamespace(
             args={"check_weight_hash_across_dp_replicas_interval": 2},
-            module=torch.nn.Linear(3, 2), pgc=SimpleNamespace(dp=None),
+            chunks=[torch.nn.Linear(3, 2)], pgc=SimpleNamespace(dp=None),
         )  # fmt: skip
         learn.check_replicas_agree(role, 2)  # one replica: agrees with itself
         gathered = []

@@ -1,13 +1,14 @@
 """Contract of `weight_sync.plan`: the reshard plan covers the model exactly, within its bounds.
 
-For dense (llama-like GQA, gated MLP; tied and untied, with QKV bias and QK norms) and MoE dims,
-and train layouts TP1, TP2, PP2, TP2xPP2, EP2, TP2xEP2 (expert TP 2 and 1), PP2xEP2 at a rank
-offset: every element of every HF tensor the engine expects is in exactly one piece of one
-sender's buckets; messages and buckets stay within the consume and produce bounds; the plan is
-deterministic and cached; with PP>1 or EP>1 no sender sends the whole model. The gather rule is
-checked element by element: full HF tensors of unique values are sharded by `name_map` as each
-rank holds them (rank coordinates from megatron-core's own HyperCommGrid, independently of the
-plan's formulas), gathered from the plan's contributor ranks, packed and unpacked through
+For dense (llama-like GQA, gated MLP; tied and untied, with QKV bias and QK norms; two model
+chunks per pipeline rank: virtual pipeline stages) and MoE dims, and train layouts TP1, TP2,
+PP2, TP2xPP2, EP2, TP2xEP2 (expert TP 2 and 1), PP2xEP2 at a rank offset: every element of
+every HF tensor the engine expects is in exactly one piece of one sender's buckets; messages
+and buckets stay within the consume and produce bounds; the plan is deterministic and cached;
+with PP>1 or EP>1 no sender sends the whole model. The gather rule is checked element by
+element: full HF tensors of unique values are sharded by `name_map` as each rank holds them
+(rank coordinates from megatron-core's own HyperCommGrid, independently of the plan's
+formulas), gathered from the plan's contributor ranks, packed and unpacked through
 `weight_sync.buffers`, reassembled, and compared exactly. No process group; nothing is faked.
 """
 
@@ -31,6 +32,10 @@ DIMS = {
     "dense_tied_bias_qknorm": nm.ModelDims(
         num_layers=4, ffn_hidden_size=96, vocab_size=100, padded_vocab_size=128,
         tied_embeddings=True, add_qkv_bias=True, qk_layernorm=True, **_COMMON,
+    ),
+    "dense_tied_vp2": nm.ModelDims(  # two model chunks per pipeline rank when pp > 1
+        num_layers=4, ffn_hidden_size=96, vocab_size=100, padded_vocab_size=128,
+        tied_embeddings=True, add_qkv_bias=True, qk_layernorm=True, vp_size=2, **_COMMON,
     ),
     "moe": nm.ModelDims(
         num_layers=2, ffn_hidden_size=96, vocab_size=100, padded_vocab_size=128,
