@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megatron_async_rl.algorithms import minibatch, ppo
 from megatron_async_rl.algorithms.config import response_budget
+from megatron_async_rl.rollout.batch import padding_BT
 
 CRITIC_LOSS_KEYS = ("critic/value_loss",)
 """Each data-parallel replica reports its share of these: the leader adds them up."""
@@ -95,6 +96,8 @@ def train_critic(role, work, cfg) -> dict:
                                     work.step, dp_size)  # fmt: skip
     fields = {"tokens": batch["tokens"], "mask": work.loss_mask_BT,
               "old_values": batch["old_values"], "returns": batch["returns"]}  # fmt: skip
+    if role.mask_moe_padding:
+        fields["padding"] = padding_BT(batch)
     _, budget = response_budget(cfg)
     steps = []
     for samples in plan:

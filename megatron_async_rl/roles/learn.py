@@ -32,7 +32,7 @@ from megatron_async_rl.observability.rollouts import dump_rollouts
 from megatron_async_rl.roles import critic
 from megatron_async_rl.roles.work import StepReport, StepWork
 from megatron_async_rl.rollout.agentic import ratio_metrics
-from megatron_async_rl.rollout.batch import build_batch
+from megatron_async_rl.rollout.batch import build_batch, padding_BT
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,8 @@ def train_on_batch(role, work: StepWork, cfg) -> dict:
         "behaviour_logp": batch["behaviour_logp"],
     }  # fmt: skip
     fields.update(_replay_fields(cfg.moe.routing_replay, batch))
+    if role.mask_moe_padding:
+        fields["padding"] = padding_BT(batch)
     skip = set(role.args.get("iterations_to_skip") or ())
     first = work.step * len(plan)  # Megatron-LM's 0-based iteration of this RL step's first
     # Dr. GRPO's constant divisor of a sequence's token sum: the run's response budget

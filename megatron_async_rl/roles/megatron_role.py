@@ -75,6 +75,9 @@ class MegatronRole:
 
     lr_scheduler = None
     gather_after_step = False
+    mask_moe_padding = False
+    """An MoE model's train steps pass the batch's `padding` (bool [b, T], True at pads) to
+    the routers, which leave pads out of the auxiliary losses and expert-bias counts."""
     """--overlap-param-gather with the distributed optimizer: all-gather the updated weights
     right after each optimizer step (`train_step`)."""
     """megatron-core's OptimizerParamScheduler (train only), one step per applied update."""
@@ -112,6 +115,14 @@ class MegatronRole:
         """Where the model lives; every input enters through `devices.to_device`."""
         self.pgc = groups.pg_collection
         self.config = builder.build_transformer_config(args, par, platform)
+        if args.get("num_experts"):
+            self.mask_moe_padding = not self.config.sequence_parallel
+            if self.config.sequence_parallel:
+                megatron_flags.warn_once(
+                    "--sequence-parallel: pad positions count in the MoE auxiliary losses "
+                    "(megatron-core 0.16.1 scatters the routers' padding mask over its global "
+                    "tensor-parallel group, which roles built from explicit groups lack)"
+                )
         self.head, self.seed = head, seed
         self.spec = builder.model_spec(args, par, platform, head)
         self.chunks = builder.build_gpt_chunks(self.config, self.spec, self.pgc, seed, self.device)
@@ -420,7 +431,9 @@ class MegatronRole:
             batch = next(data_iterator)
             self._route(batch, routing)
             tokens = batch["tokens"]
-            logits = model(tokens, positions, attention_mask=None)
+            padding = batch.get("padding") if self.mask_moe_padding else None
+            extra = {} if padding is None else {"padding_mask": padding}
+            logits = model(tokens, positions, attention_mask=None, **extra)
 
             def loss_func(logits_BTV):
                 if outputs == "values":  # [b, T, 1] from the value head

@@ -53,6 +53,13 @@ def build_batch(samples, pad_id: int, multiple: int = 8) -> dict[str, torch.Tens
     }
 
 
+def padding_BT(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """bool [B, T], True at the pad positions after each sample's prompt and response: the
+    MoE routers' padding mask (megatron-core leaves them out of the auxiliary losses)."""
+    lengths = (batch["prompt_len"] + batch["response_len"]).long()
+    return torch.arange(batch["tokens"].shape[1])[None, :] >= lengths[:, None]
+
+
 def _routing(samples, seq_len: int):
     first = next((s.routed_experts for s in samples if s.routed_experts is not None), None)
     if first is None:

@@ -138,7 +138,36 @@ def _routed_counts(logits_SBE: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(flat).scatter(1, top, 1.0).sum(0)
 
 
-def _worker(rank, world_size, tmp_dir, path, case_flags, mbs):
+def _padded_batch(vocab_size: int) -> torch.Tensor:
+    """`_batch` right-padded as the rollout batches are: row i ends in i % 4 pad ids (0)."""
+    tokens = _batch(vocab_size)
+    for row in range(tokens.shape[0]):
+        if row % 4:
+            tokens[row, -(row % 4):] = 0
+    return tokens
+
+
+def _masked_z_reference(path: str, coeff: float, mbs: int) -> dict:
+    """d/dθ of the step's z-loss over the valid tokens only (megatron-core's `z_loss_func`
+    with a padding mask: the mean of logsumexp^2 over a micro-batch's valid tokens), in HF
+    names; the pad positions come after each row's tokens, so nothing valid attends to them."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    micro = _rows(_padded_batch(model.config.vocab_size), 0, 1, mbs)
+    loss = 0.0
+    for tokens in micro:
+        valid_SB = (tokens != 0).transpose(0, 1)
+        for logits in _router_logits(model, tokens):
+            lse2 = torch.logsumexp(logits.float(), -1).square()
+            loss = loss + coeff * (lse2 * valid_SB).sum() / valid_SB.sum() / len(micro)
+    params = dict(model.named_parameters())
+    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params.values(), grads)]
+    return _per_expert_names(dict(zip(params, grads)))
+
+
+def _worker(rank, world_size, tmp_dir, path, case_flags, mbs, padded=False):
     """A train role over all ranks (data-parallel); NUM_STEPS steps on the same micro-batches,
     with lr 0 (the weights stay, so every step must give the same gradient) and no clipping;
     each step's gradients in HF names (rank 0)."""
@@ -159,9 +188,13 @@ def _worker(rank, world_size, tmp_dir, path, case_flags, mbs):
     args = {**_role_args(path), **case_flags, "lr": 0.0, "min_lr": 0.0, "clip_grad": 0.0}
     role = MegatronRole("train", args, Parallelism(1, 1), groups.roles["train"], platform, seed=5)
     role.load_hf_checkpoint(path)
-    tokens = _batch(role.spec.vocab_size)
+    tokens = (_padded_batch if padded else _batch)(role.spec.vocab_size)
     dp_rank, dp_size = dist.get_rank(role.pgc.dp), dist.get_world_size(role.pgc.dp)
     micro = [{"tokens": t} for t in _rows(tokens, dp_rank, dp_size, mbs)]
+    if padded:  # as roles/learn.py passes it: rollout.batch.padding_BT
+        assert role.mask_moe_padding
+        for mb in micro:
+            mb["padding"] = mb["tokens"] == 0
     steps = []
     for _ in range(NUM_STEPS):
         # A main loss of zero: the step's gradient is the auxiliary losses' alone.
@@ -203,3 +236,13 @@ def test_aux_loss_gradient_is_averaged_over_data_parallel_ranks(case, tiny_model
     path = str(tiny_model("qwen3_moe"))
     hf_steps = spawn(_worker, 2, tmp_path, path, flags, 2)[0]
     _check(hf_steps, _reference_grads(path, kind, coeff, dp_size=2, mbs=2), case)
+
+
+def test_pad_positions_are_left_out_of_the_z_loss(tiny_model, tmp_path):
+    """A right-padded batch with its padding mask (`rollout.batch.padding_BT`): the z-loss
+    gradient is that over the valid tokens alone. Without the mask, the pads' zero embedding
+    rows give a gradient thousands of times larger (module docstring)."""
+    flags, _, coeff = CASES["z_loss"]
+    path = str(tiny_model("qwen3_moe"))
+    hf_steps = spawn(_worker, 1, tmp_path, path, flags, 2, True)[0]
+    _check(hf_steps, _masked_z_reference(path, coeff, mbs=2), "z_loss with pads")

@@ -126,3 +126,14 @@ def test_a_buffer_past_the_response_budget_is_refused(monkeypatch):
     with pytest.raises(ConfigError, match=r"algorithm.overlong_buffer_len = 9: must be at most "
                        r"rollout.max_new_tokens = 8"):  # fmt: skip
         side.train(_work())
+
+
+def test_padding_mask_marks_the_positions_after_prompt_and_response():
+    from megatron_async_rl.rollout.batch import padding_BT
+
+    batch = _work().batch  # T = 16: the longest sample (2 + 8) rounded up to 8
+    padding = padding_BT(batch)
+    assert padding.dtype == torch.bool and padding.shape == batch["tokens"].shape
+    for row, (n, _, _) in enumerate(SAMPLES):
+        assert not padding[row, : len(PROMPT) + n].any()
+        assert padding[row, len(PROMPT) + n :].all()
