@@ -428,8 +428,6 @@ INERT_HERE: dict[str, str] = {
         "cuda_graph_impl", "enable_cuda_graph", "external_cuda_graph", "cuda_graph_warmup_steps",
         "cuda_graph_scope",
     )},
-    "moe_per_layer_logging": "MoE auxiliary-loss logging (Megatron-LM's training loop logs it; "
-    "the MoE metrics here are the routing-replay ones)",
     **{name: "deprecated: read nowhere by megatron-core 0.16.1 or Megatron-LM's GPT path"
        for name in ("moe_extended_tp", "async_tensor_model_parallel_allreduce")},
 }

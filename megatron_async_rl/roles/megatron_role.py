@@ -40,6 +40,8 @@ from megatron_async_rl.distributed.groups import MEGATRON_ROLES, RoleGroups, Wor
 from megatron_async_rl.distributed.layout import Parallelism
 from megatron_async_rl.distributed.platform import Platform
 from megatron_async_rl.models import builder, heads, weights
+from megatron_async_rl.models.name_map import moe_layer_pattern
+from megatron_async_rl.moe import aux_metrics
 from megatron_async_rl.roles import lr_schedule, param_groups
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,8 @@ class MegatronRole:
 
     lr_scheduler = None
     gather_after_step = False
+    moe_aux_names: list[str] = []
+    """The MoE auxiliary losses this role's routers record in train steps (`moe.aux_metrics`)."""
     mask_moe_padding = False
     """An MoE model's train steps pass the batch's `padding` (bool [b, T], True at pads) to
     the routers, which leave pads out of the auxiliary losses and expert-bias counts."""
@@ -138,6 +142,10 @@ class MegatronRole:
             self.routing = _role_routing(self.chunks, args, self.pgc, router_noise)
         self.optimizer = None
         if role in TRAINED_ROLES:  # the actor, and PPO's critic
+            self.moe_aux_names = aux_metrics.tracked_names(args)
+            if self.moe_aux_names:
+                pattern = moe_layer_pattern(args.get("moe_layer_freq") or 1, self.config.num_layers)
+                self.moe_layers = [i for i, moe in enumerate(pattern) if moe]
             self._wrap_for_training(total_optimizer_steps)
         else:
             for chunk in self.chunks:
@@ -452,6 +460,8 @@ class MegatronRole:
             model.train()
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.moe_aux_names:
+            aux_metrics.clear()
         outputs = self._run_schedule(forward_step, micro_batches, seq_len, mb_size, False)
         update_ok, grad_norm, _ = self.optimizer.step()
         if self.gather_after_step:
@@ -475,6 +485,12 @@ class MegatronRole:
         if outputs:
             for key in outputs[0]:
                 metrics[key] = sum(o[key] for o in outputs) / len(outputs)
+        if self.moe_aux_names:  # the routers' auxiliary losses, as Megatron-LM logs them
+            aux = aux_metrics.step_metrics(
+                self.moe_aux_names, self.moe_layers, self.config.num_layers, num_micro, self.pgc,
+                self.device, bool(self.args.get("moe_per_layer_logging")),
+            )  # fmt: skip
+            metrics.update({f"actor/{key}": value for key, value in aux.items()})
         return metrics
 
 

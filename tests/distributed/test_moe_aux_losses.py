@@ -13,7 +13,10 @@ DDP's average; the main loss's multiplication by num_micro x dp does not apply t
   far (reset at each step: a second step gives the same gradient).
 Reference: those formulas written out here on the router logits of `transformers`' forward pass
 of the same checkpoint, differentiated by autograd; the gradients agree within 1e-5 relative
-(all tensors together).
+(all tensors together). The step's metrics `actor/moe/<name>` (`moe.aux_metrics`) are the same
+losses without their coefficient, averaged over micro-batches and MoE layers (and each layer's
+with --moe-per-layer-logging): the z-loss's averaged over data-parallel ranks, the global
+load-balancing loss's ranks' partial losses summed, as megatron-core reduces it.
 
 The tokens leave out the pad id. `transformers` builds the embedding with `padding_idx`, which
 drops the pad row's gradient; megatron-core's embedding keeps it. The tiny model's pad row is all
@@ -104,7 +107,7 @@ def _reference_grads(path: str, kind: str, coeff: float, dp_size: int, mbs: int)
     params = dict(model.named_parameters())
     grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
     grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params.values(), grads)]
-    return _per_expert_names(dict(zip(params, grads)))
+    return _per_expert_names(dict(zip(params, grads))), float(loss.detach())
 
 
 def _per_expert_names(grads: dict) -> dict:
@@ -195,10 +198,10 @@ def _worker(rank, world_size, tmp_dir, path, case_flags, mbs, padded=False):
         assert role.mask_moe_padding
         for mb in micro:
             mb["padding"] = mb["tokens"] == 0
-    steps = []
+    steps, metrics = [], []
     for _ in range(NUM_STEPS):
         # A main loss of zero: the step's gradient is the auxiliary losses' alone.
-        role.train_step(micro, lambda logp, entropy, mb: (0.0 * logp.sum(), {}))
+        metrics.append(role.train_step(micro, lambda logp, entropy, mb: (0.0 * logp.sum(), {})))
         grads = {name: p.main_grad.clone() for name, p in role.module.named_parameters()}
         steps.append(grads)
     with torch.no_grad():  # the gradients in HF names: the exporter's own name and layout map
@@ -208,7 +211,7 @@ def _worker(rank, world_size, tmp_dir, path, case_flags, mbs, padded=False):
             for name, grad in grads.items():
                 params[name].copy_(grad)
             hf_steps.append(role.gather_hf_state_dict())
-    return hf_steps
+    return hf_steps, metrics
 
 
 def _check(hf_steps: list[dict], reference: dict, label: str) -> None:
@@ -226,16 +229,31 @@ def test_aux_loss_gradient_of_a_train_step_matches_the_formula_on_transformers(
 ):
     flags, kind, coeff = CASES[case]
     path = str(tiny_model("qwen3_moe"))
-    hf_steps = spawn(_worker, 1, tmp_path, path, flags, 2)[0]
-    _check(hf_steps, _reference_grads(path, kind, coeff, dp_size=1, mbs=2), case)
+    hf_steps, metrics = spawn(_worker, 1, tmp_path, path, {**flags, "moe_per_layer_logging": True},
+                              2)[0]  # fmt: skip
+    reference, loss = _reference_grads(path, kind, coeff, dp_size=1, mbs=2)
+    _check(hf_steps, reference, case)
+    # The logged loss (Megatron-LM's): without its coefficient, the mean over micro-batches
+    # and over the MoE layers; with --moe-per-layer-logging each layer's too.
+    name = {"z": "z_loss"}.get(kind, kind.replace("aux_loss", "load_balancing_loss"))
+    name = name if name.startswith(("z", "seq", "global")) else "load_balancing_loss"
+    for step in metrics:
+        layers = [step[k] for k in step if k.startswith(f"actor/moe/{name}/layer_")]
+        assert len(layers) == 2 and step[f"actor/moe/{name}"] == pytest.approx(sum(layers) / 2)
+        assert step[f"actor/moe/{name}"] == pytest.approx(loss / coeff / 2, rel=1e-5), step
 
 
 @pytest.mark.parametrize("case", ["z_loss", "global_aux_loss"])
 def test_aux_loss_gradient_is_averaged_over_data_parallel_ranks(case, tiny_model, tmp_path):
     flags, kind, coeff = CASES[case]
     path = str(tiny_model("qwen3_moe"))
-    hf_steps = spawn(_worker, 2, tmp_path, path, flags, 2)[0]
-    _check(hf_steps, _reference_grads(path, kind, coeff, dp_size=2, mbs=2), case)
+    hf_steps, metrics = spawn(_worker, 2, tmp_path, path, flags, 2)[0]
+    reference, loss = _reference_grads(path, kind, coeff, dp_size=2, mbs=2)
+    _check(hf_steps, reference, case)
+    # the z-loss: the data-parallel mean; the global load-balancing loss as megatron-core
+    # reduces it, its ranks' partial losses (computed with the global counts) summed
+    name, ranks = ("z_loss", 1) if kind == "z" else ("global_load_balancing_loss", 2)
+    assert metrics[0][f"actor/moe/{name}"] == pytest.approx(ranks * loss / coeff / 2, rel=1e-5)
 
 
 def test_pad_positions_are_left_out_of_the_z_loss(tiny_model, tmp_path):
@@ -244,5 +262,5 @@ def test_pad_positions_are_left_out_of_the_z_loss(tiny_model, tmp_path):
     rows give a gradient thousands of times larger (module docstring)."""
     flags, _, coeff = CASES["z_loss"]
     path = str(tiny_model("qwen3_moe"))
-    hf_steps = spawn(_worker, 1, tmp_path, path, flags, 2, True)[0]
+    hf_steps, _ = spawn(_worker, 1, tmp_path, path, flags, 2, True)[0]
     _check(hf_steps, _masked_z_reference(path, coeff, mbs=2), "z_loss with pads")

@@ -182,7 +182,7 @@ def test_train_on_batch_runs_and_logs_the_ramps_g(tmp_path):
 
     steps = []
     role = SimpleNamespace(
-        args=_args([2, 2, 8], gbs=8), pgc=SimpleNamespace(dp=None),
+        args=_args([2, 2, 8], gbs=8), pgc=SimpleNamespace(dp=None), mask_moe_padding=False,
         train_step=lambda micro, loss_fn: steps.append(len(micro)) or {"actor/grad_norm": 1.0},
     )  # fmt: skip
     work = SimpleNamespace(

@@ -188,7 +188,7 @@ def test_knobs_of_refused_structures_are_ignored(caplog):
     mf.warn_once.cache_clear()
     args = mp.parse_megatron_flags([
         "--no-tp-comm-bulk-wgrad", "--fsdp-double-buffer", "--mamba-state-dim", "64",
-        "--mtp-loss-scaling-factor", "0.2", "--moe-per-layer-logging", "--lr", "1e-6",
+        "--mtp-loss-scaling-factor", "0.2", "--lr", "1e-6",
         "--cuda-graph-impl=local", "--cuda-graph-warmup-steps", "2",
     ])  # fmt: skip
     assert dict(args) == {"lr": 1e-6}
@@ -198,7 +198,6 @@ def test_knobs_of_refused_structures_are_ignored(caplog):
                          ("--mamba-state-dim", "--hybrid-override-pattern"),
                          ("--mtp-loss-scaling-factor", "--mtp-num-layers")):  # fmt: skip
         assert flag in line and f"read only with {parent}, refused here" in line
-    assert "--moe-per-layer-logging" in line
     assert "--cuda-graph-impl, --cuda-graph-warmup-steps: CUDA graphs" in line
 
 
@@ -522,7 +521,7 @@ def test_iterations_to_skip(tmp_path):
     calls = []
     role = SimpleNamespace(
         args={"global_batch_size": 2, "micro_batch_size": 2, "iterations_to_skip": [5, 6]},
-        pgc=SimpleNamespace(dp=None),
+        pgc=SimpleNamespace(dp=None), mask_moe_padding=False,
         train_step=lambda micro, loss_fn: calls.append(len(micro)) or {"actor/grad_norm": 1.0},
     )  # fmt: skip
     work = SimpleNamespace(
