@@ -14,6 +14,12 @@ without it (written before it was saved) loads with the schedule at step 0
 (`roles.lr_schedule.load_scheduler_state`, which also applies --override-opt-param-scheduler
 and --use-checkpoint-opt-param-scheduler).
 
+Under --use-torch-fsdp2 (`models.torch_fsdp2`) the parameters are DTensors: each rank writes
+its shard, the SwiGLU rows where DDP's layout has them (`megatron_fixes.fsdp2_row_shards`), and
+the plain optimizer's state in model space; the loaded shards become DTensors again. Such a
+checkpoint loads into DDP without the distributed optimizer and back (not into the distributed
+optimizer's format, nor from it: another optimizer format).
+
 Two workarounds for megatron-core 0.16.1 with torch's own Adam (no Apex, no Transformer Engine:
 the CPU path), checked by `tests/distributed/test_checkpoint_megatron.py`:
 - a fresh `DistributedOptimizer` has no state, and its `state_dict()` (called while building the
@@ -41,6 +47,8 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from megatron_async_rl.compat import megatron_fixes
+from megatron_async_rl.models import torch_fsdp2
 from megatron_async_rl.roles.lr_schedule import load_scheduler_state
 
 logger = logging.getLogger(__name__)
@@ -68,10 +76,14 @@ def _model_keys(role) -> list[str]:
 
 def _sharded(role, loading: bool) -> dict:
     metadata = _metadata(role)
-    model = {
-        key: chunk.sharded_state_dict(metadata=metadata)
-        for key, chunk in zip(_model_keys(role), role.chunks, strict=True)
-    }
+    fsdp2 = torch_fsdp2.sharded(role.chunks)  # --use-torch-fsdp2 (tensor parallelism 1)
+    if fsdp2:
+        torch_fsdp2.check_even_shards(role.chunks, role.role)
+    with megatron_fixes.fsdp2_row_shards() if fsdp2 else contextlib.nullcontext():
+        model = {
+            key: chunk.sharded_state_dict(metadata=metadata)
+            for key, chunk in zip(_model_keys(role), role.chunks, strict=True)
+        }
     out = dict(model)
     if role.optimizer is not None:
         if loading:
@@ -248,7 +260,7 @@ def load_train_state(train, path: Path) -> None:
     if train is None:
         return
     for key, chunk in zip(_model_keys(train), train.chunks, strict=True):
-        chunk.load_state_dict(loaded[key])
+        chunk.load_state_dict(torch_fsdp2.shard_loaded_state(chunk, loaded[key]))
     if train.optimizer is not None:
         distributed = [o for o in _optimizers(train) if hasattr(o, "model_param_group_index_map")]
         for opt in distributed:
@@ -262,6 +274,7 @@ def load_train_state(train, path: Path) -> None:
             for param_state in opt.optimizer.state.values():
                 if "step" in param_state:  # one tensor per parameter (see the module doc)
                     param_state["step"] = param_state["step"].clone()
+            torch_fsdp2.shard_optimizer_state(opt.optimizer)
     if train.lr_scheduler is not None:
         # After the optimizer's load, which replaced its param groups with the checkpoint's.
         load_scheduler_state(train.lr_scheduler, loaded.get(SCHEDULER), train.args, str(path))

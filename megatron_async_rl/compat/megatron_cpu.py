@@ -11,10 +11,12 @@ call sites. They fall in four kinds, each handled by one named patch below:
    stand-ins (`_patch_torch_cuda`).
 2. Literal `device="cuda"`, `.cuda()` and `pin_memory=True` inside large per-step functions
    (optimizer constructors, clip_grads, pipeline schedules): tensor factories and `Tensor.cuda`/
-   `Tensor.to` are wrapped to map "cuda" to "cpu" (`_patch_tensor_factories`). Wrapping the
-   functions (instead of a TorchFunctionMode) keeps working inside custom autograd backward and
-   activation recompute, where modes are disabled. `Tensor.type()` reports the CUDA type name
-   for CPU tensors because the fp16/bf16 optimizers accept only 'torch.cuda.*Tensor' names.
+   `Tensor.to` are wrapped to map "cuda" to "cpu" (`_patch_tensor_factories`); the device mesh
+   of megatron-core's FSDP2 wrapper, `DeviceMesh.from_group(group, "cuda")`, gets "cpu" too
+   (`_patch_fsdp_mesh`). Wrapping the functions (instead of a TorchFunctionMode) keeps working
+   inside custom autograd backward and activation recompute, where modes are disabled.
+   `Tensor.type()` reports the CUDA type name for CPU tensors because the fp16/bf16 optimizers
+   accept only 'torch.cuda.*Tensor' names.
 3. The CUDA RNG tracker: each named state is a CPU generator state seeded by its own seed
    (`_patch_rng`); `torch.cuda.manual_seed` is a silent no-op on CPU torch, so callers must also
    call `torch.manual_seed` before building models (done by `models.builder`).
@@ -80,6 +82,7 @@ def install() -> None:
         )
     _patch_torch_cuda()
     _patch_tensor_factories()
+    _patch_fsdp_mesh()
     _patch_rng()
     _patch_moe()
     _STATE["installed"] = True
@@ -216,6 +219,27 @@ def _patch_tensor_factories() -> None:
     torch.Tensor.to = to
     torch.Tensor.cuda = cuda
     torch.Tensor.type = tensor_type
+
+
+def _patch_fsdp_mesh() -> None:
+    """`TorchFullyShardedDataParallel.__init__` (torch_fully_sharded_data_parallel.py:81) builds
+    `DeviceMesh.from_group(group, "cuda")`; torch's `fully_shard` then asks that device type's
+    current device for an index (TypeError) and would place every shard there. A CPU mesh over
+    the same group is what FSDP2 runs on with gloo."""
+    from megatron.core.distributed import torch_fully_sharded_data_parallel as fsdp
+
+    mesh = getattr(fsdp, "DeviceMesh", None)  # absent: a torch without FSDP2
+    if mesh is None or getattr(mesh, "__megatron_cpu_wrapped__", False):
+        return
+
+    class CpuDeviceMesh:
+        __megatron_cpu_wrapped__ = True
+
+        @staticmethod
+        def from_group(group, device_type, *args, **kwargs):
+            return mesh.from_group(group, _cpu_device(device_type), *args, **kwargs)
+
+    fsdp.DeviceMesh = CpuDeviceMesh
 
 
 # ----------------------------------------------------------------------------------------------

@@ -39,10 +39,32 @@ defect is absent.
   roles' `finalize_model_grads_func`) makes the same update over the role's own `tp_dp_cp`
   group, then lets megatron-core finalize the rest. Seen training a tiny DeepSeek-V3 on CPU
   (2026-11-26); `tests/distributed/test_expert_bias_update.py`.
+- With --use-torch-fsdp2, `finalize_model_grads` calls `finish_grad_sync(force_all_reduce=...)`
+  on each model chunk, and `TorchFullyShardedDataParallel` inherits `_BaseDataParallel`'s
+  `finish_grad_sync(self)`: TypeError at the first optimizer step, on every device
+  (NVIDIA/Megatron-LM issue #4669, fixed upstream after 0.16.1 by PR #4953). It gets a
+  `finish_grad_sync` that takes the argument and, like the inherited one, does nothing: FSDP2
+  has reduce-scattered the gradients in its backward hooks. Seen training a tiny Llama on CPU
+  (2026-11-26); `tests/distributed/test_torch_fsdp2.py`.
+- Also with --use-torch-fsdp2, a checkpoint of the (non-distributed) optimizer pairs each
+  optimizer parameter with the model's sharded tensor by `id`: the model side holds each
+  DTensor's `_local_tensor` (`make_sharded_tensor_for_checkpoint`), the optimizer side
+  `param.to_local()` (`dist_checkpointing.optimizer.get_optim_param_to_id_map`), which torch
+  2.13 returns as a fresh view for a Parameter (pytorch/pytorch#166156): no pair is found,
+  "ValueError: Param id 0 does not match any model sharded param" at the first save. The
+  optimizer side is given the `_local_tensor` itself. Seen with the previous defect.
+- And in that checkpoint, `MLP.sharded_state_dict` passes SwiGLU's `linear_fc1` through
+  `apply_swiglu_sharded_factory` (transformer/mlp.py:276), which takes a rank's rows for a
+  tensor-parallel shard `[gate_r; up_r]` and splits them in two. Under FSDP2 (tensor
+  parallelism 1) a rank's rows are a data-parallel shard of the whole `[gate; up]`, already
+  placed right by `make_tp_sharded_tensor_for_checkpoint`: the split mislabels them (gate and up
+  rows swapped in the file; measured: a DDP role loading it got `linear_fc1` 0.52 off, a round
+  trip at the same FSDP2 size hid it). Inside `fsdp2_row_shards()` the factory is skipped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 
@@ -60,6 +82,70 @@ def install() -> None:
     if not isinstance(multi_latent_attention.TELinear, type):
         multi_latent_attention.HAVE_TE = False
     _install_layout_rank_fix()
+    _install_fsdp2_grad_sync_fix()
+    _install_dtensor_param_id_fix()
+    _install_swiglu_row_shard_fix()
+
+
+def _install_fsdp2_grad_sync_fix() -> None:
+    import inspect
+
+    from megatron.core.distributed import TorchFullyShardedDataParallel as FSDP
+
+    if "force_all_reduce" in inspect.signature(FSDP.finish_grad_sync).parameters:
+        return
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """Nothing to finish: FSDP2 reduce-scatters each unit's gradients in its backward."""
+
+    FSDP.finish_grad_sync = finish_grad_sync
+
+
+def _install_dtensor_param_id_fix() -> None:
+    from megatron.core.dist_checkpointing import optimizer as ckpt_optimizer
+
+    original = ckpt_optimizer.get_optim_param_to_id_map
+    if getattr(original, "_dtensor_id_fix", False):
+        return
+
+    @functools.wraps(original)
+    def param_to_id_map(optim_params_iter):
+        return original(getattr(p, "_local_tensor", p) for p in optim_params_iter)
+
+    param_to_id_map._dtensor_id_fix = True
+    ckpt_optimizer.get_optim_param_to_id_map = param_to_id_map
+
+
+_FSDP2_ROW_SHARDS: contextvars.ContextVar = contextvars.ContextVar("fsdp2_rows", default=False)
+
+
+@contextlib.contextmanager
+def fsdp2_row_shards():
+    """Build a sharded state dict of a model under FSDP2 (tensor parallelism 1) inside this
+    block: its SwiGLU `linear_fc1` rows are left as megatron-core placed them (see the module
+    docstring)."""
+    token = _FSDP2_ROW_SHARDS.set(True)
+    try:
+        yield
+    finally:
+        _FSDP2_ROW_SHARDS.reset(token)
+
+
+def _install_swiglu_row_shard_fix() -> None:
+    from megatron.core.transformer import mlp
+
+    original = mlp.apply_swiglu_sharded_factory
+    if getattr(original, "_row_shard_fix", False):
+        return
+
+    @functools.wraps(original)
+    def swiglu_factory(original_sh_ten, *args, **kwargs):
+        if _FSDP2_ROW_SHARDS.get():
+            return original_sh_ten
+        return original(original_sh_ten, *args, **kwargs)
+
+    swiglu_factory._row_shard_fix = True
+    mlp.apply_swiglu_sharded_factory = swiglu_factory
 
 
 def _install_layout_rank_fix() -> None:

@@ -202,6 +202,11 @@ APPLIED_HERE = {
     # models/upcycle.py: the MoE checkpoint made from model.hf_path's dense one, checked by
     # config/recipe.py (the MoE architecture every role builds), written by train.py at start
     "upcycling": ("moe_use_upcycling", "moe_upcycling_granularity"),
+    # models/torch_fsdp2.py: the trained roles' model chunks in megatron-core's FSDP2 wrapper
+    # instead of DDP (roles/megatron_role.py); full tensors of them for the HF load and export
+    # (models/weights.py), weight sync (weight_sync/broadcast.py) and checkpoints
+    # (checkpoint/megatron_state.py); Megatron-LM's rules for them in `_torch_fsdp2_rules`
+    "torch_fsdp2": ("use_torch_fsdp2", "torch_fsdp2_reshard_after_forward"),
 }  # fmt: skip
 
 _LIST_TYPES = {"int": "int_list", "str": "str_list"}
@@ -749,6 +754,55 @@ def _virtual_pipeline_problem(a: dict[str, Any], pp: int) -> tuple | None:
     return None
 
 
+_FSDP2 = "--use-torch-fsdp2"
+
+
+def _torch_fsdp2_rules(a: dict[str, Any], role: str | None) -> tuple:
+    """Megatron-LM's rules for --use-torch-fsdp2 (arguments.py, core_v0.16.1; its
+    --ckpt-format rule holds already: torch_dist is the only format here), and what is not
+    verified with it here. Only a trained role is wrapped (`models.torch_fsdp2`)."""
+    if not a.get("use_torch_fsdp2"):
+        if a.get("torch_fsdp2_reshard_after_forward") is False:
+            warn_once("--torch-fsdp2-no-reshard-after-forward is ignored without " + _FSDP2)
+        return ()
+    if role is not None and role not in ("train", "critic"):
+        warn_once(f"{_FSDP2} is ignored for the forward-only role {role} (it wraps the "
+                  "trained roles' models)")  # fmt: skip
+        return ()
+    off = f"is not supported with {_FSDP2}"
+    drop = f"drop {_FSDP2} (DDP, with --use-distributed-optimizer to shard optimizer state)"
+    return (
+        (a["pipeline_model_parallel_size"] > 1, "--pipeline-model-parallel-size",
+         a["pipeline_model_parallel_size"], off + " (Megatron-LM's rule)", "use 1, or " + drop),
+        (a["expert_model_parallel_size"] > 1, "--expert-model-parallel-size",
+         a["expert_model_parallel_size"], off + " (Megatron-LM's rule)", "use 1, or " + drop),
+        (a["use_distributed_optimizer"], "--use-distributed-optimizer", True,
+         off + ": FSDP2 shards the optimizer state itself (Megatron-LM's rule)", "drop it"),
+        (a["gradient_accumulation_fusion"], "--gradient-accumulation-fusion", True,
+         off + " (Megatron-LM's rule)", "add --no-gradient-accumulation-fusion"),
+        (a["fp16"], "--fp16", True, off + " (Megatron-LM's rule)", "use --bf16, or " + drop),
+        (role != "critic" and not a["untie_embeddings_and_output_weights"],
+         "--untie-embeddings-and-output-weights", False,
+         f"{_FSDP2} needs untied embeddings (Megatron-LM's rule: the embedding and the output "
+         "layer are separate FSDP units), and model.hf_path ties them", drop),
+        (a["tensor_model_parallel_size"] > 1, "--tensor-model-parallel-size",
+         a["tensor_model_parallel_size"],
+         off + " here: megatron-core 0.16.1 checkpoints a tensor-parallel shard of an FSDP2 "
+         "parameter under wrong offsets (`make_tp_sharded_tensor_for_checkpoint`, SwiGLU's "
+         "factory), and weight sync from it is not verified", "use 1, or " + drop),
+        (a["context_parallel_size"] > 1, "--context-parallel-size", a["context_parallel_size"],
+         off + " here (not verified)", "use 1, or " + drop),
+        (a["num_experts"] is not None, "--num-experts", a["num_experts"],
+         off + " here: MoE under FSDP2 is not verified (megatron-core's expert SwiGLU "
+         "checkpoint factory has the row-shard defect `compat.megatron_fixes` names)", drop),
+        (bool(a.get("check_weight_hash_across_dp_replicas_interval")),
+         "--check-weight-hash-across-dp-replicas-interval",
+         a.get("check_weight_hash_across_dp_replicas_interval"),
+         off + ": FSDP2 shards each parameter over the data-parallel ranks, which hold no "
+         "replicas to compare", "drop it"),
+    )  # fmt: skip
+
+
 def _virtual_pipeline_rules(a: dict[str, Any], pp: int) -> tuple:
     problem = _virtual_pipeline_problem(a, pp)
     return () if problem is None else ((True, *problem),)
@@ -849,6 +903,7 @@ def check_args(args: dict[str, Any], role: str | None = None) -> None:
     pp = a["pipeline_model_parallel_size"]
     rules += _virtual_pipeline_rules(a, pp)
     rules += _layout_rules(a, pp)
+    rules += _torch_fsdp2_rules(a, role)
     rules += tuple(
         (
             pp > 1 and a.get(name),

@@ -12,7 +12,7 @@ and the verdict on each flag's dest:
 - **ignored**: means nothing for an RL trainer (pretraining data, tokenizer types, logging
   destinations, ...): accepted, and listed with its reason in one warning line;
 - **refused**: asks for something this trainer does not do (legacy spellings Megatron-LM itself
-  rejects, Megatron-LM's own RL loop, FSDP, ...): an error with the reason and a fix.
+  rejects, Megatron-LM's own RL loop, Megatron FSDP, ...): an error with the reason and a fix.
 
 Callers: `megatron_parse.parse_megatron_flags` and `normalize_megatron_section` (the verdicts),
 `tests/unit/test_megatron_lm_flags.py` (the classification of every flag, and its coverage).
@@ -273,8 +273,6 @@ REFUSED: dict[str, tuple[str, str]] = {
         "use --recompute-activations or --recompute-granularity",
     ),
     "use_legacy_models": ("legacy (non-core) models are not built here", "drop the flag"),
-    "use_torch_fsdp2": ("FSDP2 is not supported (DDP + distributed optimizer)", "drop the flag"),
-    "torch_fsdp2_reshard_after_forward": ("FSDP2 is not supported", "drop the flag"),
     "lazy_mpu_init": ("lazy model-parallel init is not supported", "drop the flag"),
     "create_all_gather_group": (
         "megatron-core 0.16.1 reads the separate all-gather group from its global parallel "

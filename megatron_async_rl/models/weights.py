@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_async_rl.distributed import devices
-from megatron_async_rl.models import heads, hf_checkpoint, name_map
+from megatron_async_rl.models import heads, hf_checkpoint, name_map, torch_fsdp2
 
 
 def model_dims(args: dict[str, Any], spec) -> name_map.ModelDims:
@@ -113,7 +113,17 @@ def _copy_into(chunks, local: dict, path: str) -> None:
                 f"HF checkpoint {path}: parameter {name} on global rank {dist.get_rank()} has "
                 f"shape {tuple(target.shape)} but the checkpoint gives {tuple(source.shape)}"
             )
-        target.copy_(source)
+        torch_fsdp2.copy_full_into(target, source)
+
+
+def full_rank_state_dict(chunks) -> dict[str, torch.Tensor]:
+    """`name_map.rank_state_dict` with whole tensors where FSDP2 shards them over the role's
+    data-parallel ranks (--use-torch-fsdp2): collective over those ranks then, each of which
+    must call it (one tensor gathered at a time, while the dict is built)."""
+    return {
+        name: torch_fsdp2.full_tensor(tensor)
+        for name, tensor in name_map.rank_state_dict(chunks).items()
+    }
 
 
 @torch.no_grad()
@@ -135,7 +145,7 @@ def gather_megatron_state_dict(chunks, args: dict[str, Any], pgc, spec):
     dense_sender = dist.get_rank(pgc.dp) == 0 and ranks["tp_rank"] == 0
     expert_sender = dist.get_rank(pgc.expt_dp) == 0 and ranks["etp_rank"] == 0
     gathered: dict[str, torch.Tensor] = {}
-    for local_name, tensor in name_map.rank_state_dict(chunks).items():
+    for local_name, tensor in full_rank_state_dict(chunks).items():
         name = name_map.rank_global_name(
             local_name, dims, pp_rank=ranks["pp_rank"], pp_size=ranks["pp_size"], expert_offset=e0
         )

@@ -3,7 +3,8 @@
 Owned here: building a role's model from resolved Megatron args and its `RoleGroups`; loading a
 HuggingFace checkpoint shard by shard; computing per-token log-probs of a token batch through
 the role's pipeline (forward only). Called by the entry point for each Megatron role that lives
-on this rank. `train` gets `DistributedDataParallel`, Megatron's optimizer and its lr schedule
+on this rank. `train` gets `DistributedDataParallel` (megatron-core's FSDP2 wrapper with
+--use-torch-fsdp2: `models.torch_fsdp2`), Megatron's optimizer and its lr schedule
 (`roles.lr_schedule`), its param-group map written with --dump-param-to-param-group-map
 (`roles.param_groups`); `logp` and `ref` are forward-only, and `ref` is frozen (requires_grad
 False).
@@ -39,7 +40,7 @@ from megatron_async_rl.distributed import devices
 from megatron_async_rl.distributed.groups import MEGATRON_ROLES, RoleGroups, WorldGroups
 from megatron_async_rl.distributed.layout import Parallelism
 from megatron_async_rl.distributed.platform import Platform
-from megatron_async_rl.models import builder, heads, weights
+from megatron_async_rl.models import builder, heads, torch_fsdp2, weights
 from megatron_async_rl.models.name_map import moe_layer_pattern
 from megatron_async_rl.moe import aux_metrics
 from megatron_async_rl.roles import lr_schedule, param_groups
@@ -172,12 +173,8 @@ class MegatronRole:
             )
         return chunks[0]
 
-    def _wrap_for_training(self, total_optimizer_steps: int | None) -> None:
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    def _ddp_config(self):
+        from megatron.core.distributed import DistributedDataParallelConfig
 
         ddp_kwargs = megatron_flags.ddp_config_kwargs(self.args)
         if self.args.get("ddp_num_buckets"):  # as Megatron-LM: the role's parameters / N
@@ -185,14 +182,28 @@ class MegatronRole:
                 raise ValueError("--ddp-num-buckets cannot be combined with --ddp-bucket-size")
             numel = sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
             ddp_kwargs["bucket_size"] = max(numel // self.args["ddp_num_buckets"], 1)
-        ddp_config = DistributedDataParallelConfig(**ddp_kwargs)
-        # One DDP wrapper per model chunk, buckets for the first only (Megatron-LM's get_model).
-        self.models = [
-            DistributedDataParallel(
-                self.config, ddp_config, chunk, disable_bucketing=v > 0, pg_collection=self.pgc
+        return DistributedDataParallelConfig(**ddp_kwargs)
+
+    def _wrap_for_training(self, total_optimizer_steps: int | None) -> None:
+        from megatron.core.distributed import DistributedDataParallel
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        if self.args.get("use_torch_fsdp2"):  # parameters become DTensors: `models.torch_fsdp2`
+            self.models = torch_fsdp2.wrap_chunks(
+                self.chunks, self.config, self.args, self.spec.use_te, self.pgc.dp_cp
             )
-            for v, chunk in enumerate(self.chunks)
-        ]
+            ddp_config = self.models[0].ddp_config
+        else:
+            ddp_config = self._ddp_config()
+            # One DDP wrapper per model chunk, buckets for the first only (Megatron-LM's
+            # get_model).
+            self.models = [
+                DistributedDataParallel(
+                    self.config, ddp_config, chunk, disable_bucketing=v > 0,
+                    pg_collection=self.pgc,
+                )  # fmt: skip
+                for v, chunk in enumerate(self.chunks)
+            ]
         # Reduces gradients over data-parallel ranks (and tied embeddings over stages) at the
         # end of each step's backward; the schedule passes our pg_collection to it.
         self.config.finalize_model_grads_func = megatron_fixes.finalize_model_grads_in_role

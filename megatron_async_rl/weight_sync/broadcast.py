@@ -103,7 +103,8 @@ def _train_key(groups, role, version: int, config: WeightSyncConfig) -> PlanKey:
 
 
 def _local_state(role, reshard: plan.ReshardPlan, rank: int) -> dict[str, torch.Tensor]:
-    local = name_map.rank_state_dict(role.chunks)  # every model chunk's, `chunk_name`d
+    # every model chunk's, `chunk_name`d; whole tensors under FSDP2 (every train rank is here)
+    local = weights.full_rank_state_dict(role.chunks)
     dims, pgc = reshard.dims, role.pgc
     e0 = 0
     if dims.num_experts:
