@@ -10,23 +10,19 @@ negative (`--no-async-tensor-model-parallel-allreduce`), as Megatron-LM does. Fi
 types (callables, dtypes, enums, lists) are skipped. Megatron-LM's own names that differ from the
 dataclasses come from the two documented tables below.
 
-Size: past ~600 lines, as one concept (what a Megatron flag is, its type, default and range, and
-the megatron-core config kwargs it becomes); the next split is the kwargs builders
-(`transformer_config_kwargs` and its neighbours) into a module of their own.
-
 Values are keyed by `dest` (argparse's name, underscores): `tensor_model_parallel_size: 2`.
 `coerce` types one value; `config.megatron_parse` reads the flags after `--` and the recipe's
-`megatron:` sections with it. Cross-field rules live in `check_args`, and `*_kwargs` turn a
-resolved dict into constructor kwargs for megatron-core.
+`megatron:` sections with it. Cross-field rules live in `config.megatron_rules`, and `*_kwargs`
+turn a resolved dict into constructor kwargs for megatron-core.
 
 Importing megatron-core takes seconds, so the derived table is cached in memory and on disk
 (`$MEGATRON_ASYNC_RL_CACHE_DIR`, default `~/.cache/megatron_async_rl`), keyed by the
 megatron-core version and this file's hash; a config error is then reported without that import.
 Callers: `config.recipe` (recipes), `models.builder` and `roles` (the `*_kwargs` helpers).
 
-Past 600 lines on purpose: one concept, the table of Megatron arguments (each dest's type,
-default, range and cross-field rules) and its translation into megatron-core's constructors;
-reading flags and sections through it is `config.megatron_parse`.
+Size: about 600 lines, one concept (what a Megatron flag is, its type, default and range, and the
+megatron-core config kwargs it becomes); the next split is the kwargs builders
+(`transformer_config_kwargs` and its neighbours) into a module of their own.
 """
 
 from __future__ import annotations
@@ -205,7 +201,8 @@ APPLIED_HERE = {
     # models/torch_fsdp2.py: the trained roles' model chunks in megatron-core's FSDP2 wrapper
     # instead of DDP (roles/megatron_role.py); full tensors of them for the HF load and export
     # (models/weights.py), weight sync (weight_sync/broadcast.py) and checkpoints
-    # (checkpoint/megatron_state.py); Megatron-LM's rules for them in `_torch_fsdp2_rules`
+    # (checkpoint/megatron_state.py); Megatron-LM's rules for them in
+    # `megatron_rules._torch_fsdp2_rules`
     "torch_fsdp2": ("use_torch_fsdp2", "torch_fsdp2_reshard_after_forward"),
 }  # fmt: skip
 
@@ -535,8 +532,8 @@ def transformer_config_kwargs(args: dict[str, Any]) -> dict[str, Any]:
 def virtual_stages(args: dict[str, Any]) -> int:
     """Model chunks per pipeline rank (V; 1 without virtual pipeline stages), as Megatron-LM
     derives its virtual_pipeline_model_parallel_size: --num-virtual-stages-per-pipeline-rank, or
-    the layers of a pipeline rank over --num-layers-per-virtual-pipeline-stage (`check_args`
-    has checked both). With pp = 1 the model is one chunk."""
+    the layers of a pipeline rank over --num-layers-per-virtual-pipeline-stage
+    (`megatron_rules.check_args` has checked both). With pp = 1 the model is one chunk."""
     pp = args.get("pipeline_model_parallel_size") or 1
     if pp == 1:
         return 1
@@ -620,317 +617,3 @@ def check_range(dest: str, value: Any, key: str) -> None:
 @functools.cache
 def warn_once(message: str) -> None:
     logger.warning(message)
-
-
-def layout_stage_layers(layout: str, pp: int, num_layers: int) -> tuple[int, ...]:
-    """Decoder layers per pipeline stage of a --pipeline-model-parallel-layout (megatron-core's
-    parser and validation); ValueError naming the rule it breaks."""
-    from megatron.core.transformer.enums import LayerType
-    from megatron.core.transformer.pipeline_parallel_layer_layout import (
-        PipelineParallelLayerLayout,
-    )
-
-    try:
-        stages = PipelineParallelLayerLayout.get_num_stages_from_str(layout)
-        if stages != pp:
-            raise ValueError(
-                f"has {stages} stages; one per pipeline rank ({pp}) is built here (virtual "
-                "stages from a layout are not: --num-virtual-stages-per-pipeline-rank builds "
-                "them)"
-            )
-        parsed = PipelineParallelLayerLayout(layout, pp)
-        parsed.validate_layer_layout(num_layers, None)
-    except (AssertionError, ValueError, SyntaxError, TypeError, NameError) as error:
-        raise ValueError(str(error) or "is not a layout megatron-core can parse") from None
-    return tuple(stage[0].count(LayerType.decoder) for stage in parsed.layout)
-
-
-def _layout_rules(a: dict[str, Any], pp: int) -> tuple:
-    layout = a.get("pipeline_model_parallel_layout")
-    if layout is None:
-        return ()
-    uneven = a.get("num_layers_in_first_pipeline_stage") is not None or (
-        a.get("num_layers_in_last_pipeline_stage") is not None
-    )
-    problem = None
-    if uneven:
-        problem = "cannot be combined with --decoder-first/last-pipeline-num-layers"
-    else:
-        try:
-            layout_stage_layers(layout, pp, a["num_layers"])
-        except ValueError as error:
-            problem = str(error)
-    return ((
-        problem is not None, "--pipeline-model-parallel-layout", layout, problem or "",
-        "e.g. 'Et*3|t*4L' for 7 layers on 2 stages: E embedding, t a decoder layer, L the loss,"
-        " | between stages",
-    ),)  # fmt: skip
-
-
-_VP_LAYERS = "--num-layers-per-virtual-pipeline-stage"
-_VP_STAGES = "--num-virtual-stages-per-pipeline-rank"
-_AT_MOST_ONE = "(Megatron-LM takes at most one of them)"
-
-
-def _virtual_pipeline_problem(a: dict[str, Any], pp: int) -> tuple | None:
-    """(flag, value, rule, hint) of the first virtual-pipeline rule `a` breaks (Megatron-LM's
-    `validate_args` and megatron-core's TransformerConfig checks), else None."""
-    per_stage = a.get("num_layers_per_virtual_pipeline_stage")
-    stages = a.get("num_virtual_stages_per_pipeline_rank")
-    direct = a.get("virtual_pipeline_model_parallel_size")
-    if direct is not None:
-        return (
-            "--virtual-pipeline-model-parallel-size", direct,
-            "is derived here, as in Megatron-LM, from the virtual pipeline flags",
-            f"use {_VP_STAGES} (or {_VP_LAYERS})",
-        )  # fmt: skip
-    if per_stage is not None and stages is not None:
-        return (
-            _VP_LAYERS, per_stage, f"cannot be combined with {_VP_STAGES} = {stages} "
-            f"{_AT_MOST_ONE}", "keep one of the two",
-        )  # fmt: skip
-    if per_stage is None and stages is None:
-        return None
-    flag, value = (_VP_STAGES, stages) if stages is not None else (_VP_LAYERS, per_stage)
-    if a.get("pipeline_model_parallel_layout") is not None:
-        return (
-            flag, value, f"cannot be combined with --pipeline-model-parallel-layout "
-            f"{_AT_MOST_ONE}", "keep one of the two",
-        )  # fmt: skip
-    first = a.get("num_layers_in_first_pipeline_stage")
-    last = a.get("num_layers_in_last_pipeline_stage")
-    num_layers = a["num_layers"]
-    if per_stage is not None:
-        if first is not None or last is not None:
-            return (
-                _VP_LAYERS, per_stage,
-                "cannot be combined with --decoder-first/last-pipeline-num-layers (Megatron-LM)",
-                f"with uneven stages give {_VP_STAGES}",
-            )  # fmt: skip
-        if num_layers % pp or (num_layers // pp) % per_stage:
-            return (
-                _VP_LAYERS, per_stage, "must divide the layers of each pipeline rank "
-                f"(--num-layers = {num_layers} over --pipeline-model-parallel-size = {pp})",
-                "use a divisor of num_layers / pp",
-            )  # fmt: skip
-        stages = num_layers // pp // per_stage
-    if stages == 1:
-        return None  # one chunk per rank: Megatron-LM's plain pipeline
-    if pp == 1:
-        return (
-            flag, value, "needs --pipeline-model-parallel-size > 1 (the interleaved schedule "
-            "runs model chunks over pipeline ranks)", "raise the pipeline size, or drop the flag",
-        )  # fmt: skip
-    if pp == 2 and not a["overlap_p2p_comm"]:
-        return (
-            "--no-overlap-p2p-communication", True, f"with {stages} virtual pipeline stages per "
-            "rank needs --pipeline-model-parallel-size > 2 (Megatron-LM: two ranks would "
-            "exchange several sends and receives in one batch)",
-            "drop --no-overlap-p2p-communication",
-        )  # fmt: skip
-    group = a.get("microbatch_group_size_per_vp_stage")
-    if group is not None and group < pp:
-        return (
-            "--microbatch-group-size-per-virtual-pipeline-stage", group,
-            f"must be >= --pipeline-model-parallel-size = {pp}", None,
-        )  # fmt: skip
-    middle, middle_stages = num_layers, pp
-    for name, layers in (("first", first), ("last", last)):
-        if layers is not None:
-            if layers % stages:
-                return (
-                    f"--decoder-{name}-pipeline-num-layers", layers,
-                    f"must be divisible by the {stages} virtual pipeline stages per pipeline "
-                    "rank", None,
-                )  # fmt: skip
-            middle, middle_stages = middle - layers, middle_stages - 1
-    if middle_stages and middle % (middle_stages * stages):
-        what = "pipeline rank" if middle_stages == pp else "middle pipeline rank"
-        return (
-            flag, value, f"each {what} holds {middle} / {middle_stages} of --num-layers = "
-            f"{num_layers}: must split into {stages} model chunks of whole layers",
-            "choose a number of virtual stages that divides each pipeline rank's layers",
-        )  # fmt: skip
-    return None
-
-
-_FSDP2 = "--use-torch-fsdp2"
-
-
-def _torch_fsdp2_rules(a: dict[str, Any], role: str | None) -> tuple:
-    """Megatron-LM's rules for --use-torch-fsdp2 (arguments.py, core_v0.16.1; its
-    --ckpt-format rule holds already: torch_dist is the only format here), and what is not
-    verified with it here. Only a trained role is wrapped (`models.torch_fsdp2`)."""
-    if not a.get("use_torch_fsdp2"):
-        if a.get("torch_fsdp2_reshard_after_forward") is False:
-            warn_once("--torch-fsdp2-no-reshard-after-forward is ignored without " + _FSDP2)
-        return ()
-    if role is not None and role not in ("train", "critic"):
-        warn_once(f"{_FSDP2} is ignored for the forward-only role {role} (it wraps the "
-                  "trained roles' models)")  # fmt: skip
-        return ()
-    off = f"is not supported with {_FSDP2}"
-    drop = f"drop {_FSDP2} (DDP, with --use-distributed-optimizer to shard optimizer state)"
-    return (
-        (a["pipeline_model_parallel_size"] > 1, "--pipeline-model-parallel-size",
-         a["pipeline_model_parallel_size"], off + " (Megatron-LM's rule)", "use 1, or " + drop),
-        (a["expert_model_parallel_size"] > 1, "--expert-model-parallel-size",
-         a["expert_model_parallel_size"], off + " (Megatron-LM's rule)", "use 1, or " + drop),
-        (a["use_distributed_optimizer"], "--use-distributed-optimizer", True,
-         off + ": FSDP2 shards the optimizer state itself (Megatron-LM's rule)", "drop it"),
-        (a["gradient_accumulation_fusion"], "--gradient-accumulation-fusion", True,
-         off + " (Megatron-LM's rule)", "add --no-gradient-accumulation-fusion"),
-        (a["fp16"], "--fp16", True, off + " (Megatron-LM's rule)", "use --bf16, or " + drop),
-        (role != "critic" and not a["untie_embeddings_and_output_weights"],
-         "--untie-embeddings-and-output-weights", False,
-         f"{_FSDP2} needs untied embeddings (Megatron-LM's rule: the embedding and the output "
-         "layer are separate FSDP units), and model.hf_path ties them", drop),
-        (a["tensor_model_parallel_size"] > 1, "--tensor-model-parallel-size",
-         a["tensor_model_parallel_size"],
-         off + " here: megatron-core 0.16.1 checkpoints a tensor-parallel shard of an FSDP2 "
-         "parameter under wrong offsets (`make_tp_sharded_tensor_for_checkpoint`, SwiGLU's "
-         "factory), and weight sync from it is not verified", "use 1, or " + drop),
-        (a["context_parallel_size"] > 1, "--context-parallel-size", a["context_parallel_size"],
-         off + " here (not verified)", "use 1, or " + drop),
-        (a["num_experts"] is not None, "--num-experts", a["num_experts"],
-         off + " here: MoE under FSDP2 is not verified (megatron-core's expert SwiGLU "
-         "checkpoint factory has the row-shard defect `compat.megatron_fixes` names)", drop),
-        (bool(a.get("check_weight_hash_across_dp_replicas_interval")),
-         "--check-weight-hash-across-dp-replicas-interval",
-         a.get("check_weight_hash_across_dp_replicas_interval"),
-         off + ": FSDP2 shards each parameter over the data-parallel ranks, which hold no "
-         "replicas to compare", "drop it"),
-    )  # fmt: skip
-
-
-def _virtual_pipeline_rules(a: dict[str, Any], pp: int) -> tuple:
-    problem = _virtual_pipeline_problem(a, pp)
-    return () if problem is None else ((True, *problem),)
-
-
-def check_args(args: dict[str, Any], role: str | None = None) -> None:
-    """Cross-field rules on one role's resolved args, as Megatron-LM and megatron-core apply them.
-
-    Errors name the flag to change; `role` (train, logp, ref) is added to the rule for context.
-    """
-    a = _with_defaults(args)
-    tp, ep, experts = (
-        a["tensor_model_parallel_size"],
-        a["expert_model_parallel_size"],
-        a["num_experts"],
-    )
-    hidden, heads, groups = a["hidden_size"], a["num_attention_heads"], a["num_query_groups"]
-    gqa, topk, lr, min_lr = a["group_query_attention"], a["moe_router_topk"], a["lr"], a["min_lr"]
-    by_tp = f"must be divisible by --tensor-model-parallel-size = {tp}"
-    # (broken, flag, value, rule, hint); the first broken rule is reported.
-    arch_hint = "set model.hf_path (its config.json gives the architecture) or pass the flag"
-    rules = (
-        (hidden is None, "--hidden-size", None, "is required", arch_hint),
-        (heads is None, "--num-attention-heads", None, "is required", arch_hint),
-        (a["num_layers"] is None, "--num-layers", None, "is required", arch_hint),
-        (
-            role in ("train", "critic") and lr is None,
-            "--lr",
-            None,
-            f"the {role} role needs a learning rate",
-            "set it in roles.critic.megatron: (the critic has its own)" if role == "critic"
-            else None,
-        ),
-        (a["bf16"] and a["fp16"], "--fp16", True, "cannot be combined with --bf16", None),
-        (
-            hidden and heads and a["kv_channels"] is None and hidden % heads,
-            "--hidden-size",
-            hidden,
-            f"must be divisible by --num-attention-heads = {heads}",
-            "or set --kv-channels explicitly",
-        ),
-        (heads and heads % tp, "--num-attention-heads", heads, by_tp, None),
-        (gqa and groups is None, "--num-query-groups", None, "needs a value with GQA", None),
-        (
-            gqa and groups and heads and heads % groups,
-            "--num-query-groups",
-            groups,
-            f"must divide --num-attention-heads = {heads}",
-            None,
-        ),
-        (gqa and groups and groups % tp, "--num-query-groups", groups, by_tp, None),
-        (
-            experts is None and ep > 1,
-            "--expert-model-parallel-size",
-            ep,
-            "needs --num-experts",
-            None,
-        ),
-        (
-            experts and experts % ep,
-            "--num-experts",
-            experts,
-            f"must be divisible by --expert-model-parallel-size = {ep}",
-            None,
-        ),
-        (
-            experts and topk > experts,
-            "--moe-router-topk",
-            topk,
-            f"must be <= {experts} experts",
-            None,
-        ),
-        (
-            experts and tp > 1 and not a["sequence_parallel"],
-            "--sequence-parallel",
-            False,
-            f"MoE with --tensor-model-parallel-size = {tp} needs sequence parallelism",
-            "add --sequence-parallel",
-        ),
-        (
-            lr is not None and min_lr is not None and min_lr > lr,
-            "--min-lr",
-            min_lr,
-            f"must be <= --lr = {lr}",
-            None,
-        ),
-    )
-    freq = a["moe_layer_freq"]
-    rules += (
-        (
-            experts is not None and isinstance(freq, list) and len(freq) != a["num_layers"],
-            "--moe-layer-freq",
-            freq,
-            f"a pattern needs one 0 (dense) or 1 (MoE) per layer: {a['num_layers']} of them",
-            None,
-        ),
-    )
-    pp = a["pipeline_model_parallel_size"]
-    rules += _virtual_pipeline_rules(a, pp)
-    rules += _layout_rules(a, pp)
-    rules += _torch_fsdp2_rules(a, role)
-    rules += tuple(
-        (
-            pp > 1 and a.get(name),
-            "--" + name.replace("_", "-"),
-            True,
-            "is not mapped by the HF weight names here (a stage's layers would be misplaced)",
-            "use --decoder-first/last-pipeline-num-layers for uneven stages",
-        )
-        for name in (
-            "account_for_embedding_in_pipeline_split",
-            "account_for_loss_in_pipeline_split",
-        )
-    )
-    rules += (
-        (
-            not a["add_position_embedding"] and a["position_embedding_type"] != "rope",
-            "--no-position-embedding",
-            True,
-            "is deprecated in Megatron-LM (refused there without RoPE)",
-            "use --position-embedding-type none (or rope)",
-        ),
-    )
-    where = f" (resolved for role {role})" if role else ""
-    for broken, flag, value, rule, hint in rules:
-        if broken:
-            raise ConfigError(flag, value, rule + where, hint)
-    if groups is not None and not gqa:
-        warn_once(f"--num-query-groups {groups} is ignored without --group-query-attention{where}")
-    if a["sequence_parallel"] and tp == 1:
-        warn_once(f"--sequence-parallel is ignored with --tensor-model-parallel-size 1{where}")

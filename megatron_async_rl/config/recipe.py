@@ -50,7 +50,7 @@ from typing import Any
 
 import yaml
 
-from megatron_async_rl.config import megatron_flags, megatron_parse, role_checks
+from megatron_async_rl.config import megatron_flags, megatron_parse, megatron_rules, role_checks
 from megatron_async_rl.config.errors import (
     NO_VALUE,
     ConfigError,
@@ -359,7 +359,7 @@ def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True)
             )  # fmt: skip
         own = own or architecture
         args = {**megatron_flags.defaults(), **own, **given}
-        megatron_flags.check_args(args, role)
+        megatron_rules.check_args(args, role)
         pg_options.check_group_flags(args, role, must_exist=check_paths)
         _matches_checkpoint(own, args, role)
         _megatron_lm_derived(args)

@@ -208,7 +208,7 @@ class ModelDims:
             )  # fmt: skip
         layout_layers = None
         if a.get("pipeline_model_parallel_layout"):  # megatron-core's own parser
-            from megatron_async_rl.config.megatron_flags import layout_stage_layers
+            from megatron_async_rl.config.megatron_rules import layout_stage_layers
 
             layout_layers = layout_stage_layers(
                 a["pipeline_model_parallel_layout"], int(a["pipeline_model_parallel_size"]),

@@ -12,7 +12,7 @@ DTensors). Called by `roles.megatron_role` (wrapping), `models.weights` (HF load
 
 The parameters stay sharded between steps: a reader gathers one tensor at a time, and every
 data-parallel rank of the role must read the same tensors in the same order (they do: they walk
-the same model). Which flags go with FSDP2 is `config.megatron_flags`' `_torch_fsdp2_rules`.
+the same model). Which flags go with FSDP2 is `config.megatron_rules`' `_torch_fsdp2_rules`.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ function or under `TYPE_CHECKING`, goes to a module of the same or a lower layer
 bottom first:
 
     config          config/errors, config/checks, config/roles, config/megatron_flags,
+                    config/megatron_rules (cross-field rules on a role's Megatron args),
                     algorithms/critic_config (the recipe's critic: section), config/role_checks,
                     config/megatron_lm (Megatron-LM's flag inventory and verdicts),
                     config/megatron_parse (flags and megatron: sections read through them),
@@ -99,6 +100,7 @@ PURITY: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         (
             f"{PACKAGE}.config.recipe",
             f"{PACKAGE}.config.megatron_flags",
+            f"{PACKAGE}.config.megatron_rules",
             f"{PACKAGE}.config.megatron_lm",
             f"{PACKAGE}.config.megatron_parse",
             f"{PACKAGE}.algorithms.minibatch",
@@ -145,6 +147,7 @@ IMPURE = ("torch.distributed", "megatron", "sglang")
 # submodules; "*.config" matches every <package>.config. The longest matching pattern wins.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("config.errors", "config.checks", "config.roles", "config.megatron_flags",
+                "config.megatron_rules",
                 "config.megatron_lm", "config.megatron_parse", "config.plugins",
                 "algorithms.minibatch", "algorithms.batch_ramp", "algorithms.critic_config",
                 "config.role_checks", "*.config")),

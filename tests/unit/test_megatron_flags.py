@@ -20,6 +20,7 @@ import torch
 
 from megatron_async_rl.config import megatron_flags as mf
 from megatron_async_rl.config import megatron_parse as mp
+from megatron_async_rl.config import megatron_rules
 from megatron_async_rl.config.errors import ConfigError
 
 # Flag -> (dest, bare-flag value or None, type, default), as Megatron-LM's argparse defines them
@@ -309,7 +310,7 @@ ARCH = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "lr": 1e-5
 
 
 def test_check_args_accepts_a_valid_moe_model():
-    mf.check_args(
+    megatron_rules.check_args(
         {
             "num_layers": 2,
             "lr": 1e-5,
@@ -326,11 +327,13 @@ def test_check_args_accepts_a_valid_moe_model():
         "train",
     )
     with pytest.raises(ConfigError, match=r"--sequence-parallel = False: MoE with"):
-        mf.check_args({**ARCH, "num_experts": 4, "tensor_model_parallel_size": 2}, "train")
+        megatron_rules.check_args(
+            {**ARCH, "num_experts": 4, "tensor_model_parallel_size": 2}, "train"
+        )
     with pytest.raises(ConfigError, match=r"--expert-model-parallel-size = 2: needs --num-experts"):
-        mf.check_args({**ARCH, "expert_model_parallel_size": 2})
+        megatron_rules.check_args({**ARCH, "expert_model_parallel_size": 2})
     with pytest.raises(ConfigError, match=r"--min-lr = 0.1: must be <= --lr = 0.01"):
-        mf.check_args({**ARCH, "lr": 0.01, "min_lr": 0.1})
+        megatron_rules.check_args({**ARCH, "lr": 0.01, "min_lr": 0.1})
 
 
 def test_disk_cache_round_trip(tmp_path, monkeypatch):

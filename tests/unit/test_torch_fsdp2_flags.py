@@ -19,6 +19,7 @@ import torch
 from megatron_async_rl.config import megatron_flags as mf
 from megatron_async_rl.config import megatron_lm as ml
 from megatron_async_rl.config import megatron_parse as mp
+from megatron_async_rl.config import megatron_rules
 from megatron_async_rl.config.errors import ConfigError
 
 FLAGS = ["--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"]
@@ -37,8 +38,9 @@ def test_flags_are_applied():
     applied = frozenset(mf.flag_table()[0])
     for dest in ("use_torch_fsdp2", "torch_fsdp2_reshard_after_forward"):
         assert ml.classify(dest, applied) == ml.Verdict("applied"), dest
-    mf.check_args(_args(), "train")
-    mf.check_args(_args(untie_embeddings_and_output_weights=False), "critic")  # a head: untied
+    megatron_rules.check_args(_args(), "train")
+    untied = _args(untie_embeddings_and_output_weights=False)
+    megatron_rules.check_args(untied, "critic")  # a head: untied
 
 
 @pytest.mark.parametrize(
@@ -65,15 +67,16 @@ def test_flags_are_applied():
 )  # fmt: skip
 def test_rules_are_config_errors(extra, match):
     with pytest.raises(ConfigError, match=match):
-        mf.check_args(_args(**extra), "train")
+        megatron_rules.check_args(_args(**extra), "train")
 
 
 def test_ignored_where_nothing_is_wrapped(caplog):
     caplog.set_level(logging.WARNING)
     mf.warn_once.cache_clear()
-    mf.check_args(_args(pipeline_model_parallel_size=2), "logp")  # forward-only: no rule
+    forward_only = _args(pipeline_model_parallel_size=2)
+    megatron_rules.check_args(forward_only, "logp")  # forward-only: no rule
     no_fsdp2 = _args(use_torch_fsdp2=False)
-    mf.check_args(no_fsdp2, "train")
+    megatron_rules.check_args(no_fsdp2, "train")
     messages = [r.getMessage() for r in caplog.records]
     assert "--use-torch-fsdp2 is ignored for the forward-only role logp" in messages[0]
     assert (
