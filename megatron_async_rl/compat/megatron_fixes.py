@@ -60,6 +60,12 @@ defect is absent.
   placed right by `make_tp_sharded_tensor_for_checkpoint`: the split mislabels them (gate and up
   rows swapped in the file; measured: a DDP role loading it got `linear_fc1` 0.52 off, a round
   trip at the same FSDP2 size hid it). Inside `fsdp2_row_shards()` the factory is skipped.
+- With a padding mask, `TopKRouter._apply_expert_bias` computes `routing_map & ~padding_mask`
+  with the routing map [tokens, experts] and the mask [tokens]: the shapes do not broadcast, a
+  RuntimeError at the first train step of every expert-bias model (DeepSeek-V3) given the mask
+  (`roles.megatron_role`: MoE train steps pass the batch's padding). The mask gets its expert
+  axis first. Seen training a tiny DeepSeek-V3 on CPU (2026-11-26);
+  `tests/distributed/test_expert_bias_update.py`.
 """
 
 from __future__ import annotations
@@ -85,6 +91,7 @@ def install() -> None:
     _install_fsdp2_grad_sync_fix()
     _install_dtensor_param_id_fix()
     _install_swiglu_row_shard_fix()
+    _install_expert_bias_mask_fix()
 
 
 def _install_fsdp2_grad_sync_fix() -> None:
@@ -146,6 +153,23 @@ def _install_swiglu_row_shard_fix() -> None:
 
     swiglu_factory._row_shard_fix = True
     mlp.apply_swiglu_sharded_factory = swiglu_factory
+
+
+def _install_expert_bias_mask_fix() -> None:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    original = TopKRouter._apply_expert_bias
+    if getattr(original, "_mask_fix", False):
+        return
+
+    @functools.wraps(original)
+    def apply_expert_bias(self, routing_map, padding_mask=None):
+        if padding_mask is not None and padding_mask.dim() == routing_map.dim() - 1:
+            padding_mask = padding_mask.unsqueeze(-1)  # [tokens, 1]: masks every expert
+        return original(self, routing_map, padding_mask=padding_mask)
+
+    apply_expert_bias._mask_fix = True
+    TopKRouter._apply_expert_bias = apply_expert_bias
 
 
 def _install_layout_rank_fix() -> None:

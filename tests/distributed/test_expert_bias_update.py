@@ -17,7 +17,7 @@ from tests.distributed.harness import spawn
 RATE = 0.01
 
 
-def _worker(rank, world_size, tmp_dir, path):
+def _worker(rank, world_size, tmp_dir, path, padded=False):
     import torch.distributed as dist
 
     from megatron_async_rl.config.schema import RoleGroupSpec
@@ -44,15 +44,21 @@ def _worker(rank, world_size, tmp_dir, path):
         return finalize(*a, **kw)
 
     role.config.finalize_model_grads_func = recording_finalize
-    tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(rank))
-    metrics = role.train_step([{"tokens": tokens}], lambda lp, ent, mb: (-lp.mean(), {}))
+    tokens = torch.randint(1, 96, (2, 12), generator=torch.Generator().manual_seed(rank))
+    micro = {"tokens": tokens}
+    if padded:  # right-padded rows and their mask, as roles/learn.py passes them
+        assert role.mask_moe_padding
+        tokens[0, -3:], tokens[1, -5:] = 0, 0
+        micro["padding"] = tokens == 0
+    metrics = role.train_step([micro], lambda lp, ent, mb: (-lp.mean(), {}))
     after = torch.stack([r.expert_bias.detach().clone() for r in routers])
     gathered = [torch.empty_like(recorded["tokens"]) for _ in range(2)]
     dist.all_gather(gathered, recorded["tokens"])
     return {
         "rank": rank, "before": before, "after": after, "tokens": torch.stack(gathered),
         "zeroed": all(float(r.local_tokens_per_expert.abs().sum()) == 0 for r in routers),
-        "update_ok": metrics["actor/update_ok"],
+        "update_ok": metrics["actor/update_ok"], "topk": role.config.moe_router_topk,
+        "valid": int((tokens != 0).sum()),
     }  # fmt: skip
 
 
@@ -69,3 +75,21 @@ def test_expert_bias_moves_towards_the_mean_load_over_the_role(tiny_model, tmp_p
     torch.testing.assert_close(first["after"], expected, rtol=0, atol=1e-7)
     torch.testing.assert_close(second["after"], first["after"], rtol=0, atol=0)
     assert float((first["after"] - first["before"]).abs().sum()) > 0
+
+
+def test_pads_are_not_counted_in_the_expert_load(tiny_model, tmp_path):
+    """With the batch's padding mask (megatron-core 0.16.1 could not broadcast it against the
+    routing map: `compat.megatron_fixes`), each layer counts top-k experts for every valid
+    token of the step and none for pads, and the update still holds."""
+    results = spawn(_worker, 2, tmp_path, str(tiny_model("deepseek_v3")), True)
+    first, second = sorted(results, key=lambda r: r["rank"])
+    assert first["update_ok"] == 1.0 and first["zeroed"]
+    per_layer = first["tokens"].sum(dim=-1)  # [rank, layer]: experts chosen
+    for rank, result in enumerate((first, second)):
+        assert result["valid"] == 16  # 24 tokens, 3 + 5 pads
+        assert (per_layer[rank] == result["valid"] * result["topk"]).all(), per_layer
+    tokens = first["tokens"].sum(dim=0)
+    deficit = tokens.sum(dim=-1, keepdim=True) / tokens.shape[-1] - tokens
+    torch.testing.assert_close(first["after"], first["before"] + RATE * torch.sign(deficit),
+                               rtol=0, atol=1e-7)  # fmt: skip
+    torch.testing.assert_close(second["after"], first["after"], rtol=0, atol=0)

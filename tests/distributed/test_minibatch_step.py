@@ -41,7 +41,11 @@ def _batch(path: str) -> dict:
     adv = torch.randn(NUM_SAMPLES, generator=generator)
     with torch.no_grad():
         old_logp = _logp(_hf_model(path), tokens)
-    return {"tokens": tokens, "mask": mask, "adv": adv, "old_logp": old_logp}
+    # build_batch's lengths: 5 prompt tokens, 7 response tokens, no padding (an MoE role's
+    # padding mask comes from them: rollout.batch.padding_BT)
+    lengths = {"prompt_len": torch.full((NUM_SAMPLES,), 5.0),
+               "response_len": torch.full((NUM_SAMPLES,), 7.0)}  # fmt: skip
+    return {"tokens": tokens, "mask": mask, "adv": adv, "old_logp": old_logp, **lengths}
 
 
 def _hf_model(path: str):
@@ -88,7 +92,8 @@ def _worker(rank, world_size, tmp_dir, path, data, micro_batch_size, device="cpu
         )
         work = StepWork(
             step=STEP,
-            batch={"tokens": data["tokens"], "behaviour_logp": data["old_logp"]},
+            batch={"tokens": data["tokens"], "behaviour_logp": data["old_logp"],
+                   "prompt_len": data["prompt_len"], "response_len": data["response_len"]},
             logp_BT=data["old_logp"],
             ref_logp_BT=data["old_logp"],
             adv_B=data["adv"],
@@ -161,3 +166,18 @@ def test_two_minibatch_steps_match_a_hand_written_reference(tiny_path, tmp_path)
             for m in metrics:
                 assert m["actor/grad_norm"] == pytest.approx(sum(grad_norms) / 2, rel=1e-4)
                 assert m["actor/grad_norm_max"] == pytest.approx(max(grad_norms), rel=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_moe_roles_take_the_same_steps(tiny_model, tmp_path, family):
+    """MoE roles through `train_on_batch` (the routers given the batch's padding mask, and
+    DeepSeek-V3's expert bias updated over the role's groups): two optimizer steps whose loss
+    equals the reference's within 1e-6 (fp32). The CPU twin of tests/gpu/test_learn_cuda.py's
+    MoE cases."""
+    path = str(tiny_model(family))
+    data = _batch(path)
+    got = spawn(_worker, 1, tmp_path, path, data, 2)[0]
+    for mode in MODES:
+        _, loss, _ = _reference(path, data, mode)
+        assert got[mode]["metrics"]["actor/optimizer_steps"] == 2.0
+        assert got[mode]["metrics"]["actor/loss"] == pytest.approx(loss, rel=1e-6, abs=1e-7)
