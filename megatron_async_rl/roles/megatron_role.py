@@ -145,8 +145,7 @@ class MegatronRole:
         if role in TRAINED_ROLES:  # the actor, and PPO's critic
             self.moe_aux_names = aux_metrics.tracked_names(args)
             if self.moe_aux_names:
-                pattern = moe_layer_pattern(args.get("moe_layer_freq") or 1, self.config.num_layers)
-                self.moe_layers = [i for i, moe in enumerate(pattern) if moe]
+                self.moe_layers = _moe_layers(args)
             self._wrap_for_training(total_optimizer_steps)
         else:
             for chunk in self.chunks:
@@ -527,13 +526,16 @@ def _role_routing(chunks: list, args: dict, pgc, noise: float = 0.0):
     """Replay slots on the MoE routers of this stage (`moe.replay`), or None (dense model)."""
     if not args.get("num_experts"):
         return None
-    from megatron_async_rl.models.name_map import moe_layer_pattern
     from megatron_async_rl.moe.replay import RoleRouting
 
-    num_layers = int(args["num_layers"])
-    pattern = moe_layer_pattern(args.get("moe_layer_freq") or 1, num_layers)
-    moe_layers = [i for i in range(num_layers) if pattern[i]]
-    return RoleRouting(chunks, moe_layers, pgc.tp, bool(args.get("sequence_parallel")), noise)
+    sequence_parallel = bool(args.get("sequence_parallel"))
+    return RoleRouting(chunks, _moe_layers(args), pgc.tp, sequence_parallel, noise)
+
+
+def _moe_layers(args: dict) -> list[int]:
+    """The global indices of the MoE layers (--moe-layer-freq over --num-layers)."""
+    pattern = moe_layer_pattern(args.get("moe_layer_freq") or 1, int(args["num_layers"]))
+    return [i for i, moe in enumerate(pattern) if moe]
 
 
 def build_local_roles(
