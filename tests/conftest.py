@@ -27,16 +27,39 @@ def pytest_sessionfinish(session, exitstatus):
     """Stop the forkserver the distributed harness starts its ranks from
     (`tests/distributed/harness.py`) and then this process's resource tracker, which unlinks
     the semaphores ranks left in /dev/shm. Left alone, both outlived pytest. (Their `_stop`
-    methods are multiprocessing's own, private, used by CPython's tests; absent: nothing.)"""
+    methods are multiprocessing's own, private, used by CPython's tests; absent: nothing.)
+
+    Each stop is bounded: `_stop` waits for its process to exit, which it does only once every
+    process that inherited its pipe has closed it; a child still alive would hang the session
+    before pytest's summary (seen on a CUDA node after the in-process GPU tests). Past the bound
+    the stacks are dumped and the session ends anyway."""
+    import faulthandler
+    import sys
+    import threading
     from multiprocessing import forkserver, resource_tracker
 
-    for owner in (forkserver._forkserver, resource_tracker._resource_tracker):
+    for name, owner in (("forkserver", forkserver._forkserver),
+                        ("resource tracker", resource_tracker._resource_tracker)):  # fmt: skip
         stop = getattr(owner, "_stop", None)
-        if stop is not None:
-            try:
-                stop()
-            except Exception:  # noqa: BLE001, S110 - best effort at exit
-                pass
+        if stop is None:
+            continue
+        worker = threading.Thread(target=_best_effort, args=(stop,), daemon=True)
+        worker.start()
+        worker.join(STOP_TIMEOUT_S)
+        if worker.is_alive():
+            print(f"\nconftest: the {name} did not stop in {STOP_TIMEOUT_S} s; stacks:",
+                  file=sys.stderr)  # fmt: skip
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+
+STOP_TIMEOUT_S = 20
+
+
+def _best_effort(stop) -> None:
+    try:
+        stop()
+    except Exception:  # noqa: BLE001, S110 - best effort at exit
+        pass
 
 
 # One seed for every family: the tests want random norms and biases (see `models.tiny`), not
