@@ -355,8 +355,11 @@ def _set(value: Any) -> bool:
 
 
 _FSDP = (
-    "Megatron FSDP is not built here: roles wrap their model in megatron-core's DDP with the "
-    "distributed optimizer (and megatron-core 0.16.1's FSDP adapter builds CUDA device meshes only)"
+    "Megatron FSDP cannot wrap a role here: megatron-core 0.16.1's adapter reads the global "
+    "tensor-parallel group, which roles built from explicit groups never initialise (an "
+    "AssertionError at wrap time on an H100, given the role's groups), and it lays its device "
+    "mesh over the whole world, engine ranks included (tests/distributed/"
+    "test_megatron_fsdp_refusal.py)"
 )
 _GRAPHS = (
     "CUDA graphs (Megatron-LM's RL loop captures its inference engine with them and trains "
@@ -366,7 +369,11 @@ _GRAPHS = (
 )
 
 REFUSED_VALUES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
-    "use_megatron_fsdp": (_on, _FSDP, "use --use-distributed-optimizer to shard optimizer state"),
+    "use_megatron_fsdp": (
+        _on, _FSDP,
+        "use --use-torch-fsdp2 (parameters, gradients and optimizer state sharded) or "
+        "--use-distributed-optimizer",
+    ),
     "num_distributed_optimizer_instances": (
         lambda v: v is not None and int(v) > 1,
         "several distributed-optimizer instances need an inter-instance group, which the role "

@@ -169,8 +169,8 @@ def test_values_not_built_are_refused():
         "--use-megatron-fsdp", "--num-distributed-optimizer-instances", "--tp-comm-overlap",
         "--experimental-attention-variant", "--pipeline-model-parallel-comm-backend",
     ]  # fmt: skip
-    assert "Megatron FSDP is not built here" in errors["--use-megatron-fsdp"]
-    assert "hint: use --use-distributed-optimizer" in errors["--use-megatron-fsdp"]
+    assert "reads the global tensor-parallel group" in errors["--use-megatron-fsdp"]
+    assert "hint: use --use-torch-fsdp2" in errors["--use-megatron-fsdp"]
     assert "inter-instance group" in errors["--num-distributed-optimizer-instances"]
     assert "userbuffers" in errors["--tp-comm-overlap"]
     args = mp.parse_megatron_flags([
