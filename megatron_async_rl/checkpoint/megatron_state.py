@@ -18,7 +18,8 @@ Under --use-torch-fsdp2 (`models.torch_fsdp2`) the parameters are DTensors: each
 its shard, the SwiGLU rows where DDP's layout has them (`megatron_fixes.fsdp2_row_shards`), and
 the plain optimizer's state in model space; the loaded shards become DTensors again. Such a
 checkpoint loads into DDP without the distributed optimizer and back (not into the distributed
-optimizer's format, nor from it: another optimizer format).
+optimizer's format, nor from it: another optimizer format; a resume across them is refused
+before the load by the manifest's `train.optimizer_format`, `store.compatibility_keys`).
 
 Two workarounds for megatron-core 0.16.1 with torch's own Adam (no Apex, no Transformer Engine:
 the CPU path), checked by `tests/distributed/test_checkpoint_megatron.py`:

@@ -166,16 +166,32 @@ def remove_partials(root: str | Path) -> None:
 
 def compatibility_keys(cfg) -> dict[str, Any]:
     """What a resumed run must share with the saved one: the model (its architecture from the
-    train role's Megatron args) and the algorithm. Layout, rank count, schedule and paths may
+    train role's Megatron args), the algorithm, and each trained role's optimizer format (its
+    state loads only into the format that saved it). Layout, rank count, schedule and paths may
     differ."""
     args = cfg.role_megatron_args.get("train") or {}
     arch = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
             "num_query_groups", "kv_channels", "num_experts", "vocab_size", "swiglu",
             "normalization", "untie_embeddings_and_output_weights", "bf16", "fp16")  # fmt: skip
     out = {f"megatron.{k}": args.get(k) for k in arch}
+    for role in ("train", "critic"):  # the optimizer state loads only into its own format
+        if role in cfg.role_megatron_args:
+            out[f"{role}.optimizer_format"] = _optimizer_format(cfg.role_megatron_args[role])
     out.update({f"algorithm.{k}": v for k, v in dataclasses.asdict(cfg.algorithm).items()})
     out["seed"] = cfg.seed
     return json.loads(json.dumps(out, default=str))
+
+
+def _optimizer_format(args: dict[str, Any]) -> str:
+    """How a trained role's optimizer state is checkpointed: "distributed" (megatron-core's
+    distributed optimizer, --use-distributed-optimizer) or "torch" (torch's optimizer state in
+    model space: DDP without it, or --use-torch-fsdp2). One does not load from the other."""
+    return "distributed" if args.get("use_distributed_optimizer") else "torch"
+
+
+# Keys added to the manifest after checkpoints were written without them: compared only when
+# the saved manifest has them.
+_ADDED_LATER = ("train.optimizer_format", "critic.optimizer_format")
 
 
 def recipe_hash(keys: dict[str, Any]) -> str:
@@ -196,7 +212,9 @@ def differing_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
         value = saved.get(key, missing)
         return defaults.get(key) if value is missing else value
 
-    return sorted(k for k in saved.keys() | current.keys() if was(k) != current.get(k))
+    keys = saved.keys() | current.keys()
+    keys -= {k for k in _ADDED_LATER if k not in saved}
+    return sorted(k for k in keys if was(k) != current.get(k))
 
 
 def check_resume_matches(cfg) -> None:
@@ -224,8 +242,11 @@ def check_same_recipe(path, saved: dict[str, Any], current: dict[str, Any]) -> N
 
     differing = differing_keys(saved, current)
     if differing:
+        what = ", ".join(
+            f"{k} (saved {saved.get(k)!r}, now {current.get(k)!r})" for k in differing
+        )
         raise ConfigError(
             "--resume", str(path),
-            f"the checkpoint was saved by a recipe that differs in {', '.join(differing)}",
+            f"the checkpoint was saved by a recipe that differs in {what}",
             hint="resume with the recipe that saved it, or --resume never",
         )  # fmt: skip

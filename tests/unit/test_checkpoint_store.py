@@ -114,3 +114,30 @@ def test_bad_checkpoint_config_is_refused(field, value, rule):
     with pytest.raises(ConfigError, match=rule) as info:
         CheckpointConfig(**{field: value})
     assert info.value.key == field
+
+
+def _keys(**roles):
+    from types import SimpleNamespace
+
+    from megatron_async_rl.algorithms.config import GRPOConfig
+
+    cfg = SimpleNamespace(role_megatron_args=roles, algorithm=GRPOConfig(), seed=1)
+    return store.compatibility_keys(cfg)
+
+
+def test_the_optimizer_format_must_match_to_resume(tmp_path):
+    """A distributed-optimizer checkpoint does not load into torch's optimizer state
+    (--use-torch-fsdp2, or DDP without --use-distributed-optimizer) nor back: dist_checkpointing
+    fails on missing keys mid-load. The manifest's keys refuse it first, naming both formats."""
+    distributed = _keys(train={"use_distributed_optimizer": True}, logp={})
+    fsdp2 = _keys(train={"use_torch_fsdp2": True}, logp={})
+    assert distributed["train.optimizer_format"] == "distributed"
+    assert fsdp2["train.optimizer_format"] == "torch" and "logp.optimizer_format" not in fsdp2
+    assert store.differing_keys(distributed, fsdp2) == ["train.optimizer_format"]
+    with pytest.raises(ConfigError, match=r"train.optimizer_format \(saved 'distributed', "
+                                          r"now 'torch'\).*hint: resume with the recipe"):
+        store.check_same_recipe(tmp_path, distributed, fsdp2)
+    critic = _keys(train={}, critic={"use_distributed_optimizer": True})
+    assert store.differing_keys(critic, _keys(train={}, critic={})) == ["critic.optimizer_format"]
+    older = {k: v for k, v in distributed.items() if not k.endswith("optimizer_format")}
+    assert store.differing_keys(older, fsdp2) == []  # a manifest from before: not compared
