@@ -16,6 +16,7 @@ parameter, in a group with the attributes above. Nothing is faked: real megatron
 files read back with torch's own converter.
 """
 
+import pytest
 import torch
 
 from tests.distributed.harness import spawn
@@ -80,8 +81,9 @@ def _worker(rank, world_size, tmp_dir, path):
     return {"params": params, "groups": groups_seen}
 
 
-def _offset_worker(rank, world_size, tmp_dir, path):
-    """World [generate (rank 0, builds the groups only), train (rank 1)]."""
+def _offset_worker(rank, world_size, tmp_dir, path, extra):
+    """World [generate (rank 0, builds the groups only), train (rank 1)], the role's args with
+    `extra`."""
     import torch.distributed as dist
 
     from megatron_async_rl.config.schema import RoleGroupSpec
@@ -93,6 +95,7 @@ def _offset_worker(rank, world_size, tmp_dir, path):
 
     args = _role_args(path)
     args.update(lr=LR, decoupled_lr=DECOUPLED_LR, dump_param_to_param_group_map=f"{tmp_dir}/map")
+    args.update(extra)
     specs = [RoleGroupSpec(["generate"], num_ranks=1), RoleGroupSpec(["train"], num_ranks=1)]
     layout = plan_layout(world_size, specs, {"train": Parallelism(1, 1)})
     platform = detect_platform("cpu", "gloo")
@@ -106,6 +109,7 @@ def _offset_worker(rank, world_size, tmp_dir, path):
                           if getattr(p, "is_embedding_or_output_parameter", False)},
             "wd0": {n for n, p in role.models[0].named_parameters() if p.ndim == 1},
             "groups": [(g["wd_mult"], g["max_lr"]) for g in role.optimizer.param_groups],
+            "sharded": all(type(p).__name__ == "DTensor" for p in role.models[0].parameters()),
         }  # fmt: skip
     dist.barrier(group=groups.control)
     return out
@@ -143,8 +147,13 @@ def test_train_role_writes_megatron_lm_param_group_map(tiny_model, tmp_path):
     assert sorted(set(ours.values())) == list(range(len(set(ours.values()))))
 
 
-def test_a_train_window_after_rank_0_writes_the_map_alone(tiny_model, tmp_path):
-    results = spawn(_offset_worker, 2, tmp_path, str(tiny_model("llama")))
+@pytest.mark.parametrize("wrapper", ["ddp", "torch_fsdp2"])
+def test_a_train_window_after_rank_0_writes_the_map_alone(tiny_model, tmp_path, wrapper):
+    """Also under --use-torch-fsdp2, whose DTensor parameters keep megatron-core's attributes
+    (the decoupled lr of the embedding and output layer)."""
+    fsdp2 = wrapper == "torch_fsdp2"
+    extra = {"use_torch_fsdp2": True, "gradient_accumulation_fusion": False} if fsdp2 else {}
+    results = spawn(_offset_worker, 2, tmp_path, str(tiny_model("llama")), extra)
     mine = results[1]
     written = _read(tmp_path / "map")
     assert set(written) == mine["names"]
@@ -152,3 +161,5 @@ def test_a_train_window_after_rank_0_writes_the_map_alone(tiny_model, tmp_path):
         wd_mult, max_lr = mine["groups"][index]
         assert (wd_mult == 0.0) == (name in mine["wd0"] or name.endswith(".bias")), name
         assert max_lr == (DECOUPLED_LR if name in mine["decoupled"] else LR), name
+    assert len(mine["decoupled"]) == 2  # the embedding and the output layer (untied)
+    assert mine["sharded"] == fsdp2
