@@ -66,6 +66,8 @@ defect is absent.
   (`roles.megatron_role`: MoE train steps pass the batch's padding). The mask gets its expert
   axis first. Seen training a tiny DeepSeek-V3 on CPU (2026-11-26);
   `tests/distributed/test_expert_bias_update.py`.
+- Multi-token prediction (--mtp-num-layers) reads the global parallel state in several places
+  and returns the main loss instead of logits: `compat.megatron_mtp`, installed from here.
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+
+from megatron_async_rl.compat import megatron_mtp
 
 _MLA_TP_GROUP: contextvars.ContextVar = contextvars.ContextVar("mla_tp_group", default=None)
 
@@ -92,6 +96,7 @@ def install() -> None:
     _install_dtensor_param_id_fix()
     _install_swiglu_row_shard_fix()
     _install_expert_bias_mask_fix()
+    megatron_mtp.install()
 
 
 def _install_fsdp2_grad_sync_fix() -> None:

@@ -335,13 +335,7 @@ NOT_KNOBS_IN_MEGATRON_LM = {
 figure's second denominator; their verdicts above stand)."""
 
 
-NOT_BUILT: dict[str, tuple[str, str]] = {
-    "mtp_num_layers": (
-        "multi-token prediction layers are not built here (an RL trainer samples from the "
-        "engines, not MTP heads; a checkpoint's MTP layers are skipped on load)",
-        "drop the flag",
-    ),
-}  # fmt: skip
+NOT_BUILT: dict[str, tuple[str, str]] = {}
 """Megatron-core config fields of model structures the HF name map does not cover yet: refused
 before they reach a config, since a model built with them could not load or sync its weights."""
 
@@ -423,7 +417,6 @@ ONLY_WITH: dict[str, str] = {
         "dsa_indexer_loss_coeff", "dsa_indexer_n_heads", "dsa_indexer_topk",
         "dsa_indexer_use_sparse_loss",
     )},
-    **{name: "mtp_num_layers" for name in ("mtp_loss_scaling_factor", "mtp_standalone")},
 }  # fmt: skip
 """Dests read only by a structure whose own flag is refused here: they configure nothing (as in
 Megatron-LM without that flag), so they are ignored with that reason, in the one warning line."""
@@ -435,6 +428,11 @@ INERT_HERE: dict[str, str] = {
     )},
     **{name: "deprecated: read nowhere by megatron-core 0.16.1 or Megatron-LM's GPT path"
        for name in ("moe_extended_tp", "async_tensor_model_parallel_allreduce")},
+    "mtp_standalone": (
+        "megatron-core 0.16.1 derives it from --pipeline-model-parallel-layout (MTP layers in a "
+        "pipeline stage of their own) and reads it only to exchange tensor shapes between "
+        "pipeline stages; MTP is built here with one pipeline stage (--mtp-num-layers)"
+    ),
 }
 """Dests that reach a config field nothing here reads: ignored with the reason."""
 

@@ -197,6 +197,47 @@ def _torch_fsdp2_rules(a: dict[str, Any], role: str | None) -> tuple:
     )  # fmt: skip
 
 
+_MTP = "--mtp-num-layers"
+
+
+def _mtp_rules(a: dict[str, Any], role: str | None) -> tuple:
+    """Where multi-token prediction is built here: the actor (train role) with one pipeline
+    stage and no context parallelism (`compat.megatron_mtp`); the logp and ref roles leave the
+    MTP layers out (they compute the main head's log-probs only)."""
+    num, factor = a.get("mtp_num_layers"), a.get("mtp_loss_scaling_factor")
+    if num is None:
+        if factor != 0.1:  # Megatron-LM's default
+            warn_once(f"--mtp-loss-scaling-factor {factor} is ignored without {_MTP}")
+        return ()
+    if role in ("logp", "ref"):
+        warn_once(f"{_MTP} {num} is ignored for the {role} role: its log-probs are the main "
+                  "head's, and only the train role builds and trains the MTP layers")  # fmt: skip
+        return ()
+    with_mtp = f"with {_MTP} = {num} (multi-token prediction)"
+    return (
+        (num < 1, _MTP, num, "must be >= 1", "drop the flag for no MTP layers"),
+        (role in ("critic", "reward_model"), _MTP, num,
+         f"multi-token prediction needs the LM output layer; the {role} role's scalar head "
+         "replaces it", "set it in roles.train.megatron: only"),
+        (factor is None or factor < 0, "--mtp-loss-scaling-factor", factor, "must be >= 0",
+         None),
+        (a["pipeline_model_parallel_size"] > 1, "--pipeline-model-parallel-size",
+         a["pipeline_model_parallel_size"],
+         f"must be 1 {with_mtp}: the MTP layers are built here on a role of one pipeline "
+         "stage only (megatron-core 0.16.1 places them by its global parallel state)",
+         f"use 1, or drop {_MTP}"),
+        (a.get("pipeline_model_parallel_layout") is not None,
+         "--pipeline-model-parallel-layout", a.get("pipeline_model_parallel_layout"),
+         f"is not supported {with_mtp} (one pipeline stage holds the MTP layers here)",
+         "drop it"),
+        (a["context_parallel_size"] > 1, "--context-parallel-size", a["context_parallel_size"],
+         f"must be 1 {with_mtp}: the MTP targets are shifted within this rank's sequence",
+         f"use 1, or drop {_MTP}"),
+        (bool(a.get("use_torch_fsdp2")), _FSDP2, True, f"is not verified {with_mtp} here",
+         f"drop {_FSDP2} (DDP), or drop {_MTP}"),
+    )  # fmt: skip
+
+
 def _virtual_pipeline_rules(a: dict[str, Any], pp: int) -> tuple:
     problem = _virtual_pipeline_problem(a, pp)
     return () if problem is None else ((True, *problem),)
@@ -298,6 +339,7 @@ def check_args(args: dict[str, Any], role: str | None = None) -> None:
     rules += _virtual_pipeline_rules(a, pp)
     rules += _layout_rules(a, pp)
     rules += _torch_fsdp2_rules(a, role)
+    rules += _mtp_rules(a, role)
     rules += tuple(
         (
             pp > 1 and a.get(name),

@@ -3,7 +3,8 @@
 Owned here: TransformerConfig from Megatron flags + the role's parallel layout, the layer spec
 (Transformer Engine on a GPU when importable, local otherwise), the padded vocabulary, and the
 `GPTModel` itself with the role's `ProcessGroupCollection`, with a scalar head in place of the
-LM output layer when the spec has one (`models.heads`). Called by `roles.megatron_role`.
+LM output layer when the spec has one (`models.heads`), and the multi-token-prediction block with
+--mtp-num-layers (`mtp_block_spec`). Called by `roles.megatron_role`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_async_rl.compat import megatron_fixes
+from megatron_async_rl.compat import megatron_fixes, megatron_mtp
 from megatron_async_rl.config import megatron_flags
 from megatron_async_rl.distributed.layout import Parallelism
 from megatron_async_rl.distributed.platform import Platform
@@ -158,6 +159,22 @@ def layer_spec(config, spec: ModelSpec, pp_rank: int = 0, vp_stage: int | None =
     return gpt_layer_specs.get_gpt_layer_local_spec(**common, normalization=config.normalization)
 
 
+def mtp_block_spec(config, spec: ModelSpec, decoder_spec, pp_rank: int, vp_stage: int | None):
+    """megatron-core's multi-token-prediction block spec (--mtp-num-layers: the MTP layers
+    repeat the decoder's last layer spec), built on the role's groups (`compat.megatron_mtp`);
+    None without MTP. `config.megatron_rules` allows MTP with one pipeline stage only, which
+    holds them all."""
+    if not config.mtp_num_layers:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    block = get_gpt_mtp_block_spec(
+        config, decoder_spec, use_transformer_engine=spec.use_te, vp_stage=vp_stage,
+        pp_rank=pp_rank,
+    )  # fmt: skip
+    return megatron_mtp.block_spec_with_groups(block)
+
+
 def disable_jit_fuser() -> None:
     """--disable-jit-fuser, process-wide as in Megatron-LM: megatron-core's `jit_fuser` is
     `torch.compile` (torch >= 2.2) applied when its modules are imported, so besides its own
@@ -207,18 +224,21 @@ def build_gpt_chunks(config, spec: ModelSpec, pg_collection, seed: int, device=N
     chunks = []
     for v in range(vp_size):
         vp_stage = v if vp_size > 1 else None
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=layer_spec(config, spec, pp_rank, vp_stage),
-            vocab_size=spec.padded_vocab_size,
-            max_sequence_length=spec.max_sequence_length,
-            pre_process=pp_rank == 0 and v == 0,
-            post_process=pp_rank == pp_size - 1 and v == vp_size - 1,
-            parallel_output=True,
-            pg_collection=pg_collection,
-            vp_stage=vp_stage,
-            **spec.gpt_kwargs,
-        )
+        decoder_spec = layer_spec(config, spec, pp_rank, vp_stage)
+        with megatron_mtp.process_groups(pg_collection):
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=decoder_spec,
+                vocab_size=spec.padded_vocab_size,
+                max_sequence_length=spec.max_sequence_length,
+                pre_process=pp_rank == 0 and v == 0,
+                post_process=pp_rank == pp_size - 1 and v == vp_size - 1,
+                parallel_output=True,
+                pg_collection=pg_collection,
+                vp_stage=vp_stage,
+                mtp_block_spec=mtp_block_spec(config, spec, decoder_spec, pp_rank, vp_stage),
+                **spec.gpt_kwargs,
+            )
         if spec.head is not None:
             heads.attach_scalar_head(model, config, spec.head, pg_collection.tp, seed)
         if device is not None and torch.device(device).type != "cpu":

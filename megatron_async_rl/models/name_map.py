@@ -582,15 +582,23 @@ def split_chunk_name(name: str, num_chunks: int) -> tuple[int, str]:
     return int(m[1]), m[2]
 
 
+MTP_PREFIX = "mtp."
+"""The multi-token-prediction layers' names in a GPTModel's state dict (--mtp-num-layers)."""
+
+
 def rank_state_dict(chunks) -> dict[str, Tensor]:
     """A rank's tensors by the names `chunk_name` gives them, from its model chunks (a list of
-    modules, or one object with `state_dict()`); `_extra_state` entries left out."""
+    modules, or one object with `state_dict()`); `_extra_state` entries left out, and so are
+    the MTP layers (`MTP_PREFIX`): they have no HF names here, so HF loading leaves them as
+    initialised, export leaves them out, and weight sync skips them (the engines run no
+    speculative decoding). They are trained, and saved and restored with the role's Megatron
+    checkpoints (`checkpoint.megatron_state`, from the chunks' sharded state dicts)."""
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     return {
         chunk_name(k, v, len(chunks)): t
         for v, chunk in enumerate(chunks)
         for k, t in chunk.state_dict().items()
-        if not k.endswith("._extra_state")
+        if not k.endswith("._extra_state") and not k.startswith(MTP_PREFIX)
     }
 
 

@@ -72,7 +72,7 @@ def train_on_batch(role, work: StepWork, cfg) -> dict:
         "behaviour_logp": batch["behaviour_logp"],
     }  # fmt: skip
     fields.update(_replay_fields(cfg.moe.routing_replay, batch))
-    if role.mask_moe_padding:
+    if role.mask_moe_padding or role.args.get("mtp_num_layers"):  # MoE routers, MTP targets
         fields["padding"] = padding_BT(batch)
     skip = set(role.args.get("iterations_to_skip") or ())
     first = work.step * len(plan)  # Megatron-LM's 0-based iteration of this RL step's first

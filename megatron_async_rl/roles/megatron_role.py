@@ -9,6 +9,10 @@ on this rank. `train` gets `DistributedDataParallel` (megatron-core's FSDP2 wrap
 (`roles.param_groups`); `logp` and `ref` are forward-only, and `ref` is frozen (requires_grad
 False).
 
+With --mtp-num-layers the train role's model carries multi-token-prediction layers, trained in
+`train_step` beside the RL loss (`algorithms.mtp`, `compat.megatron_mtp`; `actor/mtp_loss`); the
+logp and ref roles leave them out.
+
 A role built with a scalar head (`head`, `models.heads`: a critic's "value", a reward model's
 "score") has no logits: `values` / `scores` and `train_step(outputs="values")` instead.
 
@@ -31,9 +35,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_async_rl.algorithms import minibatch
+from megatron_async_rl.algorithms import minibatch, mtp
 from megatron_async_rl.algorithms.logprobs import vocab_parallel_logprobs
-from megatron_async_rl.compat import megatron_fixes
+from megatron_async_rl.compat import megatron_fixes, megatron_mtp
 from megatron_async_rl.config import megatron_flags
 from megatron_async_rl.config.roles import TRAINED_ROLES
 from megatron_async_rl.distributed import devices
@@ -88,6 +92,8 @@ class MegatronRole:
     """megatron-core's OptimizerParamScheduler (train only), one step per applied update."""
     head: str | None = None
     """"value" or "score": a scalar head in place of the LM output layer (`models.heads`)."""
+    mtp_num_layers = 0
+    """The model's multi-token-prediction layers (--mtp-num-layers; the train role only)."""
 
     def __init__(
         self,
@@ -111,6 +117,10 @@ class MegatronRole:
         scalar head in place of the LM output layer (`models.heads`), None for the LM."""
         if not groups.is_member:
             raise RuntimeError(f"role {role}: rank {dist.get_rank()} is not in its window")
+        if role in ("logp", "ref") and args.get("mtp_num_layers") is not None:
+            # MTP layers train with the actor only; these roles' log-probs are the main head's
+            # (`config.megatron_rules` says so once)
+            args = {**args, "mtp_num_layers": None}
         self.role, self.args, self.par, self.platform = role, args, par, platform
         self.logprobs_in_fp32 = not args.get("fp16_lm_cross_entropy")
         """False with --fp16-lm-cross-entropy: log-probs in the logits' dtype (saves memory)."""
@@ -133,6 +143,7 @@ class MegatronRole:
         self.chunks = builder.build_gpt_chunks(self.config, self.spec, self.pgc, seed, self.device)
         """This rank's model chunks (GPTModels) in order: one, or one per virtual pipeline stage
         (--num-virtual-stages-per-pipeline-rank: chunk v holds virtual stage v x pp + pp_rank)."""
+        self.mtp_num_layers = self.config.mtp_num_layers or 0
         self.models = list(self.chunks)
         """The chunks as the schedule runs them (each in its DDP wrapper for a trained role)."""
         self.pp_rank = dist.get_rank(self.pgc.pp)
@@ -253,6 +264,14 @@ class MegatronRole:
         )  # fmt: skip
         logger.info("role %s: read %.1f MB of %s for this rank's stage", self.role, read / 2**20,
                     path)  # fmt: skip
+        if self.mtp_num_layers:
+            logger.warning(
+                "role %s: the %d MTP layers (--mtp-num-layers) start freshly initialised (seed "
+                "%d): models.name_map maps no HF MTP names, so a checkpoint's MTP layers "
+                "(DeepSeek-V3's model.layers.%d and up) are not imported, and HF export leaves "
+                "the trained ones out; the role's Megatron checkpoints keep them", self.role,
+                self.mtp_num_layers, self.seed, self.config.num_layers,
+            )  # fmt: skip
         if self.optimizer is not None:
             # The optimizer keeps fp32 main params; refresh them from the loaded model params.
             self.optimizer.reload_model_params()
@@ -425,7 +444,9 @@ class MegatronRole:
         stage). The lr schedule advances after an applied update (by the step's samples over
         --global-batch-size: one step but while a batch ramp runs); a skipped one
         (update_ok False: the grad scaler found an inf or NaN) leaves it where it is, as
-        Megatron-LM does.
+        Megatron-LM does. With --mtp-num-layers each micro-batch must carry `padding` (bool
+        [b, T], True at pads): the MTP layers train on its real tokens beside `loss_fn`'s loss
+        (`algorithms.mtp`), and the metrics add `actor/mtp_loss`.
         """
         if self.optimizer is None:
             raise RuntimeError(f"role {self.role}: train_step needs the train role's optimizer")
@@ -438,6 +459,7 @@ class MegatronRole:
         scale = float(num_micro * dist.get_world_size(self.pgc.dp))
         positions = _positions(mb_size, seq_len, micro_batches[0]["tokens"].device)
         tp_group, vocab_size = self.pgc.tp, self.spec.vocab_size
+        mtp_log = self._mtp_log(micro_batches)
 
         routing = None
         if micro_batches[0].get("replay") is not None:  # replayed MoE routing (R3, R2)
@@ -451,7 +473,11 @@ class MegatronRole:
             tokens = batch["tokens"]
             padding = batch.get("padding") if self.mask_moe_padding else None
             extra = {} if padding is None else {"padding_mask": padding}
-            logits = model(tokens, positions, attention_mask=None, **extra)
+            trains_mtp = contextlib.nullcontext()
+            if mtp_log is not None:  # the MTP layers' loss joins the backward (`algorithms.mtp`)
+                trains_mtp = megatron_mtp.loss_hook(mtp_log.hook(tokens, batch["padding"]))
+            with trains_mtp:
+                logits = model(tokens, positions, attention_mask=None, **extra)
 
             def loss_func(logits_BTV):
                 if outputs == "values":  # [b, T, 1] from the value head
@@ -501,7 +527,24 @@ class MegatronRole:
                 self.device, bool(self.args.get("moe_per_layer_logging")),
             )  # fmt: skip
             metrics.update({f"actor/{key}": value for key, value in aux.items()})
+        if mtp_log is not None:
+            metrics.update(mtp_log.metrics(self.pgc.dp, self.device))
         return metrics
+
+    def _mtp_log(self, micro_batches: list[dict]) -> mtp.MTPLossLog | None:
+        """The MTP losses of a train step of a model with --mtp-num-layers, else None; its
+        micro-batches must carry `padding` (the MTP targets are the real tokens)."""
+        if not self.mtp_num_layers:
+            return None
+        if any(mb.get("padding") is None for mb in micro_batches):
+            raise RuntimeError(
+                f"role {self.role} (global rank {dist.get_rank()}): --mtp-num-layers trains on "
+                "the real tokens, and a micro-batch has no `padding` (bool [b, T], True at pads)"
+            )
+        return mtp.MTPLossLog(
+            self.mtp_num_layers, tp_group=self.pgc.tp, vocab_size=self.spec.vocab_size,
+            fp32=self.logprobs_in_fp32,
+        )  # fmt: skip
 
 
 def _positions(batch: int, seq_len: int, device) -> torch.Tensor:

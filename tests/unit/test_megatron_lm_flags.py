@@ -188,16 +188,16 @@ def test_knobs_of_refused_structures_are_ignored(caplog):
     mf.warn_once.cache_clear()
     args = mp.parse_megatron_flags([
         "--no-tp-comm-bulk-wgrad", "--fsdp-double-buffer", "--mamba-state-dim", "64",
-        "--mtp-loss-scaling-factor", "0.2", "--lr", "1e-6",
+        "--mtp-standalone", "--lr", "1e-6",
         "--cuda-graph-impl=local", "--cuda-graph-warmup-steps", "2",
     ])  # fmt: skip
     assert dict(args) == {"lr": 1e-6}
     [line] = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     for flag, parent in (("--no-tp-comm-bulk-wgrad", "--tp-comm-overlap"),
                          ("--fsdp-double-buffer", "--use-megatron-fsdp"),
-                         ("--mamba-state-dim", "--hybrid-override-pattern"),
-                         ("--mtp-loss-scaling-factor", "--mtp-num-layers")):  # fmt: skip
+                         ("--mamba-state-dim", "--hybrid-override-pattern")):  # fmt: skip
         assert flag in line and f"read only with {parent}, refused here" in line
+    assert "--mtp-standalone: megatron-core 0.16.1 derives it from" in line
     assert "--cuda-graph-impl, --cuda-graph-warmup-steps: CUDA graphs" in line
 
 
@@ -644,10 +644,8 @@ def test_pipeline_splits_the_weight_names_cannot_follow_are_refused():
 def test_structures_without_weight_names_are_refused():
     from megatron_async_rl.config.recipe import build_config
 
-    with pytest.raises(ConfigErrors) as info:
-        mp.parse_megatron_flags(["--mtp-num-layers", "1", "--use-legacy-models"])
-    assert [e.key for e in info.value.errors] == ["--mtp-num-layers", "--use-legacy-models"]
-    assert "multi-token prediction layers are not built here" in str(info.value)
+    with pytest.raises(ConfigError, match="--use-legacy-models = True: legacy"):
+        mp.parse_megatron_flags(["--use-legacy-models"])
     moe = ["--num-experts", "4", "--moe-ffn-hidden-size", "32"]
     build_config(_tree(), [*moe, "--moe-layer-freq", "1"])
     build_config(_tree(), [*moe, "--moe-layer-freq", "[1]*2"])

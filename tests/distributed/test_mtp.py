@@ -1,0 +1,345 @@
+"""Multi-token prediction (--mtp-num-layers) trained beside the RL loss on the train role.
+
+Contract, on one gloo rank with real megatron-core (nothing faked), a tiny Llama with N = 2 MTP
+layers and mtp_loss_scaling_factor F = 0.3, one train step of two micro-batches (one row right-
+padded):
+- the log-probs the RL loss gets equal those of the same checkpoint built without MTP (1e-6),
+  and so do the forward-only log-probs; a logp role given the flag builds no MTP layers;
+- every gradient equals the one of a reference written out here, by plain autograd on the same
+  modules: the RL loss (hand-written token log-probs) plus F / N x the mean over micro-batches
+  of each MTP layer's cross-entropy, where MTP layer k at position t reads enorm(embedding of
+  token t + k + 1) and hnorm(the previous hidden state) through eh_proj, its transformer layer
+  and final norm, and predicts token t + k + 2 through the output layer, over real tokens only
+  (DeepSeek-V3's definition, not megatron-core's forward); the MTP parameters' gradients are
+  nonzero;
+- `actor/mtp_loss` and `actor/mtp_<k>_loss` equal that reference's unscaled cross-entropies;
+- the same gradients and metric with tied embeddings and for a tiny DeepSeek-V3 (multi-latent
+  attention and MoE in the MTP layers);
+- F = 0 gives the main parameters the gradients of the model without MTP, exactly;
+- HF export and weight sync's rank state dict leave the MTP layers out (no HF names), and a
+  Megatron checkpoint round trip restores them bit for bit;
+- from the one-rank role's Megatron checkpoint, TP = 2 and DP = 2 give its MTP loss and
+  weights after the step within 1e-6 (sequence parallelism needs Transformer Engine's norms:
+  not on CPU).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.harness import spawn
+
+NUM_MTP, FACTOR = 2, 0.3
+
+
+def _micro_batches() -> list[dict]:
+    generator = torch.Generator().manual_seed(7)
+    tokens = torch.randint(1, 96, (4, 12), generator=generator)
+    padding = torch.zeros(4, 12, dtype=torch.bool)
+    padding[1, 8:] = True  # a sample of 8 real tokens
+    mask = (~padding[:, 1:]).float()
+    mask[:, :3] = 0.0  # a 4-token prompt
+    return [{"tokens": tokens[i : i + 2], "mask": mask[i : i + 2], "padding": padding[i : i + 2]}
+            for i in (0, 2)]  # fmt: skip
+
+
+def _role(path: str, mtp: dict | None, name: str = "train"):
+    from megatron_async_rl.config.schema import RoleGroupSpec
+    from megatron_async_rl.distributed.groups import build_world_groups
+    from megatron_async_rl.distributed.layout import Parallelism, plan_layout
+    from megatron_async_rl.distributed.platform import detect_platform
+    from megatron_async_rl.roles.megatron_role import MegatronRole
+    from tests.distributed.test_hf_parity import _role_args
+
+    args = _role_args(path)
+    args.update(lr=1e-3, clip_grad=0.0, **(mtp or {}))
+    par = Parallelism.from_megatron_args(args)
+    layout = plan_layout(1, [RoleGroupSpec([name], num_ranks=1)], {name: par})
+    platform = detect_platform("cpu", "gloo")
+    groups = build_world_groups(layout, platform.backend)
+    role = MegatronRole(name, args, par, groups.roles[name], platform, seed=5)
+    role.load_hf_checkpoint(path)
+    return role
+
+
+def _rl_loss(logp, mask, total):
+    return -(logp * mask).sum() / total
+
+
+def _step(role, micro: list[dict], total=None) -> tuple[dict, list, dict]:
+    """Metrics, the RL loss's log-probs per micro-batch, and every parameter's gradient;
+    `total`: the RL loss's token count (default: `micro`'s)."""
+    total = sum(mb["mask"].sum() for mb in micro) if total is None else total
+    seen = []
+
+    def loss_fn(logp, entropy, batch):
+        seen.append(logp.detach().clone())
+        loss = _rl_loss(logp, batch["mask"], total)
+        return loss, {"loss": loss.detach()}
+
+    metrics = role.train_step(micro, loss_fn)
+    grads = {n: p.main_grad.clone() for n, p in role.chunks[0].named_parameters()}
+    return metrics, seen, grads
+
+
+def _rms(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _reference(model, micro: list[dict], vocab: int):
+    """(gradients of the reference loss, each MTP layer's cross-entropy averaged over the
+    micro-batches) by plain autograd; see the module docstring."""
+    params = dict(model.named_parameters())
+    eps, out_w = model.config.layernorm_epsilon, model.output_layer.weight
+    if model.share_embeddings_and_output_weights:
+        out_w = model.shared_embedding_or_output_weight()
+    total = sum(mb["mask"].sum() for mb in micro)
+    loss, ce_means = 0.0, torch.zeros(NUM_MTP)
+    for mb in micro:
+        tokens, padding = mb["tokens"], mb["padding"]
+        b, t = tokens.shape
+        captured = {}
+        hook = model.decoder.register_forward_hook(
+            lambda m, a, kw, out, into=captured: into.update(out=out, kw=kw), with_kwargs=True
+        )
+        positions = torch.arange(t).expand(b, t)
+        logits = model(tokens, positions, attention_mask=None)  # no hook: the main head only
+        hook.remove()
+        logp = logits[:, :-1, :vocab].log_softmax(-1).gather(-1, tokens[:, 1:, None])[..., 0]
+        loss = loss + _rl_loss(logp, mb["mask"], total)
+        hidden, ids = captured["out"], tokens
+        for k, layer in enumerate(model.mtp.layers):
+            ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)  # t + k + 1
+            emb = model.embedding.word_embeddings.weight[ids].transpose(0, 1)
+            joined = torch.cat(
+                [_rms(emb, layer.enorm.weight, eps), _rms(hidden, layer.hnorm.weight, eps)], -1
+            )
+            out, _ = layer.transformer_layer(
+                hidden_states=joined @ layer.eh_proj.weight.T, attention_mask=None,
+                rotary_pos_emb=captured["kw"]["rotary_pos_emb"],
+            )  # fmt: skip
+            hidden = _rms(out, layer.final_layernorm.weight, eps)
+            logits_k = (hidden @ out_w.T).transpose(0, 1)[:, : t - k - 2, :vocab]
+            target, real = tokens[:, k + 2 :], ~padding[:, k + 2 :]
+            ce = -logits_k.log_softmax(-1).gather(-1, target[..., None])[..., 0]
+            ce_mean = (ce * real).sum() / real.sum()
+            ce_means[k] += ce_mean.detach() / len(micro)
+            loss = loss + FACTOR / NUM_MTP * ce_mean / len(micro)
+    grads = torch.autograd.grad(loss, list(params.values()))
+    return dict(zip(params, grads, strict=True)), ce_means
+
+
+def _reference_worker(rank, world_size, tmp_dir, path):
+    role = _role(path, {"mtp_num_layers": NUM_MTP, "mtp_loss_scaling_factor": FACTOR})
+    micro = _micro_batches()
+    ref_grads, ref_ce = _reference(role.chunks[0], micro, role.spec.vocab_size)
+    metrics, _, grads = _step(role, micro)
+    return {"grads": grads, "ref_grads": ref_grads, "ref_ce": ref_ce, "metrics": metrics}
+
+
+def _worker(rank, world_size, tmp_dir, path):
+    from megatron_async_rl.checkpoint.megatron_state import load_train_state, save_train_state
+    from megatron_async_rl.models import name_map, weights
+    from megatron_async_rl.weight_sync.plan import TrainLayout, build_plan, check_stage_names
+
+    micro = _micro_batches()
+    mtp = {"mtp_num_layers": NUM_MTP, "mtp_loss_scaling_factor": FACTOR}
+    tokens = torch.cat([mb["tokens"] for mb in micro])
+    plain = _role(path, None)
+    plain_forward = plain.logprobs(tokens, 2)[0]
+    plain_metrics, plain_logp, plain_grads = _step(plain, micro)
+
+    role = _role(path, mtp)
+    forward = role.logprobs(tokens, 2)[0]  # a forward-only pass: the MTP layers do not run
+    ref_grads, ref_ce = _reference(role.chunks[0], micro, role.spec.vocab_size)
+    mtp_names = [n for n, _ in role.chunks[0].named_parameters() if n.startswith("mtp.")]
+    metrics, logp, grads = _step(role, micro)
+    try:
+        role.train_step([{k: v for k, v in micro[0].items() if k != "padding"}], None)
+        no_padding = None
+    except RuntimeError as error:
+        no_padding = str(error)
+
+    logp_role = _role(path, mtp, "logp")
+    logp_forward = logp_role.logprobs(tokens, 2)[0]
+    logp_names = [n for n, _ in logp_role.chunks[0].named_parameters()]
+    zero = _role(path, {**mtp, "mtp_loss_scaling_factor": 0.0})
+    _, _, zero_grads = _step(zero, micro)
+
+    dims = weights.model_dims(role.args, role.spec)
+    reshard = build_plan(TrainLayout(offset=0, tp=1, pp=1, dp=1), dims, "float32", 1 << 20,
+                         1 << 18)  # fmt: skip
+    local = list(weights.full_rank_state_dict(role.chunks))
+    check_stage_names(reshard, 0, local, 0, 0)  # what weight sync checks first: no error
+    try:  # the MTP names themselves have no HF names: that is why they are left out
+        check_stage_names(reshard, 0, [*local, *mtp_names], 0, 0)
+        unmapped = None
+    except ValueError as error:
+        unmapped = str(error)
+    ckpt = Path(tmp_dir) / "ckpt"
+    save_train_state(role, ckpt)
+    saved = {n: p.detach().clone() for n, p in role.chunks[0].named_parameters()}
+    restored = _role(path, mtp)
+    fresh = {n: p.detach().clone() for n, p in restored.chunks[0].named_parameters()}
+    load_train_state(restored, ckpt)
+    return {
+        "plain_logp": plain_logp, "logp": logp, "plain_forward": plain_forward,
+        "forward": forward, "logp_forward": logp_forward, "logp_names": logp_names,
+        "plain_grads": plain_grads, "grads": grads, "ref_grads": ref_grads,
+        "zero_grads": zero_grads, "ref_ce": ref_ce, "metrics": metrics,
+        "plain_metrics": plain_metrics, "mtp_names": mtp_names,
+        "exported": sorted(role.gather_hf_state_dict()),
+        "rank_names": sorted(name_map.rank_state_dict(role.chunks)),
+        "full_names": sorted(weights.full_rank_state_dict(role.chunks)),
+        "saved": saved, "synced": sorted(reshard.params_of(0)), "unmapped": unmapped,
+        "no_padding": no_padding, "fresh": fresh,
+        "restored": {n: p.detach().clone() for n, p in restored.chunks[0].named_parameters()},
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def result(tiny_model, tmp_path_factory):
+    path = str(tiny_model("llama"))
+    return spawn(_worker, 1, tmp_path_factory.mktemp("mtp"), path)[0]
+
+
+def test_rl_logprobs_are_those_of_the_model_without_mtp(result):
+    for got, want in zip(result["logp"], result["plain_logp"], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(result["forward"], result["plain_forward"], rtol=0, atol=1e-6)
+    assert result["metrics"]["loss"] == pytest.approx(result["plain_metrics"]["loss"], abs=1e-6)
+    assert "actor/mtp_loss" not in result["plain_metrics"]
+
+
+def test_the_logp_role_builds_no_mtp_layers(result):
+    assert result["logp_names"] and not any("mtp" in n for n in result["logp_names"])
+    torch.testing.assert_close(result["logp_forward"], result["plain_forward"], rtol=0, atol=0)
+
+
+def test_gradients_are_rl_plus_scaled_mtp_cross_entropy(result):
+    grads, ref = result["grads"], result["ref_grads"]
+    assert grads.keys() == ref.keys()
+    for name, want in ref.items():
+        torch.testing.assert_close(grads[name], want, rtol=1e-5, atol=1e-6, msg=name)
+    assert len(result["mtp_names"]) >= 2 * 9
+    for name in result["mtp_names"]:
+        assert grads[name].abs().sum() > 0, name
+    # the MTP loss reaches the main parameters too (the decoder, the embedding)
+    changed = [n for n in result["plain_grads"]
+               if not torch.equal(result["plain_grads"][n], grads[n])]  # fmt: skip
+    assert "embedding.word_embeddings.weight" in changed
+    assert "decoder.layers.0.self_attention.linear_qkv.weight" in changed
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("llama", {"tie_word_embeddings": True}),  # the MTP logits through the embedding
+    ("deepseek_v3", {}),  # multi-latent attention and MoE in the MTP layers
+])  # fmt: skip
+def test_tied_and_deepseek_gradients_are_the_reference(family, overrides, tiny_model, tmp_path):
+    path = str(tiny_model(family, **overrides))
+    got = spawn(_reference_worker, 1, tmp_path, path)[0]
+    for name, want in got["ref_grads"].items():
+        torch.testing.assert_close(got["grads"][name], want, rtol=1e-5, atol=1e-6, msg=name)
+    assert got["metrics"]["actor/mtp_loss"] == pytest.approx(float(got["ref_ce"].mean()), abs=1e-5)
+
+
+def test_mtp_loss_metric_is_the_reference_cross_entropy(result):
+    metrics, ref_ce = result["metrics"], result["ref_ce"]
+    for k in range(NUM_MTP):
+        assert metrics[f"actor/mtp_{k + 1}_loss"] == pytest.approx(float(ref_ce[k]), abs=1e-5)
+    assert metrics["actor/mtp_loss"] == pytest.approx(float(ref_ce.mean()), abs=1e-5)
+
+
+def test_mtp_steps_need_the_padding(result):
+    assert "--mtp-num-layers trains on the real tokens, and a micro-batch has no `padding`" in (
+        result["no_padding"])  # fmt: skip
+
+
+def test_zero_factor_leaves_the_main_gradients_alone(result):
+    for name, want in result["plain_grads"].items():
+        assert torch.equal(result["zero_grads"][name], want), name
+
+
+def test_export_and_weight_sync_skip_mtp_names(result):
+    assert result["mtp_names"]
+    assert not any("mtp" in name for name in result["exported"])
+    assert not any(name.startswith("mtp.") for name in result["rank_names"])
+    assert result["full_names"] == result["rank_names"]
+    assert "model.layers.1.mlp.down_proj.weight" in result["exported"]
+    assert result["synced"] == result["rank_names"]  # weight sync sends exactly these
+    assert "mtp." in result["unmapped"]
+
+
+def test_checkpoint_round_trip_restores_mtp_layers(result):
+    saved, restored = result["saved"], result["restored"]
+    assert saved.keys() == restored.keys()
+    for name in result["mtp_names"]:
+        assert torch.equal(restored[name], saved[name]), name
+        assert not torch.equal(result["fresh"][name], saved[name]), name  # trained, then loaded
+    for name, tensor in saved.items():
+        assert torch.equal(restored[name], tensor), name
+
+
+LAYOUTS = {
+    "tp2": (2, {"tensor_model_parallel_size": 2}),
+    "dp2": (2, {}),
+}
+
+
+def _layout_worker(rank, world_size, tmp_dir, path, parallel, ckpt):
+    """A train step from the Megatron checkpoint `ckpt` (None: one step, saved there, first):
+    a fresh MTP layer's initialisation depends on the layout, a checkpoint does not."""
+    from megatron_async_rl.checkpoint.megatron_state import load_train_state, save_train_state
+    from megatron_async_rl.config.schema import RoleGroupSpec
+    from megatron_async_rl.distributed.groups import build_world_groups
+    from megatron_async_rl.distributed.layout import Parallelism, plan_layout
+    from megatron_async_rl.distributed.platform import detect_platform
+    from megatron_async_rl.roles.megatron_role import MegatronRole
+    from tests.distributed.test_hf_parity import _role_args
+
+    args = _role_args(path, **parallel)
+    args.update(lr=1e-3, clip_grad=0.0, mtp_num_layers=NUM_MTP, mtp_loss_scaling_factor=FACTOR)
+    args.update(use_distributed_optimizer=True)
+    par = Parallelism.from_megatron_args(args)
+    layout = plan_layout(world_size, [RoleGroupSpec(["train"], num_ranks=world_size)],
+                         {"train": par})  # fmt: skip
+    platform = detect_platform("cpu", "gloo")
+    groups = build_world_groups(layout, platform.backend)
+    role = MegatronRole("train", args, par, groups.roles["train"], platform, seed=5)
+    role.load_hf_checkpoint(path)
+    micro = _micro_batches()
+    if ckpt is None:
+        _step(role, [{**mb, "tokens": mb["tokens"].roll(1, dims=1)} for mb in micro])
+        save_train_state(role, Path(tmp_dir) / "saved")
+    else:
+        load_train_state(role, Path(ckpt))
+    total = sum(mb["mask"].sum() for mb in micro)  # the whole step's, on every DP rank
+    dp_rank = torch.distributed.get_rank(role.pgc.dp)
+    if torch.distributed.get_world_size(role.pgc.dp) > 1:
+        micro = micro[dp_rank : dp_rank + 1]
+    metrics, _, _ = _step(role, micro, total)
+    return {"metrics": metrics, "weights": role.gather_hf_state_dict()}
+
+
+def test_layouts_agree(tiny_model, tmp_path):
+    """TP = 2 and DP = 2, from the one-rank role's
+    Megatron checkpoint after a step, train the MTP layers as one rank does: the same
+    `actor/mtp_loss` and, after their step, the same main weights (which the MTP loss moves
+    too) within 1e-6."""
+    path = str(tiny_model("llama"))
+    (tmp_path / "tp1").mkdir()
+    one_rank = spawn(_layout_worker, 1, tmp_path / "tp1", path, {}, None)[0]
+    for name, (world, parallel) in LAYOUTS.items():
+        (tmp_path / name).mkdir()
+        results = spawn(_layout_worker, world, tmp_path / name, path, parallel,
+                        str(tmp_path / "tp1" / "saved"))  # fmt: skip
+        for got in results:
+            assert got["metrics"]["actor/mtp_loss"] == pytest.approx(
+                one_rank["metrics"]["actor/mtp_loss"], abs=1e-6), name  # fmt: skip
+        weights = next(r["weights"] for r in results if r["weights"] is not None)
+        for key, tensor in one_rank["weights"].items():
+            diff = (weights[key] - tensor).abs().max().item()
+            assert diff <= 1e-6, f"{name} {key}: max abs diff {diff} vs one rank"

@@ -1,0 +1,145 @@
+"""--mtp-num-layers and --mtp-loss-scaling-factor: applied, and where they are refused.
+
+Contract: both flags parse to their dests, are classified applied and reach megatron-core's
+TransformerConfig kwargs; --mtp-standalone is ignored with its reason. Every layout MTP is not
+built for (pipeline stages, a pipeline layout, context parallelism, torch FSDP2, a scalar-head
+role) and every bad value is a ConfigError naming the flag, its value and the rule; the logp
+and ref roles accept the flag with a warning (they leave the MTP layers out), also through a
+recipe, the factor alone is ignored with a warning, and a scalar head still refuses MTP when
+built. The MTP targets are the tokens k + 2 ahead, counted on real tokens only, and the name
+map's rank state dict (HF loading, export, weight sync) leaves MTP tensors out. Pure: no
+process group; the module with `mtp.*` children is a plain torch stand-in.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_async_rl.config import megatron_flags as mf
+from megatron_async_rl.config import megatron_lm as ml
+from megatron_async_rl.config import megatron_parse as mp
+from megatron_async_rl.config import megatron_rules
+from megatron_async_rl.config.errors import ConfigError
+
+FLAGS = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
+
+
+def _args(**extra):
+    base = dict(mf.defaults(), num_layers=2, hidden_size=64, num_attention_heads=4, lr=1e-5)
+    return {**base, **mp.parse_megatron_flags(FLAGS), **extra}
+
+
+def test_flags_are_applied_and_reach_the_config():
+    assert mp.parse_megatron_flags(FLAGS) == {"mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.3}
+    applied = frozenset(mf.flag_table()[0])
+    for dest in ("mtp_num_layers", "mtp_loss_scaling_factor"):
+        assert ml.classify(dest, applied) == ml.Verdict("applied"), dest
+    kwargs = mf.transformer_config_kwargs(_args())
+    assert (kwargs["mtp_num_layers"], kwargs["mtp_loss_scaling_factor"]) == (2, 0.3)
+    megatron_rules.check_args(_args(), "train")
+
+
+def test_mtp_standalone_is_ignored_with_its_reason():
+    verdict = ml.classify("mtp_standalone", frozenset(mf.flag_table()[0]))
+    assert verdict.kind == "ignored"
+    assert "derives it from --pipeline-model-parallel-layout" in verdict.reason
+    assert "mtp_standalone" not in mp.parse_megatron_flags(["--mtp-standalone"])
+
+
+@pytest.mark.parametrize(
+    "extra, role, match",
+    [
+        ({"pipeline_model_parallel_size": 2}, "train", r"--pipeline-model-parallel-size = 2: "
+         r"must be 1 with --mtp-num-layers = 2 \(multi-token prediction\).*hint: use 1"),
+        ({"pipeline_model_parallel_size": 2, "num_virtual_stages_per_pipeline_rank": 2,
+          "num_layers": 4}, "train", r"--pipeline-model-parallel-size = 2: must be 1"),
+        ({"pipeline_model_parallel_layout": "Et*2L"}, "train",
+         r"--pipeline-model-parallel-layout = 'Et\*2L': is not supported with --mtp-num-layers"),
+        ({"context_parallel_size": 2}, "train", r"--context-parallel-size = 2: must be 1 with "
+         r"--mtp-num-layers = 2"),
+        ({"use_torch_fsdp2": True, "untie_embeddings_and_output_weights": True,
+          "gradient_accumulation_fusion": False}, "train",
+         r"--use-torch-fsdp2 = True: is not verified with --mtp-num-layers = 2"),
+        ({"mtp_num_layers": 0}, "train", r"--mtp-num-layers = 0: must be >= 1"),
+        ({"mtp_loss_scaling_factor": -0.1}, "train",
+         r"--mtp-loss-scaling-factor = -0.1: must be >= 0"),
+        ({}, "critic", r"--mtp-num-layers = 2: multi-token prediction needs the LM output "
+         r"layer; the critic role's scalar head replaces it.*hint: set it in roles.train"),
+    ],
+)  # fmt: skip
+def test_layouts_without_mtp_are_refused(extra, role, match):
+    with pytest.raises(ConfigError, match=match):
+        megatron_rules.check_args(_args(**extra), role)
+
+
+@pytest.mark.parametrize("role", ["logp", "ref"])
+def test_forward_only_roles_ignore_mtp_with_a_warning(role, caplog):
+    caplog.set_level(logging.WARNING)
+    mf.warn_once.cache_clear()
+    megatron_rules.check_args(_args(pipeline_model_parallel_size=2), role)
+    assert f"--mtp-num-layers 2 is ignored for the {role} role" in caplog.text
+
+
+def test_the_factor_alone_is_ignored_with_a_warning(caplog):
+    caplog.set_level(logging.WARNING)
+    mf.warn_once.cache_clear()
+    args = {**_args(), "mtp_num_layers": None, "mtp_loss_scaling_factor": 0.5}
+    megatron_rules.check_args(args, "train")
+    assert "--mtp-loss-scaling-factor 0.5 is ignored without --mtp-num-layers" in caplog.text
+
+
+def test_a_scalar_head_still_refuses_mtp():
+    from megatron_async_rl.models import heads
+
+    config = SimpleNamespace(mtp_num_layers=1)
+    with pytest.raises(ValueError, match=r"--mtp-num-layers=1: multi-token prediction needs"):
+        heads.attach_scalar_head(None, config, "value", tp_group=None, seed=0)
+
+
+def test_layer_targets_are_real_tokens_k_plus_2_ahead():
+    from megatron_async_rl.algorithms.mtp import layer_targets
+
+    tokens = torch.tensor([[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 0, 0]])
+    padding = tokens == 0
+    targets, counted = layer_targets(tokens, padding, 0)
+    assert targets.tolist() == [[12, 13, 14, 15, 0, 0], [22, 23, 0, 0, 0, 0]]
+    assert counted.tolist() == [[True] * 4 + [False] * 2, [True] * 2 + [False] * 4]
+    targets, counted = layer_targets(tokens, padding, 1)
+    assert targets[0].tolist() == [13, 14, 15, 0, 0, 0]
+    assert counted.sum(1).tolist() == [3, 1]
+    assert not layer_targets(tokens, padding, 4)[1].any()  # nothing 6 ahead
+
+
+def test_rank_state_dict_leaves_mtp_tensors_out():
+    from megatron_async_rl.models import name_map
+
+    model = torch.nn.Module()
+    model.decoder = torch.nn.Linear(2, 2, bias=False)
+    model.mtp = torch.nn.ModuleDict({"eh_proj": torch.nn.Linear(4, 2, bias=False)})
+    assert list(name_map.rank_state_dict(model)) == ["decoder.weight"]
+    assert list(name_map.rank_state_dict([model, model])) == [
+        "model0.decoder.weight", "model1.decoder.weight"
+    ]  # fmt: skip
+
+
+def test_a_recipe_builds_mtp_for_the_train_role_only(caplog):
+    from megatron_async_rl.config.recipe import build_config
+
+    caplog.set_level(logging.WARNING)
+    mf.warn_once.cache_clear()
+    tree = {
+        "roles": {"groups": [{"roles": ["train", "logp", "ref"], "num_ranks": 1}]},
+        "megatron": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                     "vocab_size": 128, "lr": 1e-5},
+    }  # fmt: skip
+    cfg = build_config(tree, FLAGS)
+    assert cfg.role_megatron_args["train"]["mtp_num_layers"] == 2
+    assert "--mtp-num-layers 2 is ignored for the logp role" in caplog.text
+    assert "--mtp-num-layers 2 is ignored for the ref role" in caplog.text
+    with pytest.raises(ConfigError, match=r"--pipeline-model-parallel-size = 2: must be 1 with "
+                       r"--mtp-num-layers = 2.*resolved for role train"):  # fmt: skip
+        build_config(tree, [*FLAGS, "--pipeline-model-parallel-size", "2"])
