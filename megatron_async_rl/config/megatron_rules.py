@@ -14,6 +14,14 @@ from typing import Any
 
 from megatron_async_rl.config.errors import ConfigError
 from megatron_async_rl.config.megatron_flags import _with_defaults, warn_once
+from megatron_async_rl.config.megatron_parse import reports_config_notes
+
+
+def _note(message: str) -> None:
+    """A warning about how a role's flags resolve, printed once per run: every rank resolves
+    the config again after the launcher's dry run, which already said it."""
+    if reports_config_notes():
+        warn_once(message)
 
 
 def layout_stage_layers(layout: str, pp: int, num_layers: int) -> tuple[int, ...]:
@@ -157,10 +165,10 @@ def _torch_fsdp2_rules(a: dict[str, Any], role: str | None) -> tuple:
     verified with it here. Only a trained role is wrapped (`models.torch_fsdp2`)."""
     if not a.get("use_torch_fsdp2"):
         if a.get("torch_fsdp2_reshard_after_forward") is False:
-            warn_once("--torch-fsdp2-no-reshard-after-forward is ignored without " + _FSDP2)
+            _note("--torch-fsdp2-no-reshard-after-forward is ignored without " + _FSDP2)
         return ()
     if role is not None and role not in ("train", "critic"):
-        warn_once(f"{_FSDP2} is ignored for the forward-only role {role} (it wraps the "
+        _note(f"{_FSDP2} is ignored for the forward-only role {role} (it wraps the "
                   "trained roles' models)")  # fmt: skip
         return ()
     off = f"is not supported with {_FSDP2}"
@@ -207,10 +215,10 @@ def _mtp_rules(a: dict[str, Any], role: str | None) -> tuple:
     num, factor = a.get("mtp_num_layers"), a.get("mtp_loss_scaling_factor")
     if num is None:
         if factor != 0.1:  # Megatron-LM's default
-            warn_once(f"--mtp-loss-scaling-factor {factor} is ignored without {_MTP}")
+            _note(f"--mtp-loss-scaling-factor {factor} is ignored without {_MTP}")
         return ()
     if role in ("logp", "ref"):
-        warn_once(f"{_MTP} {num} is ignored for the {role} role: its log-probs are the main "
+        _note(f"{_MTP} {num} is ignored for the {role} role: its log-probs are the main "
                   "head's, and only the train role builds and trains the MTP layers")  # fmt: skip
         return ()
     with_mtp = f"with {_MTP} = {num} (multi-token prediction)"
@@ -367,6 +375,6 @@ def check_args(args: dict[str, Any], role: str | None = None) -> None:
         if broken:
             raise ConfigError(flag, value, rule + where, hint)
     if groups is not None and not gqa:
-        warn_once(f"--num-query-groups {groups} is ignored without --group-query-attention{where}")
+        _note(f"--num-query-groups {groups} is ignored without --group-query-attention{where}")
     if a["sequence_parallel"] and tp == 1:
-        warn_once(f"--sequence-parallel is ignored with --tensor-model-parallel-size 1{where}")
+        _note(f"--sequence-parallel is ignored with --tensor-model-parallel-size 1{where}")

@@ -14,6 +14,7 @@ Nothing is faked; megatron-core's dataclasses are the reference.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 
@@ -587,6 +588,29 @@ def test_config_notes_are_printed_once_per_run(env, reports, monkeypatch):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert mp.reports_config_notes() is reports
+    # The rules' notes on a role's flags follow it (every rank resolves the config again)
+    from megatron_async_rl.config.megatron_rules import check_args
+
+    mf.warn_once.cache_clear()
+    with caplog_records() as records:
+        check_args({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "lr": 1e-5,
+                    "mtp_num_layers": 1}, role="logp")  # fmt: skip
+    assert len(records) == int(reports)
+    assert all("--mtp-num-layers 1 is ignored for the logp role" in r for r in records)
+
+
+@contextlib.contextmanager
+def caplog_records():
+    """The warnings logged inside the block (their messages)."""
+    records: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())
+    root = logging.getLogger("megatron_async_rl")
+    root.addHandler(handler)
+    try:
+        yield records
+    finally:
+        root.removeHandler(handler)
 
 
 def test_timeouts_at_init_and_after():
