@@ -210,8 +210,9 @@ _MTP = "--mtp-num-layers"
 
 def _mtp_rules(a: dict[str, Any], role: str | None) -> tuple:
     """Where multi-token prediction is built here: the actor (train role) with one pipeline
-    stage and no context parallelism (`compat.megatron_mtp`); the logp and ref roles leave the
-    MTP layers out (they compute the main head's log-probs only)."""
+    stage and no context parallelism (`compat.megatron_mtp`), under DDP or torch FSDP2
+    (`tests/distributed/test_mtp_fsdp2.py`); the logp and ref roles leave the MTP layers out
+    (they compute the main head's log-probs only)."""
     num, factor = a.get("mtp_num_layers"), a.get("mtp_loss_scaling_factor")
     if num is None:
         if factor != 0.1:  # Megatron-LM's default
@@ -241,8 +242,6 @@ def _mtp_rules(a: dict[str, Any], role: str | None) -> tuple:
         (a["context_parallel_size"] > 1, "--context-parallel-size", a["context_parallel_size"],
          f"must be 1 {with_mtp}: the MTP targets are shifted within this rank's sequence",
          f"use 1, or drop {_MTP}"),
-        (bool(a.get("use_torch_fsdp2")), _FSDP2, True, f"is not verified {with_mtp} here",
-         f"drop {_FSDP2} (DDP), or drop {_MTP}"),
     )  # fmt: skip
 
 

@@ -2,13 +2,13 @@
 
 Contract: both flags parse to their dests, are classified applied and reach megatron-core's
 TransformerConfig kwargs; --mtp-standalone is ignored with its reason. Every layout MTP is not
-built for (pipeline stages, a pipeline layout, context parallelism, torch FSDP2, a scalar-head
-role) and every bad value is a ConfigError naming the flag, its value and the rule; the logp
-and ref roles accept the flag with a warning (they leave the MTP layers out), also through a
-recipe, the factor alone is ignored with a warning, and a scalar head still refuses MTP when
-built. The MTP targets are the tokens k + 2 ahead, counted on real tokens only, and the name
-map's rank state dict (HF loading, export, weight sync) leaves MTP tensors out. Pure: no
-process group; the module with `mtp.*` children is a plain torch stand-in.
+built for (pipeline stages, a pipeline layout, context parallelism, a scalar-head role) and
+every bad value is a ConfigError naming the flag, its value and the rule; the logp and ref roles
+accept the flag with a warning (they leave the MTP layers out), also through a recipe, the
+factor alone is ignored with a warning, and a scalar head still refuses MTP when built. The MTP
+targets are the tokens k + 2 ahead, counted on real tokens only, and the name map's rank state
+dict (HF loading, export, weight sync) leaves MTP tensors out. Pure: no process group; the
+module with `mtp.*` children is a plain torch stand-in.
 """
 
 from __future__ import annotations
@@ -61,9 +61,6 @@ def test_mtp_standalone_is_ignored_with_its_reason():
          r"--pipeline-model-parallel-layout = 'Et\*2L': is not supported with --mtp-num-layers"),
         ({"context_parallel_size": 2}, "train", r"--context-parallel-size = 2: must be 1 with "
          r"--mtp-num-layers = 2"),
-        ({"use_torch_fsdp2": True, "untie_embeddings_and_output_weights": True,
-          "gradient_accumulation_fusion": False}, "train",
-         r"--use-torch-fsdp2 = True: is not verified with --mtp-num-layers = 2"),
         ({"mtp_num_layers": 0}, "train", r"--mtp-num-layers = 0: must be >= 1"),
         ({"mtp_loss_scaling_factor": -0.1}, "train",
          r"--mtp-loss-scaling-factor = -0.1: must be >= 0"),
