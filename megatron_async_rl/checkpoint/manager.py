@@ -141,13 +141,14 @@ class CheckpointManager:
         """The train role's weights as a HF checkpoint `hf_step_<version>`, and with PPO the
         critic's as a `*ForTokenClassification` one, `hf_step_<version>_critic` (collective over
         each role's ranks; the others return at once)."""
-        from megatron_async_rl.models import heads, hf_checkpoint
+        from megatron_async_rl.models import heads, hf_checkpoint, hf_config
 
         hf_path = self.cfg.model.hf_path
         roles = learn.roles if learn is not None else {}
         if "train" in roles and (exported := roles["train"].gather_hf_state_dict()) is not None:
             path = self.root / f"hf_step_{version:08d}"
             base = hf_checkpoint.read_hf_config(hf_path) if hf_path else {}
+            base = hf_config.export_base(base, roles["train"].mtp_num_layers)
             hf_checkpoint.save_hf_checkpoint(path, exported, base, tokenizer_src=hf_path)
             logger.info("exported the train role's weights at v%d to %s", version, path)
         if "critic" in roles and (exported := roles["critic"].gather_hf_state_dict()) is not None:

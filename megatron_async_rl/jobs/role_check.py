@@ -24,7 +24,7 @@ from megatron_async_rl.config.schema import ResolvedConfig
 from megatron_async_rl.distributed import devices
 from megatron_async_rl.distributed.groups import WorldGroups
 from megatron_async_rl.distributed.platform import LOGPROB_TOLERANCE, Platform, exact_fp32_matmuls
-from megatron_async_rl.models import hf_checkpoint
+from megatron_async_rl.models import hf_checkpoint, hf_config
 from megatron_async_rl.models.hf_reference import hf_logprobs
 from megatron_async_rl.observability.logs import leader_print
 from megatron_async_rl.roles.megatron_role import MegatronRole, build_local_roles
@@ -81,6 +81,7 @@ def run_role_check(cfg: ResolvedConfig, groups: WorldGroups, platform: Platform)
         exported = roles["train"].gather_hf_state_dict()
         if exported is not None:
             base = hf_checkpoint.read_hf_config(cfg.model.hf_path) if cfg.model.hf_path else {}
+            base = hf_config.export_base(base, roles["train"].mtp_num_layers)
             hf_checkpoint.save_hf_checkpoint(save, exported, base, tokenizer_src=cfg.model.hf_path)
             logger.info("exported the train role's weights to %s", save)
 

@@ -276,6 +276,15 @@ def with_base(cfg: dict[str, Any], base: dict | None) -> dict[str, Any]:
     return cfg
 
 
+def export_base(base: dict, mtp_num_layers: int) -> dict[str, Any]:
+    """The source model's config `base` as a train role's HF export writes it: a deepseek_v3
+    one says how many multi-token-prediction layers the export carries
+    (`num_nextn_predict_layers`: --mtp-num-layers, `name_map`; 0 without)."""
+    if base.get("model_type") == "deepseek_v3":
+        return {**base, "num_nextn_predict_layers": mtp_num_layers}
+    return base
+
+
 def legacy_compatible(hf_config: dict) -> dict[str, Any]:
     """Adds classic spellings transformers 5 stopped writing: rope_theta, num_experts, torch_dtype.
 

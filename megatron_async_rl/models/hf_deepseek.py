@@ -220,6 +220,7 @@ def hf_config_from_megatron_args(args: Any, base: dict | None = None) -> dict[st
         "n_group": int(groups),
         "topk_group": int(get(args, "moe_router_group_topk") or 1),
         "first_k_dense_replace": _dense_prefix(get(args, "moe_layer_freq", 1), num_layers),
+        "num_nextn_predict_layers": int(get(args, "mtp_num_layers") or 0),  # MTP (`name_map`)
         "norm_topk_prob": True,
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",

@@ -41,6 +41,14 @@ Megatron layouts (read from megatron-core 0.16.1, logits-checked by the lead):
   Each chunk's state dict is stage-local; a rank names its chunks' tensors `model{v}.<name>`
   (`chunk_name`, Megatron-LM's checkpoint keys; unchanged with one chunk), the names
   `stage_entries`, the reshard plan and `rank_state_dict` share.
+- Multi-token prediction (`ModelDims.mtp_num_layers`, megatron-core's `mtp.layers.{i}.*`) has
+  HF names in DeepSeek-V3's format only (`ModelDims.hf_mtp_layers`: the MLA family): MTP layer
+  i is `model.layers.{num_layers + i}.`, its `transformer_layer.X` named and split as decoder
+  layer num_layers + i's X (dense or MoE as megatron-core builds it: as the last decoder
+  layer, `ModelDims.is_moe`), plus `enorm`, `hnorm`, `eh_proj` (column-parallel: rows over
+  TP) and `shared_head.norm` (megatron's `final_layernorm`). DeepSeek's layer also carries
+  copies of the shared `embed_tokens` and of the LM head (`shared_head.head`): written on
+  export (`megatron_to_hf`), ignored on import. Other families' MTP layers have no HF names.
 HF experts are named per expert (`mlp.experts.{j}.gate_proj.weight`): the hub format on disk,
 which transformers 5.12.1 fuses on load into `gate_up_proj` (E, 2F, H) = [gate; up] and SGLang
 loads as is.
@@ -62,6 +70,8 @@ from torch import Tensor
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_MTP_RE = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+_MTP_LAYER = "transformer_layer."
 
 
 @dataclass(frozen=True)
@@ -129,10 +139,22 @@ class ModelDims:
     vp_size: int = 1
     """Model chunks per pipeline rank (virtual pipeline stages, `megatron_flags.virtual_stages`):
     chunk v of pipeline rank p is virtual stage v x pp + p; one chunk when pp is 1."""
+    mtp_num_layers: int = 0
+    """--mtp-num-layers (megatron-core's `mtp.layers.{i}`, on the last pipeline stage); HF names
+    for them only where `hf_mtp_layers` says."""
+
+    @property
+    def hf_mtp_layers(self) -> int:
+        """The MTP layers with HF names: all of them in DeepSeek-V3's format (multi-latent
+        attention is that family's here), none in the others' (they then start fresh on HF
+        load and are left out of HF export)."""
+        return self.mtp_num_layers if self.mla is not None else 0
 
     def is_moe(self, layer: int) -> bool:
         if self.num_experts is None:
             return False
+        if layer >= self.num_layers:  # MTP layer layer - num_layers: megatron-core repeats the
+            layer = self.num_layers - 1  # last decoder layer's spec (`get_gpt_mtp_block_spec`)
         return self.moe_layers is None or bool(self.moe_layers[layer])
 
     def stage_layers(self, pp_rank: int, pp_size: int, vp_stage: int | None = None) -> range:
@@ -177,6 +199,8 @@ class ModelDims:
     def __post_init__(self) -> None:
         if self.vp_size < 1:
             raise ValueError(f"vp_size={self.vp_size} must be >= 1")
+        if self.mtp_num_layers < 0:
+            raise ValueError(f"mtp_num_layers={self.mtp_num_layers} must be >= 0")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -322,6 +346,20 @@ _GLOBAL_TABLE = {
     "output_layer.weight": (("lm_head.weight",), "vocab", 0, 1),
     "decoder.final_layernorm.weight": (("model.norm.weight",), "copy", None, 1),
 }
+# An MTP layer's own tensors: Megatron suffix under `mtp.layers.{i}.` -> (HF suffix under
+# `model.layers.{num_layers + i}.`, TP partition dim). eh_proj is megatron-core's column-parallel
+# [h, 2h] over cat(enorm(embedding), hnorm(hidden)) (`MultiTokenPredictionLayer.
+# _concat_embeddings`, 0.16.1: `torch.cat((decoder_input, hidden_states), -1)`), the order of
+# DeepSeek-V3's and SGLang's `eh_proj(cat(enorm(emb), hnorm(hidden)))`: its columns map as is.
+_MTP_TABLE: dict[str, tuple[str, int | None]] = {
+    "enorm.weight": ("enorm.weight", None),
+    "hnorm.weight": ("hnorm.weight", None),
+    "eh_proj.weight": ("eh_proj.weight", 0),
+    "final_layernorm.weight": ("shared_head.norm.weight", None),
+}
+# Copies DeepSeek-V3's MTP layers carry of tensors megatron-core shares with the main model.
+_MTP_SHARED_COPIES = {"embed_tokens.weight": "model.embed_tokens.weight",
+                      "shared_head.head.weight": "lm_head.weight"}  # fmt: skip
 # Valid only for dense MLP layers, only for MoE layers, or behind a ModelDims switch.
 _DENSE_ONLY = {"mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"}
 _SWITCHES = {
@@ -333,6 +371,9 @@ _SWITCHES = {
 
 def _rule(name: str, dims: ModelDims) -> tuple[tuple[str, ...], str, ShardSpec]:
     """(HF names, kind, shard spec) of a global-named Megatron parameter."""
+    mtp = _MTP_RE.match(name)
+    if mtp:
+        return _mtp_rule(name, int(mtp.group(1)), mtp.group(2), dims)
     m = _LAYER_RE.match(name)
     if not m and dims.head is not None and name.startswith("output_layer."):
         hf_name = _HEAD_PARAMS.get(name)
@@ -349,6 +390,27 @@ def _rule(name: str, dims: ModelDims) -> tuple[tuple[str, ...], str, ShardSpec]:
     layer, suffix = int(m.group(1)), m.group(2)
     if layer >= dims.num_layers:
         raise ValueError(f"{name}: layer {layer} outside num_layers={dims.num_layers}")
+    return _layer_rule(name, layer, suffix, dims)
+
+
+def _mtp_rule(name: str, i: int, suffix: str, dims: ModelDims):
+    """`_rule` of MTP layer i's parameter `suffix` (HF layer num_layers + i)."""
+    if i >= dims.hf_mtp_layers:
+        raise ValueError(
+            f"{name}: MTP layer {i} has no HF name (hf_mtp_layers={dims.hf_mtp_layers}: "
+            "DeepSeek-V3's format only)"
+        )
+    layer = dims.num_layers + i
+    if suffix.startswith(_MTP_LAYER):
+        return _layer_rule(name, layer, suffix[len(_MTP_LAYER) :], dims)
+    if suffix not in _MTP_TABLE:
+        raise ValueError(f"unknown Megatron parameter {name!r}")
+    hf, dim = _MTP_TABLE[suffix]
+    return (f"model.layers.{layer}.{hf}",), "copy", ShardSpec(dim, layer=layer)
+
+
+def _layer_rule(name: str, layer: int, suffix: str, dims: ModelDims):
+    """`_rule` of a parameter `suffix` of (global) decoder layer `layer`."""
     moe, expert, prefix = dims.is_moe(layer), None, f"model.layers.{layer}."
     e = _EXPERT_RE.match(suffix)
     if e and moe:
@@ -500,6 +562,12 @@ def stage_param_names(
             names.append("output_layer.weight")
         if dims.head == "value":
             names.append("output_layer.bias")
+        for i in range(dims.hf_mtp_layers):  # megatron-core's order within an MTP layer
+            layer = _layer_param_names(dims, dims.num_layers + i, experts)
+            names += [f"mtp.layers.{i}.{s}" for s in ("enorm.weight", "hnorm.weight",
+                                                      "eh_proj.weight")]  # fmt: skip
+            names += [f"mtp.layers.{i}.{_MTP_LAYER}{n.split('.', 3)[3]}" for n in layer]
+            names.append(f"mtp.layers.{i}.final_layernorm.weight")
     return names
 
 
@@ -544,6 +612,10 @@ def expert_offset(ep_rank: int, ep_size: int, num_experts: int) -> int:
 
 
 def _shift(name: str, layer_delta: int, expert_delta: int) -> str:
+    mtp = _MTP_RE.match(name)
+    if mtp and mtp[2].startswith(_MTP_LAYER):  # on the last stage: only experts shift
+        suffix = _shift(f"decoder.layers.0.{mtp[2][len(_MTP_LAYER) :]}", 0, expert_delta)
+        return f"mtp.layers.{mtp[1]}.{_MTP_LAYER}{suffix.split('.', 3)[3]}"
     m = _LAYER_RE.match(name)
     if not m:
         return name
@@ -586,20 +658,42 @@ MTP_PREFIX = "mtp."
 """The multi-token-prediction layers' names in a GPTModel's state dict (--mtp-num-layers)."""
 
 
-def rank_state_dict(chunks) -> dict[str, Tensor]:
+def rank_state_dict(chunks, mtp_num_layers: int = 0) -> dict[str, Tensor]:
     """A rank's tensors by the names `chunk_name` gives them, from its model chunks (a list of
     modules, or one object with `state_dict()`); `_extra_state` entries left out, and so are
-    the MTP layers (`MTP_PREFIX`): they have no HF names here, so HF loading leaves them as
-    initialised, export leaves them out, and weight sync skips them (the engines run no
-    speculative decoding). They are trained, and saved and restored with the role's Megatron
-    checkpoints (`checkpoint.megatron_state`, from the chunks' sharded state dicts)."""
+    the MTP layers (`MTP_PREFIX`) from `mtp_num_layers` on: HF loading and export pass the
+    layers with HF names (`ModelDims.hf_mtp_layers`, fewer when a checkpoint lacks some), the
+    others leave them as initialised (HF load) or out (export); weight sync passes none, the
+    engines run no speculative decoding. All are trained, and saved and restored with the
+    role's Megatron checkpoints (`checkpoint.megatron_state`, from the sharded state dicts)."""
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     return {
         chunk_name(k, v, len(chunks)): t
         for v, chunk in enumerate(chunks)
         for k, t in chunk.state_dict().items()
-        if not k.endswith("._extra_state") and not k.startswith(MTP_PREFIX)
+        if not k.endswith("._extra_state") and _kept(k, mtp_num_layers)
     }
+
+
+def _kept(name: str, mtp_num_layers: int) -> bool:
+    """Whether `rank_state_dict` keeps a state-dict name: outside MTP, or of an MTP layer below
+    `mtp_num_layers`."""
+    if not name.startswith(MTP_PREFIX):
+        return True
+    m = _MTP_RE.match(name)
+    return bool(m) and int(m.group(1)) < mtp_num_layers
+
+
+def mtp_layers_in(hf_names: Iterable[str], dims: ModelDims) -> int:
+    """How many of the model's HF-named MTP layers (`hf_mtp_layers`, from 0 on) a HF checkpoint
+    carries: DeepSeek-V3's `num_nextn_predict_layers`, read from its tensor names."""
+    names = set(hf_names)
+    found = 0
+    while found < dims.hf_mtp_layers and (
+        f"model.layers.{dims.num_layers + found}.eh_proj.weight" in names
+    ):
+        found += 1
+    return found
 
 
 def rank_global_name(
@@ -709,6 +803,12 @@ def megatron_to_hf(mc_sd: Mapping[str, Tensor], dims: ModelDims) -> dict[str, Te
     missing = sorted(expected - out.keys())
     if missing:
         raise ValueError(f"Megatron state dict lacks the sources of HF tensors {missing[:8]}")
+    # DeepSeek-V3's MTP layers hold their own copies of the shared embedding and LM head (as
+    # SGLang's DeepseekV3ForCausalLMNextN loads them); owned: safetensors refuses shared storage
+    for i in range(dims.hf_mtp_layers):
+        for suffix, main in _MTP_SHARED_COPIES.items():
+            source = out["model.embed_tokens.weight"] if dims.tied_embeddings else out[main]
+            out[f"model.layers.{dims.num_layers + i}.{suffix}"] = source.clone()
     return out
 
 
@@ -837,6 +937,9 @@ def hf_shape(hf_name: str, dims: ModelDims) -> tuple[int, ...]:
         "gate.e_score_correction_bias": (dims.num_experts,),
         "score.weight": (1, h),
         "score.bias": (1,),
+        "enorm.weight": (h,),
+        "hnorm.weight": (h,),
+        "eh_proj.weight": (h, 2 * h),
     }
     if dims.mla is not None:
         m = dims.mla
@@ -882,10 +985,15 @@ def check_hf_names(names: Iterable[str], dims: ModelDims) -> None:
 
 
 def _beyond_layers(hf_name: str, dims: ModelDims) -> bool:
-    """A tensor of a layer past num_layers: DeepSeek-V3's multi-token-prediction layers, which
-    transformers and the engines' causal LM do not load either."""
-    m = re.match(r"^model\.layers\.(\d+)\.", hf_name)
-    return bool(m) and int(m.group(1)) >= dims.num_layers
+    """A tensor of a layer past num_layers that is not loaded: DeepSeek-V3's multi-token-
+    prediction layers past `hf_mtp_layers` (transformers and the engines' causal LM do not load
+    them either), and the copies of the shared embedding and LM head in the loaded ones."""
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)$", hf_name)
+    if not m or int(m.group(1)) < dims.num_layers:
+        return False
+    return int(m.group(1)) >= dims.num_layers + dims.hf_mtp_layers or (
+        m.group(2) in _MTP_SHARED_COPIES
+    )
 
 
 @dataclass(frozen=True)

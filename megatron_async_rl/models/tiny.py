@@ -13,6 +13,8 @@ tests and by the CPU recipes. The init is deliberately not the transformers defa
 a mis-interleaved bias) change the logits visibly in parity tests. Besides causal LMs, llama,
 qwen2 and qwen3 come as a reward model (`*ForSequenceClassification`) or a critic
 (`*ForTokenClassification`) with one label (`task`), for the scalar heads of `models.heads`.
+A deepseek_v3 model can carry multi-token-prediction layers (`num_mtp_layers`), which
+transformers neither builds nor loads: written here in DeepSeek-V3's hub layout.
 """
 
 from __future__ import annotations
@@ -132,13 +134,16 @@ def _config(family: str, vocab_size: int, overrides: dict[str, Any]) -> Any:
 
 
 def write_tiny_model(
-    out_dir: str | Path, family: str, seed: int = 0, task: str = "causal_lm", **overrides: Any
-) -> Path:
+    out_dir: str | Path, family: str, seed: int = 0, task: str = "causal_lm",
+    num_mtp_layers: int = 0, **overrides: Any,
+) -> Path:  # fmt: skip
     """Writes a tiny `family` model, its tokenizer and config to `out_dir`; returns the path.
 
     `overrides` are config fields (e.g. `hidden_size=32`, `tie_word_embeddings=True`). `task`
     (`TASKS`): a causal LM, or with one label (`score` head, pad_token_id set) a sequence
     classifier (reward model) or a token classifier (critic), for `CLASSIFICATION_FAMILIES`.
+    `num_mtp_layers` (deepseek_v3 only): DeepSeek-V3 multi-token-prediction layers
+    (`num_nextn_predict_layers`), randomly initialised (`_write_mtp_layers`).
     """
     import transformers
 
@@ -148,6 +153,8 @@ def write_tiny_model(
         raise ValueError(f"task={task!r} is not one of {tuple(TASKS)}")
     if task != "causal_lm" and family not in CLASSIFICATION_FAMILIES:
         raise ValueError(f"task={task!r} is written for {CLASSIFICATION_FAMILIES}, not {family!r}")
+    if num_mtp_layers and family != "deepseek_v3":
+        raise ValueError(f"num_mtp_layers={num_mtp_layers}: only deepseek_v3 names MTP layers")
     out = Path(out_dir)
     tokenizer = build_tokenizer()
     config = _config(family, len(tokenizer), overrides)
@@ -168,8 +175,51 @@ def write_tiny_model(
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     make_loadable_everywhere(out)
+    if num_mtp_layers:
+        _write_mtp_layers(out, config, num_mtp_layers, generator)
     logger.info("wrote tiny %s model to %s", family, out)
     return out
+
+
+def _write_mtp_layers(out: Path, config: Any, num_layers: int, generator) -> None:
+    """Adds DeepSeek-V3's MTP layers to `out`'s weights: layer i is `model.layers.{L + i}`
+    (L = num_hidden_layers), a decoder layer (transformers' own, so MoE past
+    first_k_dense_replace) with `enorm`, `hnorm`, `eh_proj` [h, 2h] and `shared_head.norm`,
+    plus copies of the embedding and the LM head (`embed_tokens`, `shared_head.head`); and
+    `num_nextn_predict_layers` to config.json. Norms as `write_tiny_model`'s, matrices
+    N(0, initializer_range^2)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    from megatron_async_rl.models.hf_checkpoint import WEIGHTS_FILE, to_hub_layout
+
+    path = out / WEIGHTS_FILE
+    tensors = load_file(str(path))
+    h, std, first = config.hidden_size, config.initializer_range, config.num_hidden_layers
+    head = tensors["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+
+    def rand(shape, name: str) -> torch.Tensor:
+        if name.endswith("norm.weight"):
+            return torch.rand(shape, generator=generator) + 0.5
+        if name.endswith("e_score_correction_bias"):
+            return torch.randn(shape, generator=generator) * 0.1
+        return torch.randn(shape, generator=generator) * std
+
+    for i in range(num_layers):
+        prefix = f"model.layers.{first + i}."
+        layer = DeepseekV3DecoderLayer(config, first + i).state_dict()
+        own = {name: rand(t.shape, name) for name, t in layer.items()}
+        own.update({name: rand(shape, name) for name, shape in (
+            ("enorm.weight", (h,)), ("hnorm.weight", (h,)), ("eh_proj.weight", (h, 2 * h)),
+            ("shared_head.norm.weight", (h,)))})  # fmt: skip
+        own["embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        own["shared_head.head.weight"] = head.clone()
+        tensors.update(to_hub_layout({prefix + name: t for name, t in own.items()}))
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    config_path = out / "config.json"
+    hf_config = json.loads(config_path.read_text())
+    hf_config["num_nextn_predict_layers"] = num_layers
+    config_path.write_text(json.dumps(hf_config, indent=2))
 
 
 def make_loadable_everywhere(out: Path) -> None:

@@ -5,7 +5,9 @@ a role's sharded model back into one HF state dict (`gather_hf_state_dict`) for 
 Names and split rules come from `models.name_map` (one source of truth, shared with weight sync).
 Called by `roles.megatron_role` and the export path of the entry point. A model with a scalar
 head (`spec.head`, `models.heads`) loads and exports it as HF `score.*`; loading a checkpoint
-without one (a policy's, into a critic) initialises it (`head_init_std`).
+without one (a policy's, into a critic) initialises it (`head_init_std`). Multi-token-prediction
+layers (--mtp-num-layers) load and export where the HF format names them (DeepSeek-V3's:
+`name_map`, `ModelDims.hf_mtp_layers`); weight sync leaves them out (`weight_sync.broadcast`).
 
 The gather here is the simple, whole-model one (every tensor through the role's first rank); the
 planned, bucketed, bounded-memory reshard for weight sync lives in `weight_sync/`.
@@ -24,8 +26,9 @@ from megatron_async_rl.models import heads, hf_checkpoint, name_map, torch_fsdp2
 
 
 def model_dims(args: dict[str, Any], spec) -> name_map.ModelDims:
-    """`ModelDims` of a role's model (`spec` is a `builder.ModelSpec`; with a head, its
-    embeddings are untied whatever the flags say, as the builder makes them)."""
+    """`ModelDims` of a role's model, its MTP layers included (`spec` is a
+    `builder.ModelSpec`; with a head, its embeddings are untied whatever the flags say, as the
+    builder makes them)."""
     merged = dict(args)
     merged.update(
         vocab_size=spec.vocab_size,
@@ -33,10 +36,10 @@ def model_dims(args: dict[str, Any], spec) -> name_map.ModelDims:
         transformer_impl="transformer_engine" if spec.use_te else "local",
     )
     head = getattr(spec, "head", None)
-    if head is None:
-        return name_map.ModelDims.from_megatron_args(merged)
-    merged["untie_embeddings_and_output_weights"] = True
-    return dataclasses.replace(name_map.ModelDims.from_megatron_args(merged), head=head)
+    if head is not None:
+        merged["untie_embeddings_and_output_weights"] = True
+    dims = name_map.ModelDims.from_megatron_args(merged)
+    return dataclasses.replace(dims, head=head, mtp_num_layers=int(args.get("mtp_num_layers") or 0))
 
 
 def stage_ranks(pgc) -> dict[str, int]:
@@ -57,11 +60,12 @@ def stage_ranks(pgc) -> dict[str, int]:
 def load_hf_into_megatron(
     chunks, path: str, args: dict[str, Any], pgc, spec, *, head_init_std: float | None = None,
     head_seed: int = 0,
-) -> int:  # fmt: skip
+) -> tuple[int, int]:  # fmt: skip
     """Copy this rank's slice of every parameter of the HF checkpoint at `path` into its model
     `chunks` (a list, or one module), reading only what this rank's parameters come from: its
     pipeline stage's layers, its experts, and of TP-split tensors its rows or columns. Returns
-    the bytes read.
+    the bytes read and the number of MTP layers loaded (from 0 on: those with HF names that the
+    checkpoint carries, `name_map.mtp_layers_in`; the model's others keep their initialisation).
 
     With a scalar head (`spec.head`), head tensors the checkpoint lacks are initialised when
     `head_init_std` is given (`heads.head_reader`: N(0, std^2) from `head_seed`, 0: zeros)."""
@@ -72,11 +76,12 @@ def load_hf_into_megatron(
         read, names = heads.head_reader(read, names, dims, head_init_std, head_seed, path)
     elif head_init_std is not None:
         raise ValueError(f"head_init_std={head_init_std}: this model has no scalar head")
+    dims = dataclasses.replace(dims, mtp_num_layers=name_map.mtp_layers_in(names, dims))
     name_map.check_hf_names(names, dims)
     ranks = stage_ranks(pgc)
     local = name_map.stage_state_dict_from_hf(read, dims, reader.read_range, **ranks)
-    _copy_into(chunks, local, path)
-    return reader.bytes_read
+    _copy_into(chunks, local, path, dims.hf_mtp_layers)
+    return reader.bytes_read, dims.hf_mtp_layers
 
 
 @torch.no_grad()
@@ -84,8 +89,9 @@ def load_hf_state_dict_into_megatron(
     chunks, hf_sd: dict, args: dict[str, Any], pgc, spec, path: str = "<in memory>"
 ) -> None:
     """Copy this rank's slice of every tensor of a full HF state dict into its model `chunks`
-    (cut from the HF tensors directly: no whole-model conversion)."""
-    dims = model_dims(args, spec)
+    (cut from the HF tensors directly: no whole-model conversion). Weight sync's (into the
+    logp role): MTP layers are neither sent nor loaded."""
+    dims = dataclasses.replace(model_dims(args, spec), mtp_num_layers=0)
 
     def read_range(name: str, dim: int, start: int, stop: int):
         return hf_sd[name].narrow(dim, start, stop - start)
@@ -96,9 +102,10 @@ def load_hf_state_dict_into_megatron(
     _copy_into(chunks, local, path)
 
 
-def _copy_into(chunks, local: dict, path: str) -> None:
-    """Copy the rank's local slices into its chunks' parameters; every one must match."""
-    own = name_map.rank_state_dict(chunks)
+def _copy_into(chunks, local: dict, path: str, mtp_num_layers: int = 0) -> None:
+    """Copy the rank's local slices into its chunks' parameters (those of MTP layers below
+    `mtp_num_layers` included); every one must match."""
+    own = name_map.rank_state_dict(chunks, mtp_num_layers)
     missing, unexpected = sorted(own.keys() - local.keys()), sorted(local.keys() - own.keys())
     if missing or unexpected:
         raise RuntimeError(
@@ -116,13 +123,13 @@ def _copy_into(chunks, local: dict, path: str) -> None:
         torch_fsdp2.copy_full_into(target, source)
 
 
-def full_rank_state_dict(chunks) -> dict[str, torch.Tensor]:
+def full_rank_state_dict(chunks, mtp_num_layers: int = 0) -> dict[str, torch.Tensor]:
     """`name_map.rank_state_dict` with whole tensors where FSDP2 shards them over the role's
     data-parallel ranks (--use-torch-fsdp2): collective over those ranks then, each of which
     must call it (one tensor gathered at a time, while the dict is built)."""
     return {
         name: torch_fsdp2.full_tensor(tensor)
-        for name, tensor in name_map.rank_state_dict(chunks).items()
+        for name, tensor in name_map.rank_state_dict(chunks, mtp_num_layers).items()
     }
 
 
@@ -145,7 +152,7 @@ def gather_megatron_state_dict(chunks, args: dict[str, Any], pgc, spec):
     dense_sender = dist.get_rank(pgc.dp) == 0 and ranks["tp_rank"] == 0
     expert_sender = dist.get_rank(pgc.expt_dp) == 0 and ranks["etp_rank"] == 0
     gathered: dict[str, torch.Tensor] = {}
-    for local_name, tensor in full_rank_state_dict(chunks).items():
+    for local_name, tensor in full_rank_state_dict(chunks, dims.hf_mtp_layers).items():
         name = name_map.rank_global_name(
             local_name, dims, pp_rank=ranks["pp_rank"], pp_size=ranks["pp_size"], expert_offset=e0
         )

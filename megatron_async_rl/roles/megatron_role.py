@@ -258,19 +258,24 @@ class MegatronRole:
         """Load this rank's shard of every parameter from a HuggingFace directory (reading only
         the tensors of its stage and experts). `head_init_std`: with a scalar head, initialise
         head tensors the checkpoint lacks (a policy's: N(0, std^2), 0: zeros; `models.heads`)."""
-        read = weights.load_hf_into_megatron(
+        read, num_mtp_loaded = weights.load_hf_into_megatron(
             self.chunks, path, self.args, self.pgc, self.spec, head_init_std=head_init_std,
             head_seed=self.seed,
         )  # fmt: skip
         logger.info("role %s: read %.1f MB of %s for this rank's stage", self.role, read / 2**20,
                     path)  # fmt: skip
-        if self.mtp_num_layers:
+        if num_mtp_loaded < self.mtp_num_layers:
+            if weights.model_dims(self.args, self.spec).hf_mtp_layers:
+                why = (f"the checkpoint carries {num_mtp_loaded} (DeepSeek-V3's "
+                       f"num_nextn_predict_layers, model.layers.{self.config.num_layers} on); "
+                       f"HF export writes all {self.mtp_num_layers}")  # fmt: skip
+            else:
+                why = ("this family's HF format has no MTP names (DeepSeek-V3's has), so HF "
+                       "export leaves them out")  # fmt: skip
             logger.warning(
-                "role %s: the %d MTP layers (--mtp-num-layers) start freshly initialised (seed "
-                "%d): models.name_map maps no HF MTP names, so a checkpoint's MTP layers "
-                "(DeepSeek-V3's model.layers.%d and up) are not imported, and HF export leaves "
-                "the trained ones out; the role's Megatron checkpoints keep them", self.role,
-                self.mtp_num_layers, self.seed, self.config.num_layers,
+                "role %s: MTP layers %d to %d of the %d (--mtp-num-layers) start freshly "
+                "initialised (seed %d): %s; the role's Megatron checkpoints keep them", self.role,
+                num_mtp_loaded, self.mtp_num_layers - 1, self.mtp_num_layers, self.seed, why,
             )  # fmt: skip
         if self.optimizer is not None:
             # The optimizer keeps fp32 main params; refresh them from the loaded model params.

@@ -94,7 +94,9 @@ def _bridge_device(bridge: str, backend: str, on_cuda: bool, engine_tp: int = 1)
 
 def _train_key(groups, role, version: int, config: WeightSyncConfig) -> PlanKey:
     layout = groups.layout.grid("train")
-    dims = weights.model_dims(role.args, role.spec)
+    # No MTP layers (--mtp-num-layers): the engines run no speculative decoding, and their
+    # causal LM has no names for DeepSeek-V3's (model.layers.{num_layers + i})
+    dims = dataclasses.replace(weights.model_dims(role.args, role.spec), mtp_num_layers=0)
     param = next(role.chunks[0].parameters())
     dtype = str(param.dtype).removeprefix("torch.")
     engine_tp = groups.layout.engine_tp_size
@@ -103,8 +105,9 @@ def _train_key(groups, role, version: int, config: WeightSyncConfig) -> PlanKey:
 
 
 def _local_state(role, reshard: plan.ReshardPlan, rank: int) -> dict[str, torch.Tensor]:
-    # every model chunk's, `chunk_name`d; whole tensors under FSDP2 (every train rank is here)
-    local = weights.full_rank_state_dict(role.chunks)
+    # every model chunk's, `chunk_name`d, MTP layers left out (`_train_key`); whole tensors
+    # under FSDP2 (every train rank is here)
+    local = weights.full_rank_state_dict(role.chunks, mtp_num_layers=0)
     dims, pgc = reshard.dims, role.pgc
     e0 = 0
     if dims.num_experts:
@@ -332,7 +335,8 @@ def sync_weights(
         role = roles["logp"]
 
         def into_shards(reshard, key, counter):
-            dims, ranks = weights.model_dims(role.args, role.spec), weights.stage_ranks(role.pgc)
+            dims = dataclasses.replace(weights.model_dims(role.args, role.spec), mtp_num_layers=0)
+            ranks = weights.stage_ranks(role.pgc)
             dtype = buffers.torch_dtype(reshard.dtype)
             return ShardSink(role.chunks, dims, ranks, counter, dtype, groups.rank)
 

@@ -16,8 +16,9 @@ padded):
 - the same gradients and metric with tied embeddings and for a tiny DeepSeek-V3 (multi-latent
   attention and MoE in the MTP layers);
 - F = 0 gives the main parameters the gradients of the model without MTP, exactly;
-- HF export and weight sync's rank state dict leave the MTP layers out (no HF names), and a
-  Megatron checkpoint round trip restores them bit for bit;
+- HF export and weight sync's rank state dict leave the MTP layers out (a Llama's have no HF
+  names; DeepSeek-V3's: `test_mtp_hf.py`), and a Megatron checkpoint round trip restores them
+  bit for bit;
 - from the one-rank role's Megatron checkpoint, TP = 2 and DP = 2 give its MTP loss and
   weights after the step within 1e-6 (sequence parallelism needs Transformer Engine's norms:
   not on CPU).

@@ -7,8 +7,9 @@ every bad value is a ConfigError naming the flag, its value and the rule; the lo
 accept the flag with a warning (they leave the MTP layers out), also through a recipe, the
 factor alone is ignored with a warning, and a scalar head still refuses MTP when built. The MTP
 targets are the tokens k + 2 ahead, counted on real tokens only, and the name map's rank state
-dict (HF loading, export, weight sync) leaves MTP tensors out. Pure: no process group; the
-module with `mtp.*` children is a plain torch stand-in.
+dict leaves MTP tensors out but the layers HF loading and export name (DeepSeek-V3's only: other
+families' MTP names are errors there, and tiny models of them have none). Pure: no process
+group; the module with `mtp.*` children is a plain torch stand-in.
 """
 
 from __future__ import annotations
@@ -121,6 +122,38 @@ def test_rank_state_dict_leaves_mtp_tensors_out():
     assert list(name_map.rank_state_dict([model, model])) == [
         "model0.decoder.weight", "model1.decoder.weight"
     ]  # fmt: skip
+    # the MTP layers below `mtp_num_layers` (those with HF names) for HF load and export
+    model.mtp = torch.nn.Module()
+    model.mtp.layers = torch.nn.ModuleList([torch.nn.Linear(4, 2, bias=False)] * 2)
+    assert list(name_map.rank_state_dict(model, 1)) == ["decoder.weight", "mtp.layers.0.weight"]
+    assert list(name_map.rank_state_dict(model, 0)) == ["decoder.weight"]
+
+
+def test_mtp_layers_have_hf_names_in_deepseek_v3_format_only(tmp_path):
+    import dataclasses
+
+    from megatron_async_rl.models import name_map as nm
+    from megatron_async_rl.models.tiny import write_tiny_model
+
+    dims = nm.ModelDims(
+        num_layers=2, hidden_size=8, num_attention_heads=2, num_query_groups=2, head_dim=4,
+        ffn_hidden_size=16, vocab_size=32, tied_embeddings=False, add_qkv_bias=False,
+        qk_layernorm=False, mtp_num_layers=1,
+    )  # fmt: skip
+    assert dims.hf_mtp_layers == 0
+    assert not any(n.startswith("mtp.") for n in nm.stage_param_names(dims))
+    with pytest.raises(ValueError, match=r"MTP layer 0 has no HF name \(hf_mtp_layers=0"):
+        nm.shard_spec("mtp.layers.0.eh_proj.weight", dims)
+    mla = dataclasses.replace(dims, mla=nm.MLADims(None, 4, 4, 2, 4))
+    assert nm.hf_names_for("mtp.layers.0.final_layernorm.weight", mla) == (
+        "model.layers.2.shared_head.norm.weight",)  # fmt: skip
+    assert nm.shard_spec("mtp.layers.0.eh_proj.weight", mla).partition_dim == 0
+    with pytest.raises(ValueError, match="unknown Megatron parameter 'mtp.layers.0.bogus'"):
+        nm.shard_spec("mtp.layers.0.bogus", mla)
+    with pytest.raises(ValueError, match="mtp_num_layers=-1 must be >= 0"):
+        dataclasses.replace(dims, mtp_num_layers=-1)
+    with pytest.raises(ValueError, match="num_mtp_layers=1: only deepseek_v3 names MTP layers"):
+        write_tiny_model(tmp_path, "llama", num_mtp_layers=1)
 
 
 def test_a_recipe_builds_mtp_for_the_train_role_only(caplog):
