@@ -74,16 +74,18 @@ class MTPLossLog:
 
         return loss
 
-    def metrics(self, dp_group, device) -> dict[str, float]:
+    def metrics(self, dp_group, device, pp_group=None) -> dict[str, float]:
         """`actor/mtp_loss` (and per layer with several), averaged over the micro-batches that
-        counted tokens and over the data-parallel ranks (collective over `dp_group`; `device`:
-        where its backend reduces)."""
+        counted tokens and over the data-parallel ranks (collective over `dp_group`, then over
+        `pp_group` where given: the last stage's losses, the others' none, so that every rank
+        of the role reports the same; `device`: where their backend reduces)."""
         totals = torch.zeros(self.num_layers, 2, dtype=torch.float64, device=device)
         for k, records in enumerate(self.means):
             if records:
                 totals[k] = torch.stack(records).to(device).sum(dim=0)
-        if dist.get_world_size(dp_group) > 1:
-            dist.all_reduce(totals, group=dp_group)
+        for group in (dp_group, pp_group):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(totals, group=group)
         per_layer = (totals[:, 0] / totals[:, 1].clamp(min=1)).tolist()
         out = {"actor/mtp_loss": sum(per_layer) / len(per_layer)}
         if len(per_layer) > 1:

@@ -19,8 +19,16 @@ Defects, each an AssertionError or None-group error at build or first forward wi
   own TP group to that gather (and to the sequence-parallel scatter after it).
 - `MultiTokenPredictionLayer` asks `get_transformer_layer_offset(config, vp_stage)` without a
   pipeline rank, and `get_mtp_num_layers_to_build` asks the global state whether this is the
-  last stage. MTP is built here only with pipeline size 1 (`config.megatron_rules`), where the
-  offset is 0 and the one stage is the last: both are answered without the global state then.
+  last stage. Both are answered from the role's pipeline group (the collection of
+  `process_groups`): the MTP layers are built on its last stage. Virtual stages and a custom
+  layout are refused with MTP (`config.megatron_rules`).
+With pipeline size > 1 the last stage also holds a copy of the word embedding (the MTP layers
+embed the shifted tokens); megatron-core ties it to the first stage's through the collection's
+`embd` group (`setup_embeddings_and_output_layer`, and `finalize_model_grads` all-reduces the
+two copies' gradients), as for a tied output layer: no global state read there. With tied
+embeddings that stage also allocates an output-layer weight it never uses, whose sharded state
+dict megatron-core asserts absent: it is checkpointed as a replica of the first stage's
+embedding (`_install_tied_state_dict`).
 
 Behaviour. megatron-core's `GPTModel._postprocess` computes the MTP loss only from `labels`
 (and crashes without them), logs it through the global data-parallel group, and returns the
@@ -101,11 +109,11 @@ def install() -> None:
 
     @functools.wraps(count)
     def layers_to_build(config, vp_stage=None, pp_rank=None):
-        if config.pipeline_model_parallel_layout is None and (
-            config.pipeline_model_parallel_size == 1
-        ):
-            return config.mtp_num_layers or 0  # one stage: it is the last
-        return count(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        stage = _pipeline_stage(config, pp_rank)
+        if stage is None:
+            return count(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        rank, size = stage
+        return (config.mtp_num_layers or 0) if rank == size - 1 else 0  # the last stage's
 
     for module in (mtp, gpt_layer_specs):
         if getattr(module, "get_mtp_num_layers_to_build", None) is count:
@@ -115,14 +123,69 @@ def install() -> None:
 
     @functools.wraps(offset)
     def layer_offset(config, vp_stage=None, pp_rank=None):
-        if pp_rank is None and config.pipeline_model_parallel_size == 1:
-            pp_rank = 0  # one stage: the rank is 0 whatever the global state says
+        stage = _pipeline_stage(config, pp_rank)
+        if pp_rank is None and stage is not None:
+            pp_rank = stage[0]  # the role's rank, not the global state's
         return offset(config, vp_stage, pp_rank)
 
     mtp.get_transformer_layer_offset = layer_offset
     for name in ("gather_from_tensor_model_parallel_region", "scatter_to_sequence_parallel_region"):
         setattr(mtp, name, _group_defaults_to_layer_tp(getattr(mtp, name)))
     _install_postprocess(gpt_model.GPTModel)
+    _install_tied_state_dict(gpt_model.GPTModel)
+
+
+def _install_tied_state_dict(gpt_model_cls) -> None:
+    """With tied embeddings, the MTP stage (pipeline size > 1) of megatron-core 0.16.1 still
+    allocates the output layer's weight (`skip_weight_param_allocation` is `pre_process` and
+    tied) but computes its logits with its copy of the embedding, and its sharded state dict
+    asserts that weight absent (the optimizer's then misses it). The unused weight is
+    checkpointed as megatron-core does for a tied last stage without MTP: a replica of the
+    first stage's embedding, never saved, loaded equal to it (as HF loading fills it)."""
+    from megatron.core.utils import get_pg_rank, make_tp_sharded_tensor_for_checkpoint
+
+    original = gpt_model_cls.tie_embeddings_and_output_weights_state_dict
+
+    @functools.wraps(original)
+    def tie(self, sharded_state_dict, output_layer_weight_key, first_stage_word_emb_key,
+            metadata=None):  # fmt: skip
+        if not (getattr(self, "mtp_process", False) and self.post_process
+                and not self.pre_process):  # fmt: skip
+            return original(self, sharded_state_dict, output_layer_weight_key,
+                            first_stage_word_emb_key, metadata or {})  # fmt: skip
+        dp_cp_group = metadata["dp_cp_group"]
+        sharded_state_dict[output_layer_weight_key] = make_tp_sharded_tensor_for_checkpoint(
+            tensor=self.output_layer.weight,
+            key=first_stage_word_emb_key,
+            replica_id=(2, 0, get_pg_rank(dp_cp_group)),  # (1, ...) is the MTP stage's copy
+            allow_shape_mismatch=True,
+            tp_group=self.tp_group,
+            dp_cp_group=dp_cp_group,
+        )
+
+    gpt_model_cls.tie_embeddings_and_output_weights_state_dict = tie
+
+
+def _pipeline_stage(config, pp_rank: int | None) -> tuple[int, int] | None:
+    """(pipeline rank, pipeline size) of the model being built, from `pp_rank` or the role's
+    collection (`process_groups`); None where megatron-core's own answer is kept (a custom
+    layout or virtual stages, refused with MTP by `config.megatron_rules`, or outside a
+    role's build with more than one stage)."""
+    if config.pipeline_model_parallel_layout is not None:
+        return None
+    size = config.pipeline_model_parallel_size
+    if size == 1:
+        return 0, 1  # one stage: it is the first and the last whatever the global state says
+    if config.virtual_pipeline_model_parallel_size:
+        return None
+    pgc = _GROUPS.get()
+    if pp_rank is None and pgc is None:
+        return None
+    import torch.distributed as dist
+
+    if pgc is not None:
+        assert pgc.pp.size() == size, (pgc.pp.size(), size)
+    return (dist.get_rank(pgc.pp) if pp_rank is None else pp_rank), size
 
 
 def _group_defaults_to_layer_tp(fn):

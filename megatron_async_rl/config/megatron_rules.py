@@ -209,8 +209,10 @@ _MTP = "--mtp-num-layers"
 
 
 def _mtp_rules(a: dict[str, Any], role: str | None) -> tuple:
-    """Where multi-token prediction is built here: the actor (train role) with one pipeline
-    stage and no context parallelism (`compat.megatron_mtp`), under DDP or torch FSDP2
+    """Where multi-token prediction is built here: the actor (train role), its MTP layers on
+    the last pipeline stage (any pipeline size, with a copy of the word embedding there tied to
+    the first stage's: `compat.megatron_mtp`), without virtual pipeline stages, a custom
+    pipeline layout or context parallelism, under DDP or torch FSDP2
     (`tests/distributed/test_mtp_fsdp2.py`); the logp and ref roles leave the MTP layers out
     (they compute the main head's log-probs only)."""
     num, factor = a.get("mtp_num_layers"), a.get("mtp_loss_scaling_factor")
@@ -223,6 +225,14 @@ def _mtp_rules(a: dict[str, Any], role: str | None) -> tuple:
                   "head's, and only the train role builds and trains the MTP layers")  # fmt: skip
         return ()
     with_mtp = f"with {_MTP} = {num} (multi-token prediction)"
+    vp_flag, vp_value = next(
+        ((flag, a.get(key)) for flag, key in (
+            (_VP_STAGES, "num_virtual_stages_per_pipeline_rank"),
+            (_VP_LAYERS, "num_layers_per_virtual_pipeline_stage"),
+            ("--virtual-pipeline-model-parallel-size", "virtual_pipeline_model_parallel_size"),
+        ) if a.get(key) is not None),
+        (None, None),
+    )  # fmt: skip
     return (
         (num < 1, _MTP, num, "must be >= 1", "drop the flag for no MTP layers"),
         (role in ("critic", "reward_model"), _MTP, num,
@@ -230,15 +240,20 @@ def _mtp_rules(a: dict[str, Any], role: str | None) -> tuple:
          "replaces it", "set it in roles.train.megatron: only"),
         (factor is None or factor < 0, "--mtp-loss-scaling-factor", factor, "must be >= 0",
          None),
-        (a["pipeline_model_parallel_size"] > 1, "--pipeline-model-parallel-size",
-         a["pipeline_model_parallel_size"],
-         f"must be 1 {with_mtp}: the MTP layers are built here on a role of one pipeline "
-         "stage only (megatron-core 0.16.1 places them by its global parallel state)",
-         f"use 1, or drop {_MTP}"),
+        (vp_flag is not None, vp_flag, vp_value,
+         f"is not supported {with_mtp}: the MTP layers are built here on the last stage's "
+         "only model chunk (megatron-core 0.16.1 places them in the last virtual stage)",
+         f"drop it (pipeline stages without virtual ones work), or drop {_MTP}"),
+        (a["pipeline_model_parallel_size"] > 1
+         and a["position_embedding_type"] == "learned_absolute" and a["add_position_embedding"],
+         "--position-embedding-type", "learned_absolute",
+         f"is not supported {with_mtp} and --pipeline-model-parallel-size > 1: the last "
+         "stage's copy of the position embedding (the MTP layers') is not tied to the first "
+         "stage's", "use rope, or --pipeline-model-parallel-size 1"),
         (a.get("pipeline_model_parallel_layout") is not None,
          "--pipeline-model-parallel-layout", a.get("pipeline_model_parallel_layout"),
-         f"is not supported {with_mtp} (one pipeline stage holds the MTP layers here)",
-         "drop it"),
+         f"is not supported {with_mtp} (the MTP layers are placed on the last pipeline stage "
+         "here, not by a layout)", "drop it"),
         (a["context_parallel_size"] > 1, "--context-parallel-size", a["context_parallel_size"],
          f"must be 1 {with_mtp}: the MTP targets are shifted within this rank's sequence",
          f"use 1, or drop {_MTP}"),

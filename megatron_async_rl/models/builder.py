@@ -162,8 +162,8 @@ def layer_spec(config, spec: ModelSpec, pp_rank: int = 0, vp_stage: int | None =
 def mtp_block_spec(config, spec: ModelSpec, decoder_spec, pp_rank: int, vp_stage: int | None):
     """megatron-core's multi-token-prediction block spec (--mtp-num-layers: the MTP layers
     repeat the decoder's last layer spec), built on the role's groups (`compat.megatron_mtp`);
-    None without MTP. `config.megatron_rules` allows MTP with one pipeline stage only, which
-    holds them all."""
+    None without MTP and on every pipeline stage but the last, which holds them all (without
+    virtual stages: `config.megatron_rules`)."""
     if not config.mtp_num_layers:
         return None
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec

@@ -665,14 +665,31 @@ def rank_state_dict(chunks, mtp_num_layers: int = 0) -> dict[str, Tensor]:
     layers with HF names (`ModelDims.hf_mtp_layers`, fewer when a checkpoint lacks some), the
     others leave them as initialised (HF load) or out (export); weight sync passes none, the
     engines run no speculative decoding. All are trained, and saved and restored with the
-    role's Megatron checkpoints (`checkpoint.megatron_state`, from the sharded state dicts)."""
+    role's Megatron checkpoints (`checkpoint.megatron_state`, from the sharded state dicts).
+    Left out too: the copy of the word embedding that the MTP layers' stage holds with
+    pipeline stages (`mtp_embedding_copy`: the first stage's tensor, tied to it by
+    megatron-core)."""
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     return {
         chunk_name(k, v, len(chunks)): t
         for v, chunk in enumerate(chunks)
         for k, t in chunk.state_dict().items()
-        if not k.endswith("._extra_state") and _kept(k, mtp_num_layers)
+        if not k.endswith("._extra_state")
+        and _kept(k, mtp_num_layers)
+        and not (k == EMBEDDING and mtp_embedding_copy(chunk) is not None)
     }
+
+
+EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def mtp_embedding_copy(chunk) -> Tensor | None:
+    """The copy of the word embedding a model chunk holds for its MTP layers on a stage other
+    than the first (megatron-core's `GPTModel` with `mtp_process` and not `pre_process`, tied to
+    the first stage's through the `embd` group), else None."""
+    if getattr(chunk, "mtp_process", False) and not getattr(chunk, "pre_process", True):
+        return chunk.embedding.word_embeddings.weight
+    return None
 
 
 def _kept(name: str, mtp_num_layers: int) -> bool:

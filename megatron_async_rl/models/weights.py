@@ -8,6 +8,8 @@ head (`spec.head`, `models.heads`) loads and exports it as HF `score.*`; loading
 without one (a policy's, into a critic) initialises it (`head_init_std`). Multi-token-prediction
 layers (--mtp-num-layers) load and export where the HF format names them (DeepSeek-V3's:
 `name_map`, `ModelDims.hf_mtp_layers`); weight sync leaves them out (`weight_sync.broadcast`).
+With pipeline stages their stage's copy of the word embedding loads from the HF embedding and
+is neither exported nor synced (the first stage's is).
 
 The gather here is the simple, whole-model one (every tensor through the role's first rank); the
 planned, bucketed, bounded-memory reshard for weight sync lives in `weight_sync/`.
@@ -81,7 +83,24 @@ def load_hf_into_megatron(
     ranks = stage_ranks(pgc)
     local = name_map.stage_state_dict_from_hf(read, dims, reader.read_range, **ranks)
     _copy_into(chunks, local, path, dims.hf_mtp_layers)
+    _fill_mtp_embedding_copies(chunks, dims, reader, ranks)
     return reader.bytes_read, dims.hf_mtp_layers
+
+
+def _fill_mtp_embedding_copies(chunks, dims: name_map.ModelDims, reader, ranks: dict) -> None:
+    """The MTP stage's copies of the word embedding (`name_map.mtp_embedding_copy`, pipeline
+    stages only) get this rank's slice of the checkpoint's embedding: equal to the first
+    stage's, as megatron-core keeps them (its all-reduce of their gradients)."""
+    for chunk in chunks if isinstance(chunks, (list, tuple)) else [chunks]:
+        target = name_map.mtp_embedding_copy(chunk)
+        if target is None:
+            continue
+        name = name_map.EMBEDDING
+        entry = name_map.StageEntry(
+            name, name, name_map.shard_spec(name, dims), ranks["tp_rank"], ranks["tp_size"]
+        )
+        source = name_map.build_shard(entry, dims, reader.read, reader.read_range)
+        torch_fsdp2.copy_full_into(target, source)
 
 
 @torch.no_grad()

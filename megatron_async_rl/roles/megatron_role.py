@@ -533,7 +533,7 @@ class MegatronRole:
             )  # fmt: skip
             metrics.update({f"actor/{key}": value for key, value in aux.items()})
         if mtp_log is not None:
-            metrics.update(mtp_log.metrics(self.pgc.dp, self.device))
+            metrics.update(mtp_log.metrics(self.pgc.dp, self.device, pp_group=self.pgc.pp))
         return metrics
 
     def _mtp_log(self, micro_batches: list[dict]) -> mtp.MTPLossLog | None:

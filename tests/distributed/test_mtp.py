@@ -19,9 +19,11 @@ padded):
 - HF export and weight sync's rank state dict leave the MTP layers out (a Llama's have no HF
   names; DeepSeek-V3's: `test_mtp_hf.py`), and a Megatron checkpoint round trip restores them
   bit for bit;
-- from the one-rank role's Megatron checkpoint, TP = 2 and DP = 2 give its MTP loss and
-  weights after the step within 1e-6 (sequence parallelism needs Transformer Engine's norms:
-  not on CPU).
+- from the one-rank role's Megatron checkpoint, TP = 2, DP = 2 and PP = 2 give its MTP loss
+  (on every rank) and weights after the step within 1e-6 (sequence parallelism needs
+  Transformer Engine's norms: not on CPU); at PP = 2 the MTP stage's copy of the embedding
+  stays equal to the first stage's, a PP = 2 checkpoint (tied or untied embeddings) resumes
+  bit for bit at PP = 2 and within 1e-6 on one rank, and weight sync does not send the copy.
 """
 
 from __future__ import annotations
@@ -287,6 +289,7 @@ def test_checkpoint_round_trip_restores_mtp_layers(result):
 LAYOUTS = {
     "tp2": (2, {"tensor_model_parallel_size": 2}),
     "dp2": (2, {}),
+    "pp2": (2, {"pipeline_model_parallel_size": 2}),  # the MTP layers on the second stage
 }
 
 
@@ -322,14 +325,43 @@ def _layout_worker(rank, world_size, tmp_dir, path, parallel, ckpt):
     if torch.distributed.get_world_size(role.pgc.dp) > 1:
         micro = micro[dp_rank : dp_rank + 1]
     metrics, _, _ = _step(role, micro, total)
-    return {"metrics": metrics, "weights": role.gather_hf_state_dict()}
+    return {"metrics": metrics, "weights": role.gather_hf_state_dict(),
+            "embeddings": _embedding_copies(role), "sync": _sync_names(role)}  # fmt: skip
+
+
+def _sync_names(role) -> tuple[list, list]:
+    """(the names weight sync plans for this rank, MTP left out; those it sends)."""
+    import dataclasses
+
+    from megatron_async_rl.models import name_map, weights
+
+    dims = dataclasses.replace(weights.model_dims(role.args, role.spec), mtp_num_layers=0)
+    planned = name_map.stage_entries(dims, **weights.stage_ranks(role.pgc))
+    sent = weights.full_rank_state_dict(role.chunks, mtp_num_layers=0)
+    return sorted(e.local for e in planned), sorted(sent)
+
+
+def _embedding_copies(role) -> list:
+    """Every pipeline stage's word embedding, on each rank (pipeline-collective): the first
+    stage's, and the MTP stage's copy where it has one."""
+    from megatron_async_rl.models import name_map
+
+    chunk = role.chunks[0]
+    own = name_map.mtp_embedding_copy(chunk)
+    if own is None and chunk.pre_process:
+        own = chunk.embedding.word_embeddings.weight
+    copies = [None] * torch.distributed.get_world_size(role.pgc.pp)
+    torch.distributed.all_gather_object(
+        copies, None if own is None else own.detach().clone(), group=role.pgc.pp
+    )
+    return [c for c in copies if c is not None]
 
 
 def test_layouts_agree(tiny_model, tmp_path):
-    """TP = 2 and DP = 2, from the one-rank role's
-    Megatron checkpoint after a step, train the MTP layers as one rank does: the same
-    `actor/mtp_loss` and, after their step, the same main weights (which the MTP loss moves
-    too) within 1e-6."""
+    """TP = 2, DP = 2 and PP = 2 (the MTP layers and a copy of the embedding on the second
+    stage), from the one-rank role's Megatron checkpoint after a step, train the MTP layers as
+    one rank does: the same `actor/mtp_loss` on every rank and, after their step, the same main
+    weights (which the MTP loss moves too) within 1e-6, the two embeddings equal."""
     path = str(tiny_model("llama"))
     (tmp_path / "tp1").mkdir()
     one_rank = spawn(_layout_worker, 1, tmp_path / "tp1", path, {}, None)[0]
@@ -340,7 +372,39 @@ def test_layouts_agree(tiny_model, tmp_path):
         for got in results:
             assert got["metrics"]["actor/mtp_loss"] == pytest.approx(
                 one_rank["metrics"]["actor/mtp_loss"], abs=1e-6), name  # fmt: skip
+        for got in results:  # the MTP stage's copy of the embedding stays the first stage's
+            assert all(torch.equal(c, got["embeddings"][0]) for c in got["embeddings"]), name
+            assert len(got["embeddings"]) == (2 if name == "pp2" else 1), name
         weights = next(r["weights"] for r in results if r["weights"] is not None)
         for key, tensor in one_rank["weights"].items():
             diff = (weights[key] - tensor).abs().max().item()
             assert diff <= 1e-6, f"{name} {key}: max abs diff {diff} vs one rank"
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_pipeline_checkpoint_round_trip(tied, tiny_model, tmp_path):
+    """A PP = 2 role's Megatron checkpoint (the MTP stage's copy of the embedding and its MTP
+    layers in it) resumes bit for bit at PP = 2, and one rank resumes it as PP = 2 goes on
+    (1e-6); with tied embeddings the copy is the MTP layers' LM head too. Weight sync's plan
+    for each stage is what the stage sends: the copy is not sent."""
+    path = str(tiny_model("llama", tie_word_embeddings=tied))
+    pp2 = {"pipeline_model_parallel_size": 2}
+    for name in ("first", "resumed", "one_rank"):
+        (tmp_path / name).mkdir()
+    first = spawn(_layout_worker, 2, tmp_path / "first", path, pp2, None)
+    saved = str(tmp_path / "first" / "saved")
+    resumed = spawn(_layout_worker, 2, tmp_path / "resumed", path, pp2, saved)
+    one_rank = spawn(_layout_worker, 1, tmp_path / "one_rank", path, {}, saved)[0]
+    for got, want in zip(resumed, first, strict=True):
+        assert got["metrics"]["actor/mtp_loss"] == want["metrics"]["actor/mtp_loss"]
+        assert got["metrics"]["actor/mtp_loss"] == pytest.approx(
+            one_rank["metrics"]["actor/mtp_loss"], abs=1e-6)  # fmt: skip
+        assert len(got["embeddings"]) == 2 and torch.equal(*got["embeddings"])
+        planned, sent = got["sync"]  # weight sync sends the first stage's embedding only
+        assert planned == sent
+        assert ("embedding.word_embeddings.weight" in sent) == (got is resumed[0])
+    weights = resumed[0]["weights"]
+    for key, tensor in first[0]["weights"].items():
+        assert torch.equal(weights[key], tensor), key
+        diff = (one_rank["weights"][key] - tensor).abs().max().item()
+        assert diff <= 1e-6, f"{key}: max abs diff {diff} vs one rank"

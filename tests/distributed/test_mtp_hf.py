@@ -16,7 +16,10 @@ manager, given a stand-in role), on a tiny DeepSeek-V3 written with one MTP laye
 - with --mtp-num-layers 2 the checkpoint's one MTP layer loads, the second starts fresh with a
   warning naming it, and export writes both (and num_nextn_predict_layers 2);
 - a Llama model with --mtp-num-layers still warns that its MTP layers start fresh and exports
-  none.
+  none;
+- at PP = 2 (the MTP layer and a copy of the embedding on the second stage) the round trip is
+  byte for byte too, the copy loads equal to the embedding and stays so, and two train steps
+  give one stage's `actor/mtp_loss` on both ranks and its weights within 1e-6.
 """
 
 from __future__ import annotations
@@ -193,7 +196,8 @@ def _checkpoint(path: str) -> dict:
 
 @pytest.mark.parametrize("world, parallel", [
     (1, {}), (2, {"tensor_model_parallel_size": 2}), (2, {"expert_model_parallel_size": 2}),
-], ids=["tp1", "tp2", "ep2"])  # fmt: skip
+    (2, {"pipeline_model_parallel_size": 2}),
+], ids=["tp1", "tp2", "ep2", "pp2"])  # fmt: skip
 def test_hf_megatron_hf_round_trip_is_exact(world, parallel, deepseek, tmp_path):
     results = spawn(_round_trip_worker, world, tmp_path, deepseek, parallel)
     exported = results[0]["exported"]
@@ -264,3 +268,42 @@ def test_llama_mtp_layers_have_no_hf_names(one_rank):
     assert "no MTP names" in warning
     assert "model.layers.1.mlp.down_proj.weight" in one_rank["llama_exported"]
     assert not any(n.startswith("model.layers.2.") for n in one_rank["llama_exported"])
+
+
+def _train_worker(rank, world_size, tmp_dir, path, parallel):
+    """Two train steps from the HF checkpoint: each step's metrics, then the HF export and
+    every stage's word embedding (the MTP stage's copy included, `test_mtp._embedding_copies`)
+    after them, and after loading."""
+    from tests.distributed.test_mtp import _embedding_copies, _micro_batches, _step
+
+    role, _, _ = _role(path, world_size, parallel, {**MTP, "lr": 1e-3})
+    loaded = _embedding_copies(role)
+    micro = _micro_batches()
+    steps = [
+        _step(role, micro)[0],
+        _step(role, [{**mb, "tokens": mb["tokens"].roll(1, dims=1)} for mb in micro])[0],
+    ]
+    return {"steps": steps, "weights": role.gather_hf_state_dict(), "loaded": loaded,
+            "embeddings": _embedding_copies(role)}  # fmt: skip
+
+
+def test_pipeline_stages_train_as_one_stage(deepseek, tmp_path):
+    """pp = 2 (the MTP layer and a copy of the embedding on the second stage) from the HF
+    checkpoint: the copy loads equal to the first stage's embedding, two steps give one
+    stage's `actor/mtp_loss` on both ranks and its weights (1e-6), and the copy stays equal."""
+    (tmp_path / "pp1").mkdir()
+    (tmp_path / "pp2").mkdir()
+    one = spawn(_train_worker, 1, tmp_path / "pp1", deepseek, {})[0]
+    two = spawn(_train_worker, 2, tmp_path / "pp2", deepseek,
+                {"pipeline_model_parallel_size": 2})  # fmt: skip
+    for got in two:
+        for key in ("loaded", "embeddings"):
+            assert len(got[key]) == 2 and torch.equal(got[key][0], got[key][1]), key
+        for step, want in zip(got["steps"], one["steps"], strict=True):
+            assert step["actor/mtp_loss"] == pytest.approx(want["actor/mtp_loss"], abs=1e-6)
+    assert two[1]["weights"] is None
+    weights = two[0]["weights"]
+    assert sorted(weights) == sorted(one["weights"])
+    for key, tensor in one["weights"].items():
+        diff = (weights[key] - tensor).abs().max().item()
+        assert diff <= 1e-6, f"{key}: max abs diff {diff} vs one stage"

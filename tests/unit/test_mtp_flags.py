@@ -1,8 +1,9 @@
 """--mtp-num-layers and --mtp-loss-scaling-factor: applied, and where they are refused.
 
 Contract: both flags parse to their dests, are classified applied and reach megatron-core's
-TransformerConfig kwargs; --mtp-standalone is ignored with its reason. Every layout MTP is not
-built for (pipeline stages, a pipeline layout, context parallelism, a scalar-head role) and
+TransformerConfig kwargs; --mtp-standalone is ignored with its reason. Pipeline stages are
+accepted; every layout MTP is not built for (virtual pipeline stages, a pipeline layout, context
+parallelism, a scalar-head role) and
 every bad value is a ConfigError naming the flag, its value and the rule; the logp and ref roles
 accept the flag with a warning (they leave the MTP layers out), also through a recipe, the
 factor alone is ignored with a warning, and a scalar head still refuses MTP when built. The MTP
@@ -54,10 +55,14 @@ def test_mtp_standalone_is_ignored_with_its_reason():
 @pytest.mark.parametrize(
     "extra, role, match",
     [
-        ({"pipeline_model_parallel_size": 2}, "train", r"--pipeline-model-parallel-size = 2: "
-         r"must be 1 with --mtp-num-layers = 2 \(multi-token prediction\).*hint: use 1"),
         ({"pipeline_model_parallel_size": 2, "num_virtual_stages_per_pipeline_rank": 2,
-          "num_layers": 4}, "train", r"--pipeline-model-parallel-size = 2: must be 1"),
+          "num_layers": 4}, "train", r"--num-virtual-stages-per-pipeline-rank = 2: is not "
+         r"supported with --mtp-num-layers = 2 \(multi-token prediction\).*hint: drop it"),
+        ({"pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1},
+         "train", r"--num-layers-per-virtual-pipeline-stage = 1: is not supported with --mtp"),
+        ({"pipeline_model_parallel_size": 2, "position_embedding_type": "learned_absolute"},
+         "train", r"--position-embedding-type = 'learned_absolute': is not supported with "
+         r"--mtp-num-layers = 2 \(multi-token prediction\) and --pipeline-model-parallel-size"),
         ({"pipeline_model_parallel_layout": "Et*2L"}, "train",
          r"--pipeline-model-parallel-layout = 'Et\*2L': is not supported with --mtp-num-layers"),
         ({"context_parallel_size": 2}, "train", r"--context-parallel-size = 2: must be 1 with "
@@ -72,6 +77,12 @@ def test_mtp_standalone_is_ignored_with_its_reason():
 def test_layouts_without_mtp_are_refused(extra, role, match):
     with pytest.raises(ConfigError, match=match):
         megatron_rules.check_args(_args(**extra), role)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_pipeline_stages_are_accepted(pp):
+    args = _args(pipeline_model_parallel_size=pp, num_layers=4, position_embedding_type="rope")
+    megatron_rules.check_args(args, "train")
 
 
 @pytest.mark.parametrize("role", ["logp", "ref"])
@@ -163,13 +174,14 @@ def test_a_recipe_builds_mtp_for_the_train_role_only(caplog):
     mf.warn_once.cache_clear()
     tree = {
         "roles": {"groups": [{"roles": ["train", "logp", "ref"], "num_ranks": 1}]},
-        "megatron": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "megatron": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
                      "vocab_size": 128, "lr": 1e-5},
     }  # fmt: skip
     cfg = build_config(tree, FLAGS)
     assert cfg.role_megatron_args["train"]["mtp_num_layers"] == 2
     assert "--mtp-num-layers 2 is ignored for the logp role" in caplog.text
     assert "--mtp-num-layers 2 is ignored for the ref role" in caplog.text
-    with pytest.raises(ConfigError, match=r"--pipeline-model-parallel-size = 2: must be 1 with "
-                       r"--mtp-num-layers = 2.*resolved for role train"):  # fmt: skip
-        build_config(tree, [*FLAGS, "--pipeline-model-parallel-size", "2"])
+    vp = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
+    match = r"--num-virtual-stages-per-pipeline-rank = 2: is not supported with --mtp-num-layers"
+    with pytest.raises(ConfigError, match=match + r" = 2.*resolved for role train"):
+        build_config(tree, [*FLAGS, *vp])
