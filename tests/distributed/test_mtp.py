@@ -290,6 +290,7 @@ LAYOUTS = {
     "tp2": (2, {"tensor_model_parallel_size": 2}),
     "dp2": (2, {}),
     "pp2": (2, {"pipeline_model_parallel_size": 2}),  # the MTP layers on the second stage
+    "tp2pp2": (4, {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}),
 }
 
 
@@ -358,10 +359,11 @@ def _embedding_copies(role) -> list:
 
 
 def test_layouts_agree(tiny_model, tmp_path):
-    """TP = 2, DP = 2 and PP = 2 (the MTP layers and a copy of the embedding on the second
-    stage), from the one-rank role's Megatron checkpoint after a step, train the MTP layers as
-    one rank does: the same `actor/mtp_loss` on every rank and, after their step, the same main
-    weights (which the MTP loss moves too) within 1e-6, the two embeddings equal."""
+    """TP = 2, DP = 2, PP = 2 (the MTP layers and a copy of the embedding on the second
+    stage) and TP = 2 x PP = 2, from the one-rank role's Megatron checkpoint after a step, train
+    the MTP layers as one rank does: the same `actor/mtp_loss` on every rank and, after their
+    step, the same main weights (which the MTP loss moves too) within 1e-6, the two embeddings
+    equal."""
     path = str(tiny_model("llama"))
     (tmp_path / "tp1").mkdir()
     one_rank = spawn(_layout_worker, 1, tmp_path / "tp1", path, {}, None)[0]
@@ -374,7 +376,7 @@ def test_layouts_agree(tiny_model, tmp_path):
                 one_rank["metrics"]["actor/mtp_loss"], abs=1e-6), name  # fmt: skip
         for got in results:  # the MTP stage's copy of the embedding stays the first stage's
             assert all(torch.equal(c, got["embeddings"][0]) for c in got["embeddings"]), name
-            assert len(got["embeddings"]) == (2 if name == "pp2" else 1), name
+            assert len(got["embeddings"]) == (2 if name.endswith("pp2") else 1), name
         weights = next(r["weights"] for r in results if r["weights"] is not None)
         for key, tensor in one_rank["weights"].items():
             diff = (weights[key] - tensor).abs().max().item()
