@@ -55,6 +55,20 @@ class MTPLossLog:
         """Per layer, each micro-batch's [mean cross-entropy over its counted tokens, 1], or
         [0, 0] for a micro-batch that counted none (detached; read once, in `metrics`)."""
 
+    @classmethod
+    def for_step(cls, role, micro_batches: list[dict]) -> MTPLossLog | None:
+        """The log of a train step of `role` (a `MegatronRole`) with --mtp-num-layers, else
+        None; its micro-batches must carry `padding` (the MTP targets are the real tokens)."""
+        if not role.mtp_num_layers:
+            return None
+        if any(mb.get("padding") is None for mb in micro_batches):
+            raise RuntimeError(
+                f"role {role.role} (global rank {dist.get_rank()}): --mtp-num-layers trains on "
+                "the real tokens, and a micro-batch has no `padding` (bool [b, T], True at pads)"
+            )
+        return cls(role.mtp_num_layers, tp_group=role.pgc.tp, vocab_size=role.spec.vocab_size,
+                   fp32=role.logprobs_in_fp32)  # fmt: skip
+
     def hook(self, tokens_bT: Tensor, padding_bT: Tensor) -> Callable:
         """The loss hook of one micro-batch (`compat.megatron_mtp.loss_hook`):
         (k, logits_sbv) -> (cross-entropy sum over the counted tokens, their count)."""

@@ -27,10 +27,10 @@ from megatron_async_rl.distributed import devices
 from megatron_async_rl.models import heads, hf_checkpoint, name_map, torch_fsdp2
 
 
-def model_dims(args: dict[str, Any], spec) -> name_map.ModelDims:
-    """`ModelDims` of a role's model, its MTP layers included (`spec` is a
-    `builder.ModelSpec`; with a head, its embeddings are untied whatever the flags say, as the
-    builder makes them)."""
+def model_dims(args: dict[str, Any], spec, *, mtp: bool = True) -> name_map.ModelDims:
+    """`ModelDims` of a role's model, its MTP layers included unless `mtp` is False (weight
+    sync's view: the engines run no speculative decoding; `spec` is a `builder.ModelSpec`; with
+    a head, its embeddings are untied whatever the flags say, as the builder makes them)."""
     merged = dict(args)
     merged.update(
         vocab_size=spec.vocab_size,
@@ -41,7 +41,8 @@ def model_dims(args: dict[str, Any], spec) -> name_map.ModelDims:
     if head is not None:
         merged["untie_embeddings_and_output_weights"] = True
     dims = name_map.ModelDims.from_megatron_args(merged)
-    return dataclasses.replace(dims, head=head, mtp_num_layers=int(args.get("mtp_num_layers") or 0))
+    mtp_num_layers = int(args.get("mtp_num_layers") or 0) if mtp else 0
+    return dataclasses.replace(dims, head=head, mtp_num_layers=mtp_num_layers)
 
 
 def stage_ranks(pgc) -> dict[str, int]:
@@ -110,7 +111,7 @@ def load_hf_state_dict_into_megatron(
     """Copy this rank's slice of every tensor of a full HF state dict into its model `chunks`
     (cut from the HF tensors directly: no whole-model conversion). Weight sync's (into the
     logp role): MTP layers are neither sent nor loaded."""
-    dims = dataclasses.replace(model_dims(args, spec), mtp_num_layers=0)
+    dims = model_dims(args, spec, mtp=False)
 
     def read_range(name: str, dim: int, start: int, stop: int):
         return hf_sd[name].narrow(dim, start, stop - start)

@@ -24,6 +24,10 @@ interleaved schedule with one data iterator per chunk over the same micro-batche
 Batch tensors: tokens_BT (int64, right-padded), logp_BT / entropy_BT for positions 1..T-1
 (column t is the log-prob of tokens[:, t + 1]); values_BT for positions 0..T-1 (column t is the
 value after tokens[:, :t + 1], so values_BT[:, :-1] lines up with logp_BT); scores_B.
+
+Size: just past 600 lines, one class: a role's build, load, forward passes and train step, which
+the MoE, MTP and scalar-head variants share; what each variant computes lives in its own module
+(`moe/`, `algorithms.mtp`, `models.heads`).
 """
 
 from __future__ import annotations
@@ -464,7 +468,7 @@ class MegatronRole:
         scale = float(num_micro * dist.get_world_size(self.pgc.dp))
         positions = _positions(mb_size, seq_len, micro_batches[0]["tokens"].device)
         tp_group, vocab_size = self.pgc.tp, self.spec.vocab_size
-        mtp_log = self._mtp_log(micro_batches)
+        mtp_log = mtp.MTPLossLog.for_step(self, micro_batches)
 
         routing = None
         if micro_batches[0].get("replay") is not None:  # replayed MoE routing (R3, R2)
@@ -535,21 +539,6 @@ class MegatronRole:
         if mtp_log is not None:
             metrics.update(mtp_log.metrics(self.pgc.dp, self.device, pp_group=self.pgc.pp))
         return metrics
-
-    def _mtp_log(self, micro_batches: list[dict]) -> mtp.MTPLossLog | None:
-        """The MTP losses of a train step of a model with --mtp-num-layers, else None; its
-        micro-batches must carry `padding` (the MTP targets are the real tokens)."""
-        if not self.mtp_num_layers:
-            return None
-        if any(mb.get("padding") is None for mb in micro_batches):
-            raise RuntimeError(
-                f"role {self.role} (global rank {dist.get_rank()}): --mtp-num-layers trains on "
-                "the real tokens, and a micro-batch has no `padding` (bool [b, T], True at pads)"
-            )
-        return mtp.MTPLossLog(
-            self.mtp_num_layers, tp_group=self.pgc.tp, vocab_size=self.spec.vocab_size,
-            fp32=self.logprobs_in_fp32,
-        )  # fmt: skip
 
 
 def _positions(batch: int, seq_len: int, device) -> torch.Tensor:

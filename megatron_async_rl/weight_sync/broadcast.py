@@ -96,7 +96,7 @@ def _train_key(groups, role, version: int, config: WeightSyncConfig) -> PlanKey:
     layout = groups.layout.grid("train")
     # No MTP layers (--mtp-num-layers): the engines run no speculative decoding, and their
     # causal LM has no names for DeepSeek-V3's (model.layers.{num_layers + i})
-    dims = dataclasses.replace(weights.model_dims(role.args, role.spec), mtp_num_layers=0)
+    dims = weights.model_dims(role.args, role.spec, mtp=False)
     param = next(role.chunks[0].parameters())
     dtype = str(param.dtype).removeprefix("torch.")
     engine_tp = groups.layout.engine_tp_size
@@ -335,7 +335,7 @@ def sync_weights(
         role = roles["logp"]
 
         def into_shards(reshard, key, counter):
-            dims = dataclasses.replace(weights.model_dims(role.args, role.spec), mtp_num_layers=0)
+            dims = weights.model_dims(role.args, role.spec, mtp=False)
             ranks = weights.stage_ranks(role.pgc)
             dtype = buffers.torch_dtype(reshard.dtype)
             return ShardSink(role.chunks, dims, ranks, counter, dtype, groups.rank)
