@@ -34,6 +34,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import spawn
+from tests.distributed.test_virtual_pipeline import _role as _one_window_role
 
 NUM_MTP, FACTOR = 2, 0.3
 
@@ -50,22 +51,8 @@ def _micro_batches() -> list[dict]:
 
 
 def _role(path: str, mtp: dict | None, name: str = "train"):
-    from megatron_async_rl.config.schema import RoleGroupSpec
-    from megatron_async_rl.distributed.groups import build_world_groups
-    from megatron_async_rl.distributed.layout import Parallelism, plan_layout
-    from megatron_async_rl.distributed.platform import detect_platform
-    from megatron_async_rl.roles.megatron_role import MegatronRole
-    from tests.distributed.test_hf_parity import _role_args
-
-    args = _role_args(path)
-    args.update(lr=1e-3, clip_grad=0.0, **(mtp or {}))
-    par = Parallelism.from_megatron_args(args)
-    layout = plan_layout(1, [RoleGroupSpec([name], num_ranks=1)], {name: par})
-    platform = detect_platform("cpu", "gloo")
-    groups = build_world_groups(layout, platform.backend)
-    role = MegatronRole(name, args, par, groups.roles[name], platform, seed=5)
-    role.load_hf_checkpoint(path)
-    return role
+    extra = {"lr": 1e-3, "clip_grad": 0.0, **(mtp or {})}
+    return _one_window_role(name, 1, path, {}, extra=extra)[0][name]
 
 
 def _rl_loss(logp, mask, total):
@@ -298,23 +285,10 @@ def _layout_worker(rank, world_size, tmp_dir, path, parallel, ckpt):
     """A train step from the Megatron checkpoint `ckpt` (None: one step, saved there, first):
     a fresh MTP layer's initialisation depends on the layout, a checkpoint does not."""
     from megatron_async_rl.checkpoint.megatron_state import load_train_state, save_train_state
-    from megatron_async_rl.config.schema import RoleGroupSpec
-    from megatron_async_rl.distributed.groups import build_world_groups
-    from megatron_async_rl.distributed.layout import Parallelism, plan_layout
-    from megatron_async_rl.distributed.platform import detect_platform
-    from megatron_async_rl.roles.megatron_role import MegatronRole
-    from tests.distributed.test_hf_parity import _role_args
 
-    args = _role_args(path, **parallel)
-    args.update(lr=1e-3, clip_grad=0.0, mtp_num_layers=NUM_MTP, mtp_loss_scaling_factor=FACTOR)
-    args.update(use_distributed_optimizer=True)
-    par = Parallelism.from_megatron_args(args)
-    layout = plan_layout(world_size, [RoleGroupSpec(["train"], num_ranks=world_size)],
-                         {"train": par})  # fmt: skip
-    platform = detect_platform("cpu", "gloo")
-    groups = build_world_groups(layout, platform.backend)
-    role = MegatronRole("train", args, par, groups.roles["train"], platform, seed=5)
-    role.load_hf_checkpoint(path)
+    extra = {"lr": 1e-3, "clip_grad": 0.0, "mtp_num_layers": NUM_MTP,
+             "mtp_loss_scaling_factor": FACTOR, "use_distributed_optimizer": True}  # fmt: skip
+    role = _one_window_role("train", world_size, path, parallel, extra=extra)[0]["train"]
     micro = _micro_batches()
     if ckpt is None:
         _step(role, [{**mb, "tokens": mb["tokens"].roll(1, dims=1)} for mb in micro])

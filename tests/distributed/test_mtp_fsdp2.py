@@ -16,6 +16,7 @@ import torch
 from tests.distributed.harness import spawn
 from tests.distributed.test_mtp import FACTOR, NUM_MTP, _micro_batches
 from tests.distributed.test_torch_fsdp2 import FSDP2
+from tests.distributed.test_virtual_pipeline import _role as _one_window_role
 
 
 def _loss(logp, entropy, batch):
@@ -28,25 +29,12 @@ def _full(param) -> torch.Tensor:
 
 def _worker(rank, world_size, tmp_dir, path, extra):
     from megatron_async_rl.checkpoint.megatron_state import load_train_state, save_train_state
-    from megatron_async_rl.config.schema import RoleGroupSpec
-    from megatron_async_rl.distributed.groups import build_world_groups
-    from megatron_async_rl.distributed.layout import Parallelism, plan_layout
-    from megatron_async_rl.distributed.platform import detect_platform
-    from megatron_async_rl.roles.megatron_role import MegatronRole
-    from tests.distributed.test_hf_parity import _role_args
 
-    args = {**_role_args(path), "lr": 1e-3, "clip_grad": 0.0, **extra,
-            "mtp_num_layers": NUM_MTP, "mtp_loss_scaling_factor": FACTOR}  # fmt: skip
-    par = Parallelism.from_megatron_args(args)
-    layout = plan_layout(world_size, [RoleGroupSpec(["train"], num_ranks=world_size)],
-                         {"train": par})  # fmt: skip
-    platform = detect_platform("cpu", "gloo")
-    groups = build_world_groups(layout, platform.backend)
+    extra = {"lr": 1e-3, "clip_grad": 0.0, **extra, "mtp_num_layers": NUM_MTP,
+             "mtp_loss_scaling_factor": FACTOR}  # fmt: skip
 
     def role(seed):
-        built = MegatronRole("train", args, par, groups.roles["train"], platform, seed=seed)
-        built.load_hf_checkpoint(path)
-        return built
+        return _one_window_role("train", world_size, path, {}, extra=extra, seed=seed)[0]["train"]
 
     micro = _micro_batches()
     train = role(5)

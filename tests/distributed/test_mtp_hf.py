@@ -33,36 +33,25 @@ import pytest
 import torch
 
 from tests.distributed.harness import spawn
+from tests.distributed.test_virtual_pipeline import _role as _one_window_role
 
 MTP = {"mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.1}
 
 
 def _role(path: str, world_size: int, parallel: dict, mtp: dict):
-    from megatron_async_rl.config.schema import RoleGroupSpec
-    from megatron_async_rl.distributed.groups import build_world_groups
-    from megatron_async_rl.distributed.layout import Parallelism, plan_layout
-    from megatron_async_rl.distributed.platform import detect_platform
-    from megatron_async_rl.roles.megatron_role import MegatronRole
-    from tests.distributed.test_hf_parity import _role_args
-
-    args = _role_args(path, **parallel)
-    args.update(clip_grad=0.0, **mtp)
-    par = Parallelism.from_megatron_args(args)
-    layout = plan_layout(world_size, [RoleGroupSpec(["train"], num_ranks=world_size)],
-                         {"train": par})  # fmt: skip
-    platform = detect_platform("cpu", "gloo")
-    groups = build_world_groups(layout, platform.backend)
-    role = MegatronRole("train", args, par, groups.roles["train"], platform, seed=5)
+    """The train role over the whole world, loaded from `path`, its groups, and the MTP
+    warnings the role logged."""
     warnings: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
     role_logger = logging.getLogger("megatron_async_rl.roles.megatron_role")
     role_logger.addHandler(handler)
     try:
-        role.load_hf_checkpoint(path)
+        roles, groups = _one_window_role("train", world_size, path, parallel,
+                                         extra={"clip_grad": 0.0, **mtp})  # fmt: skip
     finally:
         role_logger.removeHandler(handler)
-    return role, groups, [w for w in warnings if "MTP" in w]
+    return roles["train"], groups, [w for w in warnings if "MTP" in w]
 
 
 def _round_trip_worker(rank, world_size, tmp_dir, path, parallel):

@@ -32,9 +32,9 @@ def _tokens(vocab_size: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (4, 16), generator=torch.Generator().manual_seed(3))
 
 
-def _role(name, world_size, path, parallel, *, windows=None, extra=None):
+def _role(name, world_size, path, parallel, *, windows=None, extra=None, seed=5):
     """A `MegatronRole` named `name` (with `parallel`) over a fresh layout of `windows` (role
-    -> its parallel sizes; default one window with `name` only)."""
+    -> its parallel sizes; default one window with `name` only), built with `seed`."""
     from megatron_async_rl.config.schema import RoleGroupSpec
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
@@ -50,7 +50,7 @@ def _role(name, world_size, path, parallel, *, windows=None, extra=None):
     platform = detect_platform("cpu", "gloo")
     groups = build_world_groups(layout, platform.backend)
     roles = {
-        role: MegatronRole(role, args[role], pars[role], groups.roles[role], platform, seed=5)
+        role: MegatronRole(role, args[role], pars[role], groups.roles[role], platform, seed=seed)
         for role in windows
     }
     for role in roles.values():

@@ -14,7 +14,6 @@ Nothing is faked; megatron-core's dataclasses are the reference.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import logging
 
@@ -582,7 +581,7 @@ def test_seed_seeds_python_numpy_and_torch():
         ({"RANK": "0", "MEGATRON_ASYNC_RL_VALIDATED": "1"}, False),  # the launcher's check did
     ],
 )
-def test_config_notes_are_printed_once_per_run(env, reports, monkeypatch):
+def test_config_notes_are_printed_once_per_run(env, reports, monkeypatch, caplog):
     for name in ("RANK", "MEGATRON_ASYNC_RL_VALIDATED"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
@@ -592,25 +591,13 @@ def test_config_notes_are_printed_once_per_run(env, reports, monkeypatch):
     from megatron_async_rl.config.megatron_rules import check_args
 
     mf.warn_once.cache_clear()
-    with caplog_records() as records:
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
         check_args({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "lr": 1e-5,
                     "mtp_num_layers": 1}, role="logp")  # fmt: skip
+    records = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(records) == int(reports)
     assert all("--mtp-num-layers 1 is ignored for the logp role" in r for r in records)
-
-
-@contextlib.contextmanager
-def caplog_records():
-    """The warnings logged inside the block (their messages)."""
-    records: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: records.append(record.getMessage())
-    root = logging.getLogger("megatron_async_rl")
-    root.addHandler(handler)
-    try:
-        yield records
-    finally:
-        root.removeHandler(handler)
 
 
 def test_timeouts_at_init_and_after():
