@@ -15,6 +15,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    unmarked = [item.nodeid for item in items
+                if item.nodeid.startswith("tests/e2e/") and "e2e" not in item.keywords]  # fmt: skip
+    if unmarked:  # so that `-m "not e2e"` runs no entry-point run
+        raise pytest.UsageError(f"tests under tests/e2e without the e2e marker: {unmarked}")
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

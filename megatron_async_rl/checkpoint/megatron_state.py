@@ -144,12 +144,25 @@ def save_train_state(train, path: Path, writer: AsyncWriter | None = None) -> No
             preprocess_common_before_consistancy_check=lambda common: {
                 k: v for k, v in common.items() if k not in _TRAIN_ONLY
             },
+            **_async_strategy_kwargs(dist_checkpointing.save),
         )  # fmt: skip
         if writer is not None:
             writer.queue.schedule_async_request(request)
     except BaseException:
         stop_write_queue()
         raise
+
+
+def _async_strategy_kwargs(save) -> dict:
+    """The asynchronous save's strategy, chosen explicitly where megatron-core has the choice
+    (0.19 and later: `async_strategy`, whose default "nvrx" needs nvidia-resiliency-ext): "mcore",
+    whose requests `AsyncWriter`'s queue (megatron-core's own `AsyncCallsQueue`) runs, as 0.16
+    does without the choice. 0.19 logs once that this strategy is deprecated there."""
+    import inspect
+
+    if "async_strategy" not in inspect.signature(save).parameters:
+        return {}
+    return {"async_strategy": "mcore"}
 
 
 class AsyncWriter:

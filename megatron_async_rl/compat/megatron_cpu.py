@@ -44,9 +44,11 @@ import os
 
 import torch
 
+from megatron_async_rl.compat import versions
+
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MEGATRON_VERSIONS = ("0.16.",)
+SUPPORTED_MEGATRON_VERSIONS = ">=0.16.1,<0.20"  # measured on 0.16.1 and 0.19.2
 _FACTORIES = (
     "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn",
     "randint", "zeros_like", "ones_like", "empty_like", "full_like", "empty_strided",
@@ -71,20 +73,16 @@ def install() -> None:
             "megatron_cpu.install(): this process already uses CUDA; the CPU compatibility "
             "layer is only for processes that run on the CPU (platform.device=cpu)"
         )
-    from megatron.core import package_info
+    from packaging.specifiers import SpecifierSet
 
-    version = package_info.__version__
-    if not version.startswith(SUPPORTED_MEGATRON_VERSIONS):
+    version = versions.installed_version("megatron-core")
+    if not SpecifierSet(SUPPORTED_MEGATRON_VERSIONS).contains(version, prereleases=True):
         raise RuntimeError(
             f"megatron-core {version} is not supported on CPU: the compatibility layer was "
-            f"measured on {', '.join(v + 'x' for v in SUPPORTED_MEGATRON_VERSIONS)}; "
-            "install megatron-core==0.16.1"
+            f"measured on megatron-core{SUPPORTED_MEGATRON_VERSIONS}; install a release in "
+            "that range (constraints/cpu.txt has the one tested here)"
         )
-    _patch_torch_cuda()
-    _patch_tensor_factories()
-    _patch_fsdp_mesh()
-    _patch_rng()
-    _patch_moe()
+    versions.install(PATCHES)
     _STATE["installed"] = True
     # Once per run, not once per rank (each rank installs it before its log lines are labelled).
     log = logger.info if os.environ.get("RANK", "0") == "0" else logger.debug
@@ -299,3 +297,59 @@ def _patch_moe() -> None:
         return tensor
 
     moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+# ----------------------------------------------------------------------------------------------
+# Where megatron-core reaches CUDA (each patch's probe: the call site, in upstream's source)
+
+
+def _source_has(module_name: str, attribute: str | None, *needles: str) -> bool:
+    import importlib
+    import inspect
+
+    target = importlib.import_module(module_name)
+    if attribute is not None:
+        for part in attribute.split("."):
+            target = getattr(target, part)
+    source = inspect.getsource(target)
+    return all(needle in source for needle in needles)
+
+
+_ALL = SUPPORTED_MEGATRON_VERSIONS
+PATCHES = [
+    versions.Patch(
+        "cpu_torch_cuda_queries", "megatron-core", _ALL,
+        "megatron-core asks torch.cuda for the current device, streams and events",
+        _patch_torch_cuda,
+        lambda: _source_has("megatron.core.utils", None, "torch.cuda.current_device()"),
+    ),
+    versions.Patch(
+        "cpu_literal_cuda_devices", "megatron-core", _ALL,
+        "optimizers and grad clipping make tensors with device='cuda' / .cuda()",
+        _patch_tensor_factories,
+        lambda: _source_has("megatron.core.optimizer.clip_grads", None, "device='cuda'"),
+    ),
+    versions.Patch(
+        "cpu_fsdp2_cuda_mesh", "megatron-core", _ALL,
+        "the torch FSDP2 wrapper meshes its group on device type 'cuda'",
+        _patch_fsdp_mesh,
+        lambda: _source_has(
+            "megatron.core.distributed.torch_fully_sharded_data_parallel",
+            "TorchFullyShardedDataParallel.__init__", "from_group(", "\"cuda\"",
+        ),
+    ),
+    versions.Patch(
+        "cpu_cuda_rng_tracker", "megatron-core", _ALL,
+        "the model-parallel RNG tracker keeps CUDA generator states",
+        _patch_rng,
+        lambda: _source_has("megatron.core.tensor_parallel.random", "_get_cuda_rng_state",
+                            "torch.cuda"),
+    ),
+    versions.Patch(
+        "cpu_moe_split_sizes", "megatron-core", _ALL,
+        "maybe_move_tensor_to_cpu leaves CPU split sizes as tensors (gated on is_cuda)",
+        _patch_moe,
+        lambda: _source_has("megatron.core.transformer.moe.moe_utils",
+                            "maybe_move_tensor_to_cpu", "is_cuda"),
+    ),
+]  # fmt: skip

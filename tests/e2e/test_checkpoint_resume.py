@@ -27,8 +27,11 @@ import subprocess
 import time
 
 import psutil
+import pytest
 
 from tests.e2e.recipe_runs import RECIPE, launch_command, launch_env
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # crash-and-restart runs of the entry point
 
 SETS = ("trainer.num_steps=6", "checkpoint.every_steps=2", "checkpoint.hf_export_every=3")
 

@@ -32,9 +32,12 @@ import signal
 import subprocess
 
 import psutil
+import pytest
 
 from tests.e2e.recipe_runs import RECIPE, launch_command, launch_env
 from tests.e2e.test_checkpoint_resume import _end, _steps, _wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # crash-and-restart runs of the entry point
 
 ASYNC_RECIPE = RECIPE.parent / "tiny-grpo-async-cpu.yaml"
 

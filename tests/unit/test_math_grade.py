@@ -27,6 +27,7 @@ from megatron_async_rl.rewards.math_answer import MathReward
 from megatron_async_rl.rewards.math_grade import grade, quick_grade
 from megatron_async_rl.rewards.math_pool import GradePool
 from megatron_async_rl.rewards.registry import SafeReward
+from tests.processes import cmdline
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "math_grader_corpus.jsonl"
 
@@ -101,8 +102,7 @@ def test_a_pool_that_does_not_answer_in_time_is_replaced():
         out = pool.grade_many([(r"\boxed{2\sqrt{2}}", r"\sqrt{8}")] * 3)
         assert all(isinstance(o, TimeoutError) for o in out), out
         assert pool.pool._pool is None  # replaced: its worker was killed
-        children = [p for p in psutil.Process().children() if "multiprocessing" in " ".join(
-            p.cmdline())]  # fmt: skip
+        children = [p for p in psutil.Process().children() if "multiprocessing" in cmdline(p)]
         psutil.wait_procs(children, timeout=10)
         pool.call_timeout_s = 60.0
         assert pool.grade_many([(r"\boxed{2\sqrt{2}}", r"\sqrt{8}")]) == [True]
