@@ -49,6 +49,9 @@ Megatron layouts (read from megatron-core 0.16.1, logits-checked by the lead):
   TP) and `shared_head.norm` (megatron's `final_layernorm`). DeepSeek's layer also carries
   copies of the shared `embed_tokens` and of the LM head (`shared_head.head`): written on
   export (`megatron_to_hf`), ignored on import. Other families' MTP layers have no HF names.
+  megatron-core 0.19 calls that transformer layer `mtp_model_layer` (and checkpoints it as
+  `transformer_layer`, as 0.16 does): both spellings map to the same HF names, and
+  `rank_state_dict` spells it `transformer_layer` on every release (`mtp_canonical_name`).
 HF experts are named per expert (`mlp.experts.{j}.gate_proj.weight`): the hub format on disk,
 which transformers 5.12.1 fuses on load into `gate_up_proj` (E, 2F, H) = [gate; up] and SGLang
 loads as is.
@@ -72,6 +75,8 @@ _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 _MTP_RE = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 _MTP_LAYER = "transformer_layer."
+_MTP_LAYER_019 = re.compile(r"^(mtp\.layers\.\d+\.)mtp_model_layer\.")
+"""megatron-core 0.19's module name of an MTP layer's transformer layer (0.16: `_MTP_LAYER`)."""
 
 
 @dataclass(frozen=True)
@@ -236,7 +241,7 @@ class ModelDims:
 
             layout_layers = layout_stage_layers(
                 a["pipeline_model_parallel_layout"], int(a["pipeline_model_parallel_size"]),
-                int(a["num_layers"]),
+                int(a["num_layers"]), a.get("mtp_num_layers"),
             )  # fmt: skip
         from megatron_async_rl.config.megatron_flags import virtual_stages
 
@@ -371,7 +376,7 @@ _SWITCHES = {
 
 def _rule(name: str, dims: ModelDims) -> tuple[tuple[str, ...], str, ShardSpec]:
     """(HF names, kind, shard spec) of a global-named Megatron parameter."""
-    mtp = _MTP_RE.match(name)
+    mtp = _MTP_RE.match(mtp_canonical_name(name))
     if mtp:
         return _mtp_rule(name, int(mtp.group(1)), mtp.group(2), dims)
     m = _LAYER_RE.match(name)
@@ -612,6 +617,7 @@ def expert_offset(ep_rank: int, ep_size: int, num_experts: int) -> int:
 
 
 def _shift(name: str, layer_delta: int, expert_delta: int) -> str:
+    name = mtp_canonical_name(name)
     mtp = _MTP_RE.match(name)
     if mtp and mtp[2].startswith(_MTP_LAYER):  # on the last stage: only experts shift
         suffix = _shift(f"decoder.layers.0.{mtp[2][len(_MTP_LAYER) :]}", 0, expert_delta)
@@ -660,7 +666,8 @@ MTP_PREFIX = "mtp."
 
 def rank_state_dict(chunks, mtp_num_layers: int = 0) -> dict[str, Tensor]:
     """A rank's tensors by the names `chunk_name` gives them, from its model chunks (a list of
-    modules, or one object with `state_dict()`); `_extra_state` entries left out, and so are
+    modules, or one object with `state_dict()`; MTP names as `mtp_canonical_name` spells them,
+    on every megatron-core release); `_extra_state` entries left out, and so are
     the MTP layers (`MTP_PREFIX`) from `mtp_num_layers` on: HF loading and export pass the
     layers with HF names (`ModelDims.hf_mtp_layers`, fewer when a checkpoint lacks some), the
     others leave them as initialised (HF load) or out (export); weight sync passes none, the
@@ -671,7 +678,7 @@ def rank_state_dict(chunks, mtp_num_layers: int = 0) -> dict[str, Tensor]:
     megatron-core)."""
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     return {
-        chunk_name(k, v, len(chunks)): t
+        chunk_name(mtp_canonical_name(k), v, len(chunks)): t
         for v, chunk in enumerate(chunks)
         for k, t in chunk.state_dict().items()
         if not k.endswith("._extra_state")
@@ -681,6 +688,13 @@ def rank_state_dict(chunks, mtp_num_layers: int = 0) -> dict[str, Tensor]:
 
 
 EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def mtp_canonical_name(name: str) -> str:
+    """`name` with an MTP layer's transformer layer spelled `transformer_layer.` whatever the
+    megatron-core release (0.19's module is `mtp_model_layer`; both releases checkpoint it as
+    `transformer_layer`); other names unchanged."""
+    return _MTP_LAYER_019.sub(rf"\1{_MTP_LAYER}", name)
 
 
 def mtp_embedding_copy(chunk) -> Tensor | None:

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from megatron_async_rl.algorithms import minibatch, mtp
 from megatron_async_rl.algorithms.logprobs import vocab_parallel_logprobs
 from megatron_async_rl.compat import megatron_fixes, megatron_mtp
-from megatron_async_rl.config import megatron_flags
+from megatron_async_rl.config import megatron_flags, megatron_rules
 from megatron_async_rl.config.roles import TRAINED_ROLES
 from megatron_async_rl.distributed import devices
 from megatron_async_rl.distributed.groups import MEGATRON_ROLES, RoleGroups, WorldGroups
@@ -123,8 +123,12 @@ class MegatronRole:
             raise RuntimeError(f"role {role}: rank {dist.get_rank()} is not in its window")
         if role in ("logp", "ref") and args.get("mtp_num_layers") is not None:
             # MTP layers train with the actor only; these roles' log-probs are the main head's
-            # (`config.megatron_rules` says so once)
+            # (`config.megatron_rules` says so once), and their pipeline layout places none
             args = {**args, "mtp_num_layers": None}
+            if args.get("pipeline_model_parallel_layout") is not None:
+                args["pipeline_model_parallel_layout"] = megatron_rules.layout_without_mtp(
+                    args["pipeline_model_parallel_layout"]
+                )
         self.role, self.args, self.par, self.platform = role, args, par, platform
         self.logprobs_in_fp32 = not args.get("fp16_lm_cross_entropy")
         """False with --fp16-lm-cross-entropy: log-probs in the logits' dtype (saves memory)."""

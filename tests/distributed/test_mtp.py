@@ -23,7 +23,10 @@ padded):
   (on every rank) and weights after the step within 1e-6 (sequence parallelism needs
   Transformer Engine's norms: not on CPU); at PP = 2 the MTP stage's copy of the embedding
   stays equal to the first stage's, a PP = 2 checkpoint (tied or untied embeddings) resumes
-  bit for bit at PP = 2 and within 1e-6 on one rank, and weight sync does not send the copy.
+  bit for bit at PP = 2 and within 1e-6 on one rank, and weight sync does not send the copy;
+- from megatron-core 0.19 on (refused before: `config.megatron_rules`), PP = 2 with the MTP
+  layers placed by a pipeline layout or in the last virtual stage trains as one rank does, and
+  a logp role given the same layout (its MTP layers left out) builds and agrees.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_async_rl.config import megatron_rules
 from tests.distributed.harness import spawn
 from tests.distributed.test_virtual_pipeline import _role as _one_window_role
 
@@ -79,6 +83,13 @@ def _rms(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+def _inner_layer(mtp_layer):
+    """An MTP layer's transformer layer (megatron-core 0.19 names it `mtp_model_layer`)."""
+    if hasattr(mtp_layer, "mtp_model_layer"):
+        return mtp_layer.mtp_model_layer
+    return mtp_layer.transformer_layer
+
+
 def _reference(model, micro: list[dict], vocab: int):
     """(gradients of the reference loss, each MTP layer's cross-entropy averaged over the
     micro-batches) by plain autograd; see the module docstring."""
@@ -107,7 +118,7 @@ def _reference(model, micro: list[dict], vocab: int):
             joined = torch.cat(
                 [_rms(emb, layer.enorm.weight, eps), _rms(hidden, layer.hnorm.weight, eps)], -1
             )
-            out, _ = layer.transformer_layer(
+            out, _ = _inner_layer(layer)(
                 hidden_states=joined @ layer.eh_proj.weight.T, attention_mask=None,
                 rotary_pos_emb=captured["kw"]["rotary_pos_emb"],
             )  # fmt: skip
@@ -318,13 +329,12 @@ def _sync_names(role) -> tuple[list, list]:
 
 def _embedding_copies(role) -> list:
     """Every pipeline stage's word embedding, on each rank (pipeline-collective): the first
-    stage's, and the MTP stage's copy where it has one."""
+    stage's, and the MTP stage's copy where it has one (in its last model chunk)."""
     from megatron_async_rl.models import name_map
 
-    chunk = role.chunks[0]
-    own = name_map.mtp_embedding_copy(chunk)
-    if own is None and chunk.pre_process:
-        own = chunk.embedding.word_embeddings.weight
+    own = next((c for c in map(name_map.mtp_embedding_copy, role.chunks) if c is not None), None)
+    if own is None and role.chunks[0].pre_process:
+        own = role.chunks[0].embedding.word_embeddings.weight
     copies = [None] * torch.distributed.get_world_size(role.pgc.pp)
     torch.distributed.all_gather_object(
         copies, None if own is None else own.detach().clone(), group=role.pgc.pp
@@ -384,3 +394,51 @@ def test_pipeline_checkpoint_round_trip(tied, tiny_model, tmp_path):
         assert torch.equal(weights[key], tensor), key
         diff = (one_rank["weights"][key] - tensor).abs().max().item()
         assert diff <= 1e-6, f"{key}: max abs diff {diff} vs one rank"
+
+
+MTP_PIPELINES = {  # 4 layers, the MTP layers on the last stage: by the layout, in the last chunk
+    "layout": {"pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Et|tttmmL"},
+    "vp2": {"pipeline_model_parallel_size": 2, "num_virtual_stages_per_pipeline_rank": 2},
+}
+_PLACEMENT_REFUSED = megatron_rules.mtp_pipeline_placement_refused()
+
+
+def _logp_beside_worker(rank, world_size, tmp_dir, path, parallel):
+    """The train role and a logp role with the same flags (MTP and its layout), side by side:
+    their forward log-probs."""
+    extra = {"lr": 1e-3, "mtp_num_layers": NUM_MTP, "mtp_loss_scaling_factor": FACTOR}
+    roles, _ = _one_window_role("train", world_size, path, None, extra=extra,
+                                windows={"train": parallel, "logp": parallel})  # fmt: skip
+    tokens = torch.cat([mb["tokens"] for mb in _micro_batches()])
+    return {name: roles[name].logprobs(tokens, 2) for name in ("train", "logp")}
+
+
+@pytest.mark.skipif(_PLACEMENT_REFUSED is not None, reason=(
+    f"megatron-core {_PLACEMENT_REFUSED}: config.megatron_rules refuses MTP with virtual "
+    "pipeline stages or a pipeline layout"))  # fmt: skip
+@pytest.mark.parametrize("name", list(MTP_PIPELINES))
+def test_layout_and_virtual_stages_train_as_one_rank(name, tiny_model, tmp_path):
+    """PP = 2 with the MTP layers placed by a layout ('Et|tttmmL', uneven stages) or in the
+    last of two virtual stages trains as one rank does, from its Megatron checkpoint: the same
+    `actor/mtp_loss` on both ranks and main weights within 1e-6, the MTP stage's copy of the
+    embedding equal to the first stage's; a logp role given the same flags (its layout's MTP
+    layers left out) computes the train role's log-probs."""
+    path = str(tiny_model("llama", num_hidden_layers=4))
+    for sub in ("one", name, "logp"):
+        (tmp_path / sub).mkdir()
+    one_rank = spawn(_layout_worker, 1, tmp_path / "one", path, {}, None)[0]
+    results = spawn(_layout_worker, 2, tmp_path / name, path, MTP_PIPELINES[name],
+                    str(tmp_path / "one" / "saved"))  # fmt: skip
+    for got in results:
+        assert got["metrics"]["actor/mtp_loss"] == pytest.approx(
+            one_rank["metrics"]["actor/mtp_loss"], abs=1e-6)  # fmt: skip
+        assert len(got["embeddings"]) == 2 and torch.equal(*got["embeddings"])
+    weights = next(r["weights"] for r in results if r["weights"] is not None)
+    for key, tensor in one_rank["weights"].items():
+        diff = (weights[key] - tensor).abs().max().item()
+        assert diff <= 1e-6, f"{name} {key}: max abs diff {diff} vs one rank"
+    beside = spawn(_logp_beside_worker, 2, tmp_path / "logp", path, MTP_PIPELINES[name])
+    last = [got for got in beside if got["train"] is not None]  # the last stage's
+    assert len(last) == 1
+    for train, logp in zip(last[0]["train"], last[0]["logp"], strict=True):
+        torch.testing.assert_close(logp, train, rtol=0, atol=1e-6)

@@ -2,15 +2,20 @@
 
 Contract: both flags parse to their dests, are classified applied and reach megatron-core's
 TransformerConfig kwargs; --mtp-standalone is ignored with its reason. Pipeline stages are
-accepted; every layout MTP is not built for (virtual pipeline stages, a pipeline layout, context
-parallelism, a scalar-head role) and
-every bad value is a ConfigError naming the flag, its value and the rule; the logp and ref roles
+accepted; every layout MTP is not built for (context parallelism, a scalar-head role; before
+megatron-core 0.19 virtual pipeline stages and a pipeline layout, from 0.19 on a layout that
+leaves MTP layers off its last stage) and every bad value is a ConfigError naming the flag, its
+value and the rule; from 0.19 on a layout with the MTP layers on its last stage and virtual
+stages are accepted, and a logp role's layout drops its `m`s; the logp and ref roles
 accept the flag with a warning (they leave the MTP layers out), also through a recipe, the
 factor alone is ignored with a warning, and a scalar head still refuses MTP when built. The MTP
 targets are the tokens k + 2 ahead, counted on real tokens only, and the name map's rank state
 dict leaves MTP tensors out but the layers HF loading and export name (DeepSeek-V3's only: other
-families' MTP names are errors there, and tiny models of them have none). Pure: no process
-group; the module with `mtp.*` children is a plain torch stand-in.
+families' MTP names are errors there, and tiny models of them have none); an MTP layer's
+transformer layer, `transformer_layer` in megatron-core 0.16 and `mtp_model_layer` in 0.19, has
+the same HF names under both, and the rank state dict spells it as both releases checkpoint it
+(`transformer_layer`). Pure: no process group; the module with `mtp.*` children is a plain
+torch stand-in.
 """
 
 from __future__ import annotations
@@ -52,19 +57,67 @@ def test_mtp_standalone_is_ignored_with_its_reason():
     assert "mtp_standalone" not in mp.parse_megatron_flags(["--mtp-standalone"])
 
 
+_RELEASE = megatron_rules.mtp_pipeline_placement_refused()  # None from megatron-core 0.19 on
+_BEFORE_019 = pytest.mark.skipif(_RELEASE is None, reason="offered from megatron-core 0.19 on")
+_FROM_019 = pytest.mark.skipif(_RELEASE is not None, reason=f"refused on megatron-core {_RELEASE}")
+_VIRTUAL = [{"pipeline_model_parallel_size": 2, "num_virtual_stages_per_pipeline_rank": 2,
+             "num_layers": 4, "position_embedding_type": "rope"},
+            {"pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1,
+             "position_embedding_type": "rope"}]  # fmt: skip
+_LAYOUT = {"pipeline_model_parallel_size": 2, "num_layers": 4, "position_embedding_type": "rope"}
+
+
+@_BEFORE_019
+@pytest.mark.parametrize("extra, match", [
+    (_VIRTUAL[0], r"--num-virtual-stages-per-pipeline-rank = 2: is not supported with "
+     r"--mtp-num-layers = 2 \(multi-token prediction\) on megatron-core 0\.16.*: offered from "
+     r"0\.19 on.*hint: drop it"),
+    (_VIRTUAL[1], r"--num-layers-per-virtual-pipeline-stage = 1: is not supported with --mtp"),
+    ({**_LAYOUT, "pipeline_model_parallel_layout": "Et|tttmmL"},
+     r"--pipeline-model-parallel-layout = 'Et\|tttmmL': is not supported with --mtp-num-layers "
+     r"= 2 \(multi-token prediction\) on megatron-core"),
+    ({"pipeline_model_parallel_layout": "Et*2L"},
+     r"--pipeline-model-parallel-layout = 'Et\*2L': is not supported with --mtp-num-layers"),
+])  # fmt: skip
+def test_pipeline_placement_is_refused_before_0_19(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        megatron_rules.check_args(_args(**extra), "train")
+
+
+@_FROM_019
+@pytest.mark.parametrize("extra", [*_VIRTUAL, {**_LAYOUT, "pipeline_model_parallel_layout":
+                                               "Et|tttmmL"}])  # fmt: skip
+def test_pipeline_placement_is_accepted_from_0_19(extra):
+    megatron_rules.check_args(_args(**extra), "train")
+
+
+@_FROM_019
+@pytest.mark.parametrize("layout, match", [
+    ("Et|tttL", r"--pipeline-model-parallel-layout = 'Et\|tttL': must place all 2 MTP layers "
+     r"\('m'\) in its last stage with --mtp-num-layers = 2.*hint: e\.g\. 'Et\*3\|t\*4mL'"),
+    ("Ettt|tmm|L", r"'Ettt\|tmm\|L': must place all 2 MTP layers \('m'\) in its last stage"),
+    ("Et|tttmL", r"'Et\|tttmL': Number of mtp layers in layout must match mtp_num_layers"),
+])  # fmt: skip
+def test_a_layout_must_put_the_mtp_layers_on_its_last_stage(layout, match):
+    pp = layout.count("|") + 1
+    extra = {**_LAYOUT, "pipeline_model_parallel_size": pp,
+             "pipeline_model_parallel_layout": layout}  # fmt: skip
+    with pytest.raises(ConfigError, match=match):
+        megatron_rules.check_args(_args(**extra), "train")
+
+
+def test_a_layout_without_mtp_layers_for_the_logp_role():
+    assert megatron_rules.layout_without_mtp("Et|tttmmL") == "Et|tttL"
+    assert megatron_rules.layout_without_mtp("E(tt|)*2m*2L") == "Ett|tt|L"
+    assert megatron_rules.layout_without_mtp(None) is None
+
+
 @pytest.mark.parametrize(
     "extra, role, match",
     [
-        ({"pipeline_model_parallel_size": 2, "num_virtual_stages_per_pipeline_rank": 2,
-          "num_layers": 4}, "train", r"--num-virtual-stages-per-pipeline-rank = 2: is not "
-         r"supported with --mtp-num-layers = 2 \(multi-token prediction\).*hint: drop it"),
-        ({"pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1},
-         "train", r"--num-layers-per-virtual-pipeline-stage = 1: is not supported with --mtp"),
         ({"pipeline_model_parallel_size": 2, "position_embedding_type": "learned_absolute"},
          "train", r"--position-embedding-type = 'learned_absolute': is not supported with "
          r"--mtp-num-layers = 2 \(multi-token prediction\) and --pipeline-model-parallel-size"),
-        ({"pipeline_model_parallel_layout": "Et*2L"}, "train",
-         r"--pipeline-model-parallel-layout = 'Et\*2L': is not supported with --mtp-num-layers"),
         ({"context_parallel_size": 2}, "train", r"--context-parallel-size = 2: must be 1 with "
          r"--mtp-num-layers = 2"),
         ({"mtp_num_layers": 0}, "train", r"--mtp-num-layers = 0: must be >= 1"),
@@ -138,6 +191,12 @@ def test_rank_state_dict_leaves_mtp_tensors_out():
     model.mtp.layers = torch.nn.ModuleList([torch.nn.Linear(4, 2, bias=False)] * 2)
     assert list(name_map.rank_state_dict(model, 1)) == ["decoder.weight", "mtp.layers.0.weight"]
     assert list(name_map.rank_state_dict(model, 0)) == ["decoder.weight"]
+    # megatron-core 0.19's module name of an MTP layer's transformer layer
+    model.mtp.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.mtp.layers[0].mtp_model_layer = torch.nn.Linear(2, 2, bias=False)
+    assert list(name_map.rank_state_dict(model, 1)) == [
+        "decoder.weight", "mtp.layers.0.transformer_layer.weight"
+    ]  # fmt: skip
 
 
 def test_mtp_layers_have_hf_names_in_deepseek_v3_format_only(tmp_path):
@@ -159,6 +218,13 @@ def test_mtp_layers_have_hf_names_in_deepseek_v3_format_only(tmp_path):
     assert nm.hf_names_for("mtp.layers.0.final_layernorm.weight", mla) == (
         "model.layers.2.shared_head.norm.weight",)  # fmt: skip
     assert nm.shard_spec("mtp.layers.0.eh_proj.weight", mla).partition_dim == 0
+    for suffix, hf in [("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
+                       ("mlp.linear_fc1.weight", "mlp.gate_proj.weight")]:  # fmt: skip
+        for inner in ("transformer_layer", "mtp_model_layer"):  # megatron-core 0.16, 0.19
+            name = f"mtp.layers.0.{inner}.{suffix}"
+            assert nm.hf_names_for(name, mla)[0] == f"model.layers.2.{hf}", name
+            assert nm.to_global_name(name, layer_offset=1) == (
+                f"mtp.layers.0.transformer_layer.{suffix}")  # fmt: skip
     with pytest.raises(ValueError, match="unknown Megatron parameter 'mtp.layers.0.bogus'"):
         nm.shard_spec("mtp.layers.0.bogus", mla)
     with pytest.raises(ValueError, match="mtp_num_layers=-1 must be >= 0"):
@@ -181,7 +247,8 @@ def test_a_recipe_builds_mtp_for_the_train_role_only(caplog):
     assert cfg.role_megatron_args["train"]["mtp_num_layers"] == 2
     assert "--mtp-num-layers 2 is ignored for the logp role" in caplog.text
     assert "--mtp-num-layers 2 is ignored for the ref role" in caplog.text
-    vp = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
-    match = r"--num-virtual-stages-per-pipeline-rank = 2: is not supported with --mtp-num-layers"
-    with pytest.raises(ConfigError, match=match + r" = 2.*resolved for role train"):
-        build_config(tree, [*FLAGS, *vp])
+    if _RELEASE is not None:  # before megatron-core 0.19
+        vp = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
+        match = r"--num-virtual-stages-per-pipeline-rank = 2: is not supported with --mtp"
+        with pytest.raises(ConfigError, match=match + r".*resolved for role train"):
+            build_config(tree, [*FLAGS, *vp])
