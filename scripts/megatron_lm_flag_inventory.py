@@ -1,19 +1,26 @@
-"""Write the inventory of Megatron-LM's command-line flags (`config/megatron_lm_flags.json`).
+"""Write an inventory of Megatron-LM's command-line flags (`config/megatron_lm_flags/<tag>.json`).
 
 Megatron-LM's `megatron/training/arguments.py` builds most of its groups from dataclasses at import
 time (`ArgumentGroupFactory`), so its flags cannot be read from the source text: this script
-imports that file from a Megatron-LM checkout (its own `megatron/` tree, not the installed
-megatron-core), builds the parser with `add_megatron_arguments`, and records every action:
-its flags, dest, kind, arity, value type, choices, default and argument group. Nothing else of
-Megatron-LM is kept. Run it again when moving to a newer Megatron-LM:
+imports that file from a Megatron-LM tree at one tag (its own `megatron/` tree, first on
+`sys.path`, not the installed megatron-core), builds the parser with `add_megatron_arguments`,
+and records every action: its flags, dest, kind, arity, value type, choices, default and
+argument group. Nothing else of Megatron-LM is kept. There is one inventory per megatron-core
+release series, from the tag `config.megatron_lm.RELEASES` names; to add one, export the tag and
+run this, e.g.
 
-    python scripts/megatron_lm_flag_inventory.py --megatron-lm /path/to/Megatron-LM \
-        --out megatron_async_rl/config/megatron_lm_flags.json
+    git --git-dir=Megatron-LM/.git archive core_v0.19.0 | tar -x -C /tmp/mlm-0.19
+    PYTHONPATH=/path/to/six python scripts/megatron_lm_flag_inventory.py \
+        --megatron-lm /tmp/mlm-0.19 --tag core_v0.19.0 \
+        --commit 5be9626709af2722333bf54797c954c09edeada3
 
-Use the Megatron-LM release that matches the installed megatron-core (tag core_v0.16.1), and
-install `six` first (that tree imports it). The checkout's commit is recorded (`git rev-parse
-HEAD`, or `--commit` for an exported tree). Python 3.11 lacks
-`typing.override`, which that tree imports; an identity decorator stands in for it here only.
+The file is written to `megatron_async_rl/config/megatron_lm_flags/<tag>.json` (or `--out`).
+The tree imports `six`, which this project does not install: put it on PYTHONPATH (`pip install
+--target DIR six`). The commit is recorded (`git rev-parse HEAD` of a checkout, or `--commit`
+for an exported tree). Python 3.11 lacks `typing.override`, which those trees import; an
+identity decorator stands in for it here only. Run with this project's environment: the
+inventories of core_v0.16.1 to core_v0.19.0 were written with megatron-core 0.16.1's
+environment (the tree's own `megatron/core` is what the parser reads).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import sys
 import typing
 import warnings
 from pathlib import Path
+
+_OUT_DIR = Path(__file__).parents[1] / "megatron_async_rl" / "config" / "megatron_lm_flags"
 
 _KINDS = {
     "_StoreAction": "value",
@@ -55,7 +64,7 @@ def _type_name(kind) -> str | None:
     return "other:" + getattr(kind, "__name__", type(kind).__name__)
 
 
-def inventory(checkout: Path, commit: str | None = None) -> dict:
+def inventory(checkout: Path, tag: str, commit: str | None = None) -> dict:
     commit = commit or subprocess.run(
         ["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True,
         check=True,
@@ -89,6 +98,7 @@ def inventory(checkout: Path, commit: str | None = None) -> dict:
         })  # fmt: skip
     return {
         "source": "NVIDIA/Megatron-LM megatron/training/arguments.py (add_megatron_arguments)",
+        "tag": tag,
         "commit": commit,
         "flags": rows,
     }
@@ -96,15 +106,21 @@ def inventory(checkout: Path, commit: str | None = None) -> dict:
 
 def main() -> None:
     cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    cli.add_argument("--megatron-lm", type=Path, required=True, help="a Megatron-LM checkout")
-    cli.add_argument("--out", type=Path, required=True)
+    cli.add_argument("--megatron-lm", type=Path, required=True, help="a Megatron-LM tree")
+    cli.add_argument("--tag", required=True, help="the tag the tree is, e.g. core_v0.19.0")
+    cli.add_argument("--out", type=Path, help="default: config/megatron_lm_flags/<tag>.json")
     cli.add_argument("--commit", help="the tree's commit, when it is not a git checkout")
     args = cli.parse_args()
-    table = inventory(args.megatron_lm, args.commit)
+    table = inventory(args.megatron_lm, args.tag, args.commit)
+    args.out = args.out or _OUT_DIR / f"{args.tag}.json"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     rows = ",\n".join(json.dumps(row) for row in table["flags"])  # one flag per line: diffable
     head = json.dumps({k: v for k, v in table.items() if k != "flags"})[:-1]
     args.out.write_text(f'{head}, "flags": [\n{rows}\n]}}\n')
-    print(f"{len(table['flags'])} actions of Megatron-LM {table['commit'][:12]} -> {args.out}")
+    print(
+        f"{len(table['flags'])} actions of Megatron-LM {args.tag} ({table['commit'][:12]}) -> "
+        f"{args.out}"
+    )
 
 
 if __name__ == "__main__":

@@ -141,8 +141,9 @@ _MEGATRON_LM_ARGS = (
     ArgSpec("make_vocab_size_divisible_by", "int", 128),
 )
 
-# Megatron-LM arguments applied by this package that are no dataclass field; their type and
-# default come from Megatron-LM's own flag (`megatron_lm.inventory()`). Who applies each:
+# Megatron-LM arguments applied by this package that are no dataclass field (or one the walk
+# below skips); their type and default come from Megatron-LM's own flag (`megatron_lm.inventory()`
+# of the installed release; a dest that release lacks is left out). Who applies each:
 APPLIED_HERE = {
     # roles/lr_schedule.py (megatron-core's OptimizerParamScheduler), in optimizer steps
     "schedule": (
@@ -172,6 +173,7 @@ APPLIED_HERE = {
         "recompute_modules", "mrope_section", "offload_modules", "squared_relu", "quick_geglu",
         "init_method_xavier_uniform", "add_position_embedding",
         "moe_layer_freq", "fp8_param_gather", "pipeline_model_parallel_layout",
+        "flash_attention_version",  # from megatron-core 0.19: a Literal of ints
     ),
     # roles/megatron_role.py: log-probs in the logits' dtype, the JIT fuser off
     "role": ("fp16_lm_cross_entropy", "disable_jit_fuser"),
@@ -216,8 +218,8 @@ def _specs_from_megatron_lm(known: dict[str, ArgSpec]) -> list[ArgSpec]:
     rows = megatron_lm.lm_dests()
     out = []
     for dest in (d for group in APPLIED_HERE.values() for d in group):
-        if dest in known and dest != "moe_layer_freq":  # a dataclass int; Megatron-LM's takes lists
-            continue
+        if dest not in rows or (dest in known and dest != "moe_layer_freq"):
+            continue  # moe_layer_freq: a dataclass int; Megatron-LM's takes lists
         row = rows[dest]
         if row.kind in ("true", "false", "bool_optional"):
             out.append(ArgSpec(dest, "bool", bool(row.default)))
@@ -507,8 +509,12 @@ def transformer_config_kwargs(args: dict[str, Any]) -> dict[str, Any]:
     if not args["group_query_attention"]:
         kwargs["num_query_groups"] = None  # Megatron-LM ignores --num-query-groups without GQA
     kwargs["attention_backend"] = AttnBackend[args["attention_backend"]]
-    if kwargs.get("cuda_graph_scope") in (None, "full"):
-        kwargs["cuda_graph_scope"] = []  # megatron-core 0.16's "full", without its deprecation
+    # "full" (every default), without its deprecation: 0.16's cuda_graph_scope, renamed
+    # cuda_graph_modules by 0.19 (which warns on the old name)
+    fields = {f.name for f in dataclasses.fields(transformer_config_class(args))}
+    graphs = "cuda_graph_modules" if "cuda_graph_modules" in fields else "cuda_graph_scope"
+    if kwargs.get(graphs) in (None, "full"):
+        kwargs[graphs] = []
     for name in ("window_size",):
         if args[name] is not None:
             kwargs[name] = tuple(args[name])
@@ -519,6 +525,8 @@ def transformer_config_kwargs(args: dict[str, Any]) -> dict[str, Any]:
     kwargs["moe_layer_freq"] = args["moe_layer_freq"]
     if args["fp8_param_gather"]:
         kwargs["fp8_param"] = True
+    if args.get("fp4_param_gather"):  # from 0.17 a DDP field too; Megatron-LM sets both
+        kwargs["fp4_param"] = True
     kwargs["params_dtype"] = kwargs["pipeline_dtype"] = _params_dtype(args)
     vp = virtual_stages(args)
     kwargs["virtual_pipeline_model_parallel_size"] = vp if vp > 1 else None

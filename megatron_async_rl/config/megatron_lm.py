@@ -1,9 +1,9 @@
 """Every flag of Megatron-LM, and what each one does here: applied, aliased, ignored or refused.
 
-Owned here: the inventory of Megatron-LM's flags (`megatron_lm_flags.json`, written by
-`scripts/megatron_lm_flag_inventory.py` from Megatron-LM tag core_v0.16.1, commit
-55ac7082517c3878ae653c07c09c534b8aed49f6, the release of the megatron-core this package pins)
-and the verdict on each flag's dest:
+Owned here: the inventories of Megatron-LM's flags, one per supported megatron-core release series
+(`megatron_lm_flags/<tag>.json`, written by `scripts/megatron_lm_flag_inventory.py` from the
+Megatron-LM tag in `RELEASES`; the installed megatron-core picks one: `release_tag`), and the
+verdict on each flag's dest:
 
 - **applied**: the dest is a Megatron argument we build from (`megatron_flags.flag_table()`: a
   megatron-core config field, a GPTModel argument, or a knob of our loop: LR schedule, batches
@@ -14,22 +14,73 @@ and the verdict on each flag's dest:
 - **refused**: asks for something this trainer does not do (legacy spellings Megatron-LM itself
   rejects, Megatron-LM's own RL loop, Megatron FSDP, ...): an error with the reason and a fix.
 
-Callers: `megatron_parse.parse_megatron_flags` and `normalize_megatron_section` (the verdicts),
-`tests/unit/test_megatron_lm_flags.py` (the classification of every flag, and its coverage).
+The tables below hold the dests of every supported release; a dest that one release lacks is
+simply never looked up there. Callers: `megatron_parse.parse_megatron_flags` and
+`normalize_megatron_section` (the verdicts), `megatron_flags` (the type and default of the
+Megatron-LM arguments applied here), `tests/unit/test_megatron_lm_flags.py` (the classification
+of every flag of each inventory, and its coverage).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
 from megatron_async_rl.config.errors import ConfigError
 
-INVENTORY_PATH = Path(__file__).with_name("megatron_lm_flags.json")
+INVENTORY_DIR = Path(__file__).with_name("megatron_lm_flags")
+
+SUPPORTED_RELEASES = ">=0.16.1,<0.20"
+"""The megatron-core releases this package runs on (setup.py's range)."""
+
+RELEASES = {
+    (0, 16): "core_v0.16.1",
+    (0, 17): "core_v0.17.1",
+    (0, 18): "core_v0.18.2",
+    (0, 19): "core_v0.19.0",
+}
+"""megatron-core release series -> the Megatron-LM tag whose flags its inventory holds: the
+newest tag of the series in Megatron-LM's repository. A series keeps its flags across patch
+releases (the inventories of core_v0.16.0 and core_v0.16.1 are equal, as are core_v0.18.0's and
+core_v0.18.2's; core_v0.17.0 is a release candidate, 0.17.1 the release). 0.19 has tag
+core_v0.19.0 only (its package_info says 0.19.1); the megatron-core 0.19.2 wheel differs from it
+in four source files, none of them a config dataclass or an argument."""
+
+
+def release_tag(version: str | None = None) -> str:
+    """The inventory's tag for megatron-core `version` (default: the installed release).
+
+    ConfigError naming the release and the supported range when there is no inventory for it."""
+    where = "installed megatron-core"
+    if version is None:
+        try:
+            version = importlib.metadata.version("megatron-core")
+        except importlib.metadata.PackageNotFoundError:
+            raise ConfigError(
+                where, "not installed", "Megatron flags are read by the megatron-core release",
+                f"pip install 'megatron-core{SUPPORTED_RELEASES}'",
+            ) from None  # fmt: skip
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        parsed = None
+    series = parsed and parsed.release[:2]
+    if parsed is None or not SpecifierSet(SUPPORTED_RELEASES).contains(parsed, prereleases=True) \
+            or series not in RELEASES:  # fmt: skip
+        tags = ", ".join(f"{a}.{b}.x: {tag}" for (a, b), tag in RELEASES.items())
+        raise ConfigError(
+            where, version, f"has no Megatron-LM flag inventory here: supported releases are "
+            f"{SUPPORTED_RELEASES} ({tags})", f"pip install 'megatron-core{SUPPORTED_RELEASES}'",
+        )  # fmt: skip
+    return RELEASES[series]
 
 
 @dataclass(frozen=True)
@@ -49,9 +100,10 @@ class LMFlag:
 
 
 @functools.cache
-def inventory() -> tuple[str, dict[str, LMFlag]]:
-    """(Megatron-LM commit, option string -> LMFlag) for every flag of Megatron-LM."""
-    table = json.loads(INVENTORY_PATH.read_text())
+def inventory(tag: str | None = None) -> tuple[str, dict[str, LMFlag]]:
+    """(Megatron-LM commit, option string -> LMFlag) for every flag of Megatron-LM at `tag`
+    (default: the tag of the installed megatron-core, `release_tag`)."""
+    table = json.loads((INVENTORY_DIR / f"{tag or release_tag()}.json").read_text())
     flags: dict[str, LMFlag] = {}
     for row in table["flags"]:
         spec = LMFlag(
@@ -64,9 +116,10 @@ def inventory() -> tuple[str, dict[str, LMFlag]]:
     return table["commit"], flags
 
 
-def lm_dests() -> dict[str, LMFlag]:
-    """dest -> one of its actions, for every dest of Megatron-LM."""
-    return {spec.dest: spec for spec in inventory()[1].values()}
+@functools.cache
+def lm_dests(tag: str | None = None) -> dict[str, LMFlag]:
+    """dest -> one of its actions, for every dest of Megatron-LM at `tag` (see `inventory`)."""
+    return {spec.dest: spec for spec in inventory(tag)[1].values()}
 
 
 # --- aliases: Megatron-LM dest -> (what it sets here, translation of its value) --------------
@@ -77,15 +130,20 @@ def _when(condition: Callable[[Any], bool], values: dict[str, Any]) -> Callable:
     return lambda value: dict(values) if condition(value) else {}
 
 
-def _no_gloo_groups(value: Any) -> dict[str, Any]:
-    """--disable-gloo-process-groups is how roles build their distributed optimizer already."""
-    if value:
-        raise ConfigError(
-            "enable_gloo_process_groups", value,
-            "the distributed optimizer here uses the role's own groups, never gloo copies",
-            "drop it (Megatron-LM's --disable-gloo-process-groups is the behaviour)",
-        )  # fmt: skip
-    return {}
+def _no_gloo_groups(dest: str) -> Callable[[Any], dict[str, Any]]:
+    """--disable-gloo-process-groups is how roles build their distributed optimizer already
+    (its dest: enable_gloo_process_groups to 0.16, use_gloo_process_groups from 0.17)."""
+
+    def translate(value: Any) -> dict[str, Any]:
+        if value:
+            raise ConfigError(
+                dest, value,
+                "the distributed optimizer here uses the role's own groups, never gloo copies",
+                "drop it (Megatron-LM's --disable-gloo-process-groups is the behaviour)",
+            )  # fmt: skip
+        return {}
+
+    return translate
 
 
 def _torch_dist_only(value: Any) -> dict[str, Any]:
@@ -155,7 +213,10 @@ ALIASES: dict[str, Alias] = {
         "DDP check_for_nan_in_grad",
         lambda v: {"check_for_nan_in_grad": v},
     ),
-    "enable_gloo_process_groups": ("gloo groups off, the only mode here", _no_gloo_groups),
+    **{
+        dest: ("gloo groups off, the only mode here", _no_gloo_groups(dest))
+        for dest in ("enable_gloo_process_groups", "use_gloo_process_groups")
+    },
     "te_rng_tracker": ("use_te_rng_tracker", lambda v: {"use_te_rng_tracker": v}),
     "no_weight_decay_cond_type": (
         "--apply-wd-to-qk-layernorm",
@@ -219,7 +280,6 @@ IGNORED: dict[str, str] = {
     "distributed_backend": "the backend (nccl on GPUs, gloo on CPU: platform.device)",
     "cache_mla_latents": "the KV cache of Megatron-LM's own inference engine (the SGLang "
     "engines keep their own MLA cache)",
-    "use_legacy_tokenizer": _TOKENIZER,
     "eval_iters": _VALIDATION,
     "sft": "supervised fine-tuning data (RL prompts come from the data: section)",
     "sft_tokenizer_prompt_format": _TOKENIZER,
@@ -328,7 +388,8 @@ NOT_KNOBS_IN_MEGATRON_LM = {
     "async_tensor_model_parallel_allreduce": "deprecated, read nowhere",
     **{name: "read by hybrid Mamba models only" for name in (
         "mamba_head_dim", "mamba_num_groups", "mamba_num_heads", "mamba_state_dim",
-        "use_mamba_mem_eff_path", "is_hybrid_model",
+        "use_mamba_mem_eff_path", "is_hybrid_model", "mtp_hybrid_override_pattern",
+        "mamba_training_ssm_states_dtype",
     )},
 }  # fmt: skip
 """Flags of Megatron-LM that configure nothing in a GPT run there either (for the coverage
@@ -349,17 +410,20 @@ def _set(value: Any) -> bool:
 
 
 _FSDP = (
-    "Megatron FSDP cannot wrap a role here: megatron-core 0.16.1's adapter reads the global "
-    "tensor-parallel group, which roles built from explicit groups never initialise (an "
-    "AssertionError at wrap time on an H100, given the role's groups), and it lays its device "
-    "mesh over the whole world, engine ranks included (tests/distributed/"
-    "test_megatron_fsdp_refusal.py)"
+    "Megatron FSDP cannot wrap a role here: megatron-core's adapter lays its device mesh over "
+    "the whole world, engine ranks included (0.16.1 and 0.19.2: an einops shape mismatch at wrap "
+    "time, given the role's groups), and 0.16.1's also reads the global tensor-parallel group, "
+    "which roles built from explicit groups never initialise (an AssertionError on an H100; "
+    "0.19.2 takes the role's groups; tests/distributed/test_megatron_fsdp_refusal.py)"
 )
 _GRAPHS = (
     "CUDA graphs (Megatron-LM's RL loop captures its inference engine with them and trains "
     "without unless --rl-training-cuda-graphs; the SGLang engines here capture their own, and "
-    "megatron-core 0.16.1's graph manager reads its global parallel state, which roles built from "
-    "explicit groups do not initialise: an AssertionError at model build on an H100)"
+    "megatron-core's per-layer graph manager reads its global parallel state, which roles built "
+    "from explicit groups do not initialise: an AssertionError at model build, on an H100 with "
+    "0.16.1; 0.19.2's manager takes groups but no layer passes it any, its Transformer Engine "
+    "graphs need a training loop to capture them and its full-iteration graphs barrier the whole "
+    "world; tests/unit/test_cuda_graph_refusal.py)"
 )
 
 REFUSED_VALUES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
@@ -436,9 +500,159 @@ INERT_HERE: dict[str, str] = {
 }
 """Dests that reach a config field nothing here reads: ignored with the reason."""
 
+# --- flags new in megatron-core 0.17 to 0.19 (Megatron-LM core_v0.17.1 to core_v0.19.0) -------
+# Their config fields that work as those of 0.16 do (MoE dispatcher and offloading knobs, the
+# Muon and Lion hyperparameters, ...) are applied like every config field; the rest follow.
+_DROP = "drop the flag"
+_UNNAMED = (
+    "which the HF name map here (weight load, weight sync to the engines, export) does not name"
+)
+_ENGINES_DIFFER = "so generation in the SGLang engines would not compute what training does"
+_MUP = (
+    "muP scales the embedding output, the logits and the attention softmax; the HF model the "
+    f"SGLang engines run has none of these multipliers, {_ENGINES_DIFFER}"
+)
+_GTP = (
+    "generalized tensor parallelism (each weight sharded further, over a rematerialization axis) "
+    "takes its groups from megatron-core's global parallel state, which roles built from "
+    "explicit groups do not initialise, and the weight sync here reads tensor-parallel shards only"
+)
+REFUSED_VALUES.update({
+    "use_transformer_engine_op_fuser": (
+        _on, "builds experts and MLPs from Transformer Engine's fusible ops, whose parameters "
+        + _UNNAMED, _DROP,
+    ),
+    "mla_down_proj_fusion": (
+        _on, "fuses MLA's q and kv down-projections (and the input layernorm) into one "
+        "parameter, " + _UNNAMED + " (it maps q_a_proj and kv_a_proj_with_mqa apart)", _DROP,
+    ),
+    **{name: (_on, "stores every expert's weights as one grouped parameter, " + _UNNAMED
+              + " (it names one weight per expert)", _DROP)
+       for name in ("moe_single_grouped_weight", "moe_single_grouped_bias")},
+    **{name: (_on, f"builds the {what} as a one-group GroupedLinear, whose parameter "
+              + _UNNAMED, _DROP)
+       for name, what in (("use_grouped_gemm_for_dense_mlp", "dense MLP"),
+                          ("use_grouped_gemm_for_shared_expert", "shared-expert MLP"))},
+    **{name: (_set, "lays the gate and up projections out in interleaved blocks; the HF name "
+              "map here writes linear_fc1 as [gate; up]", _DROP)
+       for name in ("moe_mlp_glu_interleave_size", "moe_shared_expert_glu_interleave_size")},
+    "mtp_use_repeated_layer": (
+        _on, "applies one MTP layer at every depth; HF checkpoints and the name map here hold "
+        "one layer per depth", "drop the flag (one layer per --mtp-num-layers)",
+    ),
+    "mtp_detach_heads": (
+        _on, "the MTP loss here comes from compat.megatron_mtp's loss hook through the shared "
+        "output layer, which it does not detach as megatron-core's own MTP loss does: the MTP "
+        "gradients would still reach the main model", _DROP,
+    ),
+    **{name: (_set, _GTP, "drop the flag (weights sharded over the tensor-parallel ranks)")
+       for name in ("tensor_parallel_num_weight_shards",
+                    "expert_tensor_parallel_num_weight_shards")},
+    "use_mup": (_on, _MUP, _DROP),
+    "mup_output_mult": (
+        lambda v: v is not None and float(v) != 1.0,
+        "scales the logits (read without --use-mup too); " + _MUP, _DROP,
+    ),
+    "moe_router_force_biased": (
+        _set, "adds a random bias to the router logits (Megatron-LM's benchmarking aid); the "
+        f"engines route without it, {_ENGINES_DIFFER}", _DROP,
+    ),
+    "moe_paged_stash": (
+        _on, "needs Megatron-LM's training loop (its PagedStashRunner sizes and resets the "
+        "stash buffers), which this trainer does not run", _DROP,
+    ),
+})  # fmt: skip
+
+REFUSED_CHOICES: dict[str, dict[Any, tuple[str, str]]] = {
+    "moe_router_load_balancing_type": {"quantile_balancing": (
+        "routes with a per-expert bias (qb_beta) that megatron-core updates every step; the HF "
+        f"model the SGLang engines run has no such bias, {_ENGINES_DIFFER}",
+        "use aux_loss, seq_aux_loss, global_aux_loss or none (--moe-router-enable-expert-bias "
+        "is the routing bias the engines share)",
+    )},
+}  # fmt: skip
+"""Values of applied dests that ask for what is not built here (the dest stays applied)."""
+
+REFUSED.update({
+    "hybrid_layer_pattern": ("hybrid Mamba models are not built here", _DROP),
+    "step_batch_size_schedule": (
+        "Megatron-LM's batch-size schedule is not applied here",
+        "use --rampup-batch-size (applied: algorithms/batch_ramp.py)",
+    ),
+    "freeze_all_layers": ("freezing every layer is not supported (the train role trains)", _DROP),
+    "ddp_param_name_patterns_for_fp32_local_accumulation": (
+        "FP32 local gradient accumulation for chosen parameters is not applied here",
+        "drop it, or give --accumulate-allreduce-grads-in-fp32 (every parameter)",
+    ),
+})  # fmt: skip
+IGNORED_GROUPS["fault injector"] = _MONITORING
+IGNORED.update({
+    **{name: _MONITORING for name in (
+        "flight_recorder_dump_path", "flight_recorder_trace_buffer_size",
+        "flight_recorder_dump_on_timeout", "flight_recorder_include_stack_trace",
+        "flight_recorder_include_only_active", "flight_recorder_extra_dump_on_exec",
+        "gpu_sniff_test_interval",
+    )},
+    "exit_signal_handler_for_training": (
+        "Megatron-LM's quiet exit on SIGINT or SIGTERM (signals here: checkpoint.save_on_signal)"
+    ),
+    "use_layer_wise_param_layout": (
+        "the parameter layout of Megatron-LM's layer-wise distributed optimizer, which its "
+        "training loop builds"
+    ),
+})  # fmt: skip
+ONLY_WITH.update({
+    **{name: "use_megatron_fsdp" for name in (
+        "megatron_fsdp_enable_fine_grained_param_gather", "megatron_fsdp_max_pool_double_buffer",
+        "fsdp_db_use_persist_buf_on_alloc_fail", "megatron_fsdp_main_params_dtype",
+        "megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype",
+    )},
+    **{name: "use_mup" for name in (
+        "mup_width_mult", "mup_base_hidden_size", "mup_embedding_mult", "mup_base_head_dim",
+        "mup_attn_scale_power",
+    )},
+    **{name: "experimental_attention_variant" for name in (
+        "dsa_indexer_topk_freq", "dsa_indexer_skip_topk_offset", "dsa_kernel_backend",
+        "dsa_indexer_rope_interleaved", "dsa_indexer_rotate_activation",
+        "dsa_indexer_scoring_relu", "dsa_indexer_k_norm_epsilon", "dsa_indexer_k_norm_fp32",
+    )},
+    **{name: "hybrid_layer_pattern" for name in (
+        "mtp_hybrid_override_pattern", "mamba_training_ssm_states_dtype",
+    )},
+    **{name: "moe_paged_stash" for name in (
+        "moe_paged_stash_page_size", "moe_paged_stash_buffer_size_factor_cuda",
+        "moe_paged_stash_buffer_size_factor_cpu",
+    )},
+})  # fmt: skip
+INERT_HERE.update({
+    **{name: _GRAPHS for name in (
+        "cuda_graph_modules", "cuda_graph_scope_deprecated", "delay_offload_until_cuda_graph",
+    )},
+    "optimizer_cuda_graph": (
+        "a CUDA graph of the optimizer step, captured by Megatron-LM's training loop "
+        "(OptimizerCudaGraphWrapper), which this trainer does not run"
+    ),
+    **{name: _INFERENCE for name in (
+        "moe_pad_experts_for_cuda_graph_inference", "nccl_all_reduce_for_prefill",
+        "inference_cuda_graph_scope", "inference_disable_triton_nvls_kernels",
+        "inference_grouped_gemm_backend", "inference_moe_disable_fused_quant_kernels",
+        "inference_moe_token_dispatcher_type",
+    )},
+    **{name: "YaRN RoPE of non-MLA models (--position-embedding-type yarn), not built here "
+             "(MLA models read --rotary-scaling-factor, --mscale, ...)"
+       for name in ("yarn_original_max_position_embeddings", "yarn_beta_fast",
+                    "yarn_beta_slow", "yarn_correction_range_round_to_int")},
+    "moe_router_quantile_balancing_ema": (
+        "read only with --moe-router-load-balancing-type quantile_balancing, refused here"
+    ),
+})  # fmt: skip
+
 
 def refused_value(dest: str, value: Any) -> tuple[str, str] | None:
     """(reason, hint) when `value` of `dest` asks for what is not built here, else None."""
+    choices = REFUSED_CHOICES.get(dest, {})
+    if isinstance(value, str) and value in choices:
+        return choices[value]
     rule = REFUSED_VALUES.get(dest)
     if rule is None or not rule[0](value):
         return None
@@ -452,9 +666,10 @@ class Verdict:
     hint: str | None = None
 
 
-def classify(dest: str, applied: set[str] | frozenset[str]) -> Verdict:
-    """What this trainer does with Megatron-LM's `dest` (`applied`: the dests we build from)."""
-    spec = lm_dests().get(dest)
+def classify(dest: str, applied: set[str] | frozenset[str], tag: str | None = None) -> Verdict:
+    """What this trainer does with Megatron-LM's `dest` (`applied`: the dests we build from;
+    `tag`: the inventory, default the installed megatron-core's)."""
+    spec = lm_dests(tag).get(dest)
     if dest in NOT_BUILT:
         return Verdict("refused", *NOT_BUILT[dest])
     if dest in REFUSED_VALUES:

@@ -80,8 +80,10 @@ class _Verdicts:
                 if translate is not None:
                     value = translate(value)
                 self.parsed.recipe_sets[path] = (value, key)
-            elif dest in self.specs and dest in megatron_lm.REFUSED_VALUES:
-                # a config field whose non-default values ask for what is not built here
+            elif dest in self.specs and (
+                dest in megatron_lm.REFUSED_VALUES or dest in megatron_lm.REFUSED_CHOICES
+            ):
+                # a config field some of whose values ask for what is not built here
                 value = coerce(self.specs[dest], value, key)
                 refused = megatron_lm.refused_value(dest, value)
                 if refused is not None:

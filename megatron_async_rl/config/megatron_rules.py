@@ -24,9 +24,12 @@ def _note(message: str) -> None:
         warn_once(message)
 
 
-def layout_stage_layers(layout: str, pp: int, num_layers: int) -> tuple[int, ...]:
+def layout_stage_layers(
+    layout: str, pp: int, num_layers: int, mtp_num_layers: int | None = None
+) -> tuple[int, ...]:
     """Decoder layers per pipeline stage of a --pipeline-model-parallel-layout (megatron-core's
-    parser and validation); ValueError naming the rule it breaks."""
+    parser and validation; the MTP layers it places, `m`, must be the `mtp_num_layers`);
+    ValueError naming the rule it breaks."""
     from megatron.core.transformer.enums import LayerType
     from megatron.core.transformer.pipeline_parallel_layer_layout import (
         PipelineParallelLayerLayout,
@@ -41,7 +44,8 @@ def layout_stage_layers(layout: str, pp: int, num_layers: int) -> tuple[int, ...
                 "them)"
             )
         parsed = PipelineParallelLayerLayout(layout, pp)
-        parsed.validate_layer_layout(num_layers, None)
+        places_mtp = any(LayerType.mtp in chunk for stage in parsed.layout for chunk in stage)
+        parsed.validate_layer_layout(num_layers, mtp_num_layers if places_mtp else None)
     except (AssertionError, ValueError, SyntaxError, TypeError, NameError) as error:
         raise ValueError(str(error) or "is not a layout megatron-core can parse") from None
     return tuple(stage[0].count(LayerType.decoder) for stage in parsed.layout)
@@ -59,7 +63,7 @@ def _layout_rules(a: dict[str, Any], pp: int) -> tuple:
         problem = "cannot be combined with --decoder-first/last-pipeline-num-layers"
     else:
         try:
-            layout_stage_layers(layout, pp, a["num_layers"])
+            layout_stage_layers(layout, pp, a["num_layers"], a.get("mtp_num_layers"))
         except ValueError as error:
             problem = str(error)
     return ((
@@ -206,15 +210,61 @@ def _torch_fsdp2_rules(a: dict[str, Any], role: str | None) -> tuple:
 
 
 _MTP = "--mtp-num-layers"
+_MTP_PLACEMENT_FROM = "0.19"
+"""The first megatron-core release offered MTP with virtual pipeline stages or a pipeline
+layout here (`tests/distributed/test_mtp.py::test_layout_and_virtual_stages_train_as_one_rank`)."""
+
+
+def mtp_pipeline_placement_refused() -> str | None:
+    """The installed megatron-core's release where MTP with virtual pipeline stages or a
+    pipeline layout is refused (the refusal names it); None where they are offered."""
+    from packaging.version import Version
+
+    from megatron_async_rl.compat.versions import installed_version
+
+    release = installed_version("megatron-core")
+    return None if Version(release) >= Version(_MTP_PLACEMENT_FROM) else release
+
+
+def layout_without_mtp(layout: str | None) -> str | None:
+    """A --pipeline-model-parallel-layout with its MTP layers (`m`) left out, for a role that
+    builds none (logp, ref); None stays None."""
+    if layout is None:
+        return None
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import (
+        PipelineParallelLayerLayout,
+    )
+
+    symbols = {LayerType.embedding: "E", LayerType.decoder: "t", LayerType.loss: "L"}
+    stages = PipelineParallelLayerLayout.parse_str_to_list(layout)
+    return "|".join("".join(symbols[t] for t in stage if t is not LayerType.mtp)
+                    for stage in stages)  # fmt: skip
+
+
+def _layout_mtp_off_last_stage(layout: str, pp: int, num: int) -> bool:
+    """Whether a layout leaves any of the `num` MTP layers out of its last stage (where they
+    run here: the last stage's post-processing, not megatron-core's standalone MTP stage);
+    False for a layout `_layout_rules` refuses."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import (
+        PipelineParallelLayerLayout,
+    )
+
+    try:
+        parsed = PipelineParallelLayerLayout(layout, pp)
+    except (AssertionError, ValueError, SyntaxError, TypeError, NameError):
+        return False
+    return parsed.layout[-1][-1].count(LayerType.mtp) != num
 
 
 def _mtp_rules(a: dict[str, Any], role: str | None) -> tuple:
     """Where multi-token prediction is built here: the actor (train role), its MTP layers on
     the last pipeline stage (any pipeline size, with a copy of the word embedding there tied to
-    the first stage's: `compat.megatron_mtp`), without virtual pipeline stages, a custom
-    pipeline layout or context parallelism, under DDP or torch FSDP2
-    (`tests/distributed/test_mtp_fsdp2.py`); the logp and ref roles leave the MTP layers out
-    (they compute the main head's log-probs only)."""
+    the first stage's: `compat.megatron_mtp`; in its last virtual stage, or where a pipeline
+    layout puts them in the last stage, from megatron-core 0.19 on), without context
+    parallelism, under DDP or torch FSDP2 (`tests/distributed/test_mtp_fsdp2.py`); the logp
+    and ref roles leave the MTP layers out (they compute the main head's log-probs only)."""
     num, factor = a.get("mtp_num_layers"), a.get("mtp_loss_scaling_factor")
     if num is None:
         if factor != 0.1:  # Megatron-LM's default
@@ -225,6 +275,10 @@ def _mtp_rules(a: dict[str, Any], role: str | None) -> tuple:
                   "head's, and only the train role builds and trains the MTP layers")  # fmt: skip
         return ()
     with_mtp = f"with {_MTP} = {num} (multi-token prediction)"
+    layout = a.get("pipeline_model_parallel_layout")
+    release = mtp_pipeline_placement_refused()
+    not_offered = (f"is not supported {with_mtp} on megatron-core {release}: offered from "
+                   f"{_MTP_PLACEMENT_FROM} on")  # fmt: skip
     vp_flag, vp_value = next(
         ((flag, a.get(key)) for flag, key in (
             (_VP_STAGES, "num_virtual_stages_per_pipeline_rank"),
@@ -240,9 +294,7 @@ def _mtp_rules(a: dict[str, Any], role: str | None) -> tuple:
          "replaces it", "set it in roles.train.megatron: only"),
         (factor is None or factor < 0, "--mtp-loss-scaling-factor", factor, "must be >= 0",
          None),
-        (vp_flag is not None, vp_flag, vp_value,
-         f"is not supported {with_mtp}: the MTP layers are built here on the last stage's "
-         "only model chunk (megatron-core 0.16.1 places them in the last virtual stage)",
+        (vp_flag is not None and release is not None, vp_flag, vp_value, not_offered,
          f"drop it (pipeline stages without virtual ones work), or drop {_MTP}"),
         (a["pipeline_model_parallel_size"] > 1
          and a["position_embedding_type"] == "learned_absolute" and a["add_position_embedding"],
@@ -250,10 +302,14 @@ def _mtp_rules(a: dict[str, Any], role: str | None) -> tuple:
          f"is not supported {with_mtp} and --pipeline-model-parallel-size > 1: the last "
          "stage's copy of the position embedding (the MTP layers') is not tied to the first "
          "stage's", "use rope, or --pipeline-model-parallel-size 1"),
-        (a.get("pipeline_model_parallel_layout") is not None,
-         "--pipeline-model-parallel-layout", a.get("pipeline_model_parallel_layout"),
-         f"is not supported {with_mtp} (the MTP layers are placed on the last pipeline stage "
-         "here, not by a layout)", "drop it"),
+        (layout is not None and release is not None, "--pipeline-model-parallel-layout",
+         layout, not_offered, "drop it (the MTP layers go on the last pipeline stage)"),
+        (layout is not None and release is None
+         and _layout_mtp_off_last_stage(layout, a["pipeline_model_parallel_size"], num),
+         "--pipeline-model-parallel-layout", layout,
+         f"must place all {num} MTP layers ('m') in its last stage {with_mtp}: they run "
+         "there, in the last stage's post-processing", "e.g. 'Et*3|t*4mL' for 7 layers and "
+         "one MTP layer on 2 stages"),
         (a["context_parallel_size"] > 1, "--context-parallel-size", a["context_parallel_size"],
          f"must be 1 {with_mtp}: the MTP targets are shifted within this rank's sequence",
          f"use 1, or drop {_MTP}"),
