@@ -128,6 +128,7 @@ def _check_shape(flags: BatchFlags) -> None:
         raise ConfigError(flag, value, "needs --global-batch-size (the G it ends at or lowers)")
     if ramp is None:
         return
+    _check_ramp_available(value)
     if len(ramp) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) for v in ramp):
         raise ConfigError(flag, value, "takes three integers: <start> <increment> <ramp samples>")
     start, increment, samples = ramp
@@ -139,6 +140,25 @@ def _check_shape(flags: BatchFlags) -> None:
         )
     if samples < 1:
         raise ConfigError(flag, value, "<ramp samples> must be >= 1 (megatron-core divides by it)")
+
+
+def _check_ramp_available(value) -> None:
+    """megatron-core 0.19 removed its ramp calculator: `--rampup-batch-size` is deprecated there
+    for `--step-batch-size-schedule` and ignored by Megatron-LM itself."""
+    from megatron.core import num_microbatches_calculator as calculators
+
+    if hasattr(calculators, "RampupBatchsizeNumMicroBatchesCalculator"):
+        return
+    from megatron_async_rl.compat.versions import installed_version
+
+    raise ConfigError(
+        RAMP_FLAG, value,
+        f"needs megatron-core's batch-size ramp, which megatron-core "
+        f"{installed_version('megatron-core')} no longer has (deprecated for "
+        "--step-batch-size-schedule, which this trainer does not apply; Megatron-LM 0.19 ignores "
+        "the flag)",
+        "drop it (a fixed --global-batch-size), or use megatron-core 0.16.x for the ramp",
+    )  # fmt: skip
 
 
 def _check_fixed_step_flags(args: dict[str, Any], why: str) -> None:

@@ -13,7 +13,10 @@ number, each with a ConfigError naming the flag, the value, the rule and a fix.
 `roles/learn.py:train_on_batch` trains on that G and logs it as `actor/global_batch_size`; the
 lr schedule advances by G_k / G per optimizer step, which reproduces Megatron-LM's
 sample-counted schedule (megatron-core's `OptimizerParamScheduler` driven in samples, the
-reference). Faked: the train role of `train_on_batch` (a recording `train_step`).
+reference). Faked: the train role of `train_on_batch` (a recording `train_step`). On a
+megatron-core without the ramp calculator (0.19 removed it) the ramp is refused, naming the flag
+and the release, and these tests skip (`test_the_ramp_is_refused_where_megatron_core_removed_it`
+runs there).
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ import torch
 
 from megatron_async_rl.algorithms import batch_ramp, minibatch
 from megatron_async_rl.config.errors import ConfigError
+
+_HAS_RAMP = hasattr(
+    pytest.importorskip("megatron.core.num_microbatches_calculator"),
+    "RampupBatchsizeNumMicroBatchesCalculator",
+)
+_NEEDS_RAMP = pytest.mark.skipif(not _HAS_RAMP, reason="megatron-core removed its ramp (0.19)")
 
 
 def _args(ramp=None, gbs=64, mbs=1, decrease=False, **extra):
@@ -55,6 +64,7 @@ def _by_hand(start, increment, samples, gbs, consumed):
         ((16, 16, 1536), 192, 1, [16, 16, 16, 32, 32, 32, 48, 48, 64, 64]),
     ],
 )
+@_NEEDS_RAMP
 def test_the_ramp_follows_megatron_core(ramp, num_samples, epochs, expected):
     args = _args(list(ramp))
     assert _sequence(args, len(expected), num_samples, epochs) == expected
@@ -62,6 +72,7 @@ def test_the_ramp_follows_megatron_core(ramp, num_samples, epochs, expected):
     assert expected == [_by_hand(*ramp, 64, c) for c in consumed]
 
 
+@_NEEDS_RAMP
 def test_a_resumed_run_continues_the_ramp():
     args = _args([16, 16, 1536])
     sequence = _sequence(args, 12, num_samples=192)
@@ -77,12 +88,14 @@ def test_a_resumed_run_continues_the_ramp():
     )  # fmt: skip
 
 
+@_NEEDS_RAMP
 def test_without_the_flags_g_is_the_flag_and_megatron_is_not_asked(monkeypatch):
     monkeypatch.setattr(batch_ramp, "ramped_global_batch_size", None)  # would fail if called
     assert minibatch.global_batch_size_at(_args(gbs=32), 5, 64, 1, 4) == 32
     assert minibatch.global_batch_size_at(_args(gbs=None), 5, 64, 1, 4) is None
 
 
+@_NEEDS_RAMP
 def test_decrease_rounds_g_down_to_whole_micro_batches():
     # 48 over 32 ranks x 1 sample: 32; the ramp's 24 over 16 ranks: 16
     assert _sequence(_args(gbs=48, decrease=True), 2, dp=32) == [32, 32]
@@ -117,6 +130,7 @@ def test_decrease_rounds_g_down_to_whole_micro_batches():
          r"the global batch sizes it gives, 48, must divide the rollout batch of 64 samples"),
     ],
 )  # fmt: skip
+@_NEEDS_RAMP
 def test_bad_ramps_are_refused(args, dp, pattern):
     with pytest.raises(ConfigError, match=pattern):
         batch_ramp.check_batch_ramp(args, 64, 1, dp)
@@ -133,6 +147,7 @@ def test_bad_ramps_are_refused(args, dp, pattern):
         ("save_interval", 10, "use checkpoint.every_steps"),
     ],
 )
+@_NEEDS_RAMP
 def test_a_varying_g_refuses_flags_counted_in_optimizer_steps(dest, value, fix):
     rule = "counts optimizer steps as RL steps x a fixed number here, and"
     flag = "--" + dest.replace("_", "-")
@@ -156,6 +171,7 @@ def _tree(**extra):
     return tree
 
 
+@_NEEDS_RAMP
 def test_the_recipe_checks_the_ramp():
     from megatron_async_rl.config.recipe import build_config
 
@@ -174,6 +190,7 @@ def test_the_recipe_checks_the_ramp():
         build_config(tree, [*flags, "--train-iters", "20"], check_paths=False)
 
 
+@_NEEDS_RAMP
 def test_train_on_batch_runs_and_logs_the_ramps_g(tmp_path):
     import torch.distributed as dist
 
@@ -206,6 +223,7 @@ def test_train_on_batch_runs_and_logs_the_ramps_g(tmp_path):
         dist.destroy_process_group()
 
 
+@_NEEDS_RAMP
 def test_the_lr_schedule_counts_samples_as_megatron_lm_does():
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -247,3 +265,9 @@ def test_the_lr_schedule_counts_samples_as_megatron_lm_does():
     assert len(lrs) > 12  # the ramp's small batches took more optimizer steps
     for got, want in lrs:
         assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.skipif(_HAS_RAMP, reason="this megatron-core has its ramp calculator")
+def test_the_ramp_is_refused_where_megatron_core_removed_it():
+    with pytest.raises(ConfigError, match=r"--rampup-batch-size.*no longer has.*0\.16\.x"):
+        batch_ramp.check_batch_ramp(_args(ramp=[16, 16, 128]), 64, 1)
