@@ -210,22 +210,6 @@ def _torch_fsdp2_rules(a: dict[str, Any], role: str | None) -> tuple:
 
 
 _MTP = "--mtp-num-layers"
-_MTP_PLACEMENT_FROM = "0.19"
-"""The first megatron-core release offered MTP with virtual pipeline stages or a pipeline
-layout here (`tests/distributed/test_mtp.py::test_layout_and_virtual_stages_train_as_one_rank`)."""
-
-
-def mtp_pipeline_placement_refused() -> str | None:
-    """The installed megatron-core's release where MTP with virtual pipeline stages or a
-    pipeline layout is refused (the refusal names it); None where they are offered."""
-    from packaging.version import Version
-
-    from megatron_async_rl.compat.versions import installed_version
-
-    release = installed_version("megatron-core")
-    return None if Version(release) >= Version(_MTP_PLACEMENT_FROM) else release
-
-
 def layout_without_mtp(layout: str | None) -> str | None:
     """A --pipeline-model-parallel-layout with its MTP layers (`m`) left out, for a role that
     builds none (logp, ref); None stays None."""
@@ -262,7 +246,8 @@ def _mtp_rules(a: dict[str, Any], role: str | None) -> tuple:
     """Where multi-token prediction is built here: the actor (train role), its MTP layers on
     the last pipeline stage (any pipeline size, with a copy of the word embedding there tied to
     the first stage's: `compat.megatron_mtp`; in its last virtual stage, or where a pipeline
-    layout puts them in the last stage, from megatron-core 0.19 on), without context
+    layout puts them in the last stage: `tests/distributed/test_mtp.py`, on both ends of the
+    supported megatron-core range), without context
     parallelism, under DDP or torch FSDP2 (`tests/distributed/test_mtp_fsdp2.py`); the logp
     and ref roles leave the MTP layers out (they compute the main head's log-probs only)."""
     num, factor = a.get("mtp_num_layers"), a.get("mtp_loss_scaling_factor")
@@ -276,17 +261,6 @@ def _mtp_rules(a: dict[str, Any], role: str | None) -> tuple:
         return ()
     with_mtp = f"with {_MTP} = {num} (multi-token prediction)"
     layout = a.get("pipeline_model_parallel_layout")
-    release = mtp_pipeline_placement_refused()
-    not_offered = (f"is not supported {with_mtp} on megatron-core {release}: offered from "
-                   f"{_MTP_PLACEMENT_FROM} on")  # fmt: skip
-    vp_flag, vp_value = next(
-        ((flag, a.get(key)) for flag, key in (
-            (_VP_STAGES, "num_virtual_stages_per_pipeline_rank"),
-            (_VP_LAYERS, "num_layers_per_virtual_pipeline_stage"),
-            ("--virtual-pipeline-model-parallel-size", "virtual_pipeline_model_parallel_size"),
-        ) if a.get(key) is not None),
-        (None, None),
-    )  # fmt: skip
     return (
         (num < 1, _MTP, num, "must be >= 1", "drop the flag for no MTP layers"),
         (role in ("critic", "reward_model"), _MTP, num,
@@ -294,17 +268,13 @@ def _mtp_rules(a: dict[str, Any], role: str | None) -> tuple:
          "replaces it", "set it in roles.train.megatron: only"),
         (factor is None or factor < 0, "--mtp-loss-scaling-factor", factor, "must be >= 0",
          None),
-        (vp_flag is not None and release is not None, vp_flag, vp_value, not_offered,
-         f"drop it (pipeline stages without virtual ones work), or drop {_MTP}"),
         (a["pipeline_model_parallel_size"] > 1
          and a["position_embedding_type"] == "learned_absolute" and a["add_position_embedding"],
          "--position-embedding-type", "learned_absolute",
          f"is not supported {with_mtp} and --pipeline-model-parallel-size > 1: the last "
          "stage's copy of the position embedding (the MTP layers') is not tied to the first "
          "stage's", "use rope, or --pipeline-model-parallel-size 1"),
-        (layout is not None and release is not None, "--pipeline-model-parallel-layout",
-         layout, not_offered, "drop it (the MTP layers go on the last pipeline stage)"),
-        (layout is not None and release is None
+        (layout is not None
          and _layout_mtp_off_last_stage(layout, a["pipeline_model_parallel_size"], num),
          "--pipeline-model-parallel-layout", layout,
          f"must place all {num} MTP layers ('m') in its last stage {with_mtp}: they run "

@@ -24,8 +24,8 @@ padded):
   Transformer Engine's norms: not on CPU); at PP = 2 the MTP stage's copy of the embedding
   stays equal to the first stage's, a PP = 2 checkpoint (tied or untied embeddings) resumes
   bit for bit at PP = 2 and within 1e-6 on one rank, and weight sync does not send the copy;
-- from megatron-core 0.19 on (refused before: `config.megatron_rules`), PP = 2 with the MTP
-  layers placed by a pipeline layout or in the last virtual stage trains as one rank does, and
+- on megatron-core 0.16.1 and 0.19.2 alike, PP = 2 with the MTP layers placed by a pipeline
+  layout or in the last virtual stage trains as one rank does, and
   a logp role given the same layout (its MTP layers left out) builds and agrees.
 """
 
@@ -36,7 +36,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_async_rl.config import megatron_rules
 from tests.distributed.harness import spawn
 from tests.distributed.test_virtual_pipeline import _role as _one_window_role
 
@@ -400,7 +399,6 @@ MTP_PIPELINES = {  # 4 layers, the MTP layers on the last stage: by the layout, 
     "layout": {"pipeline_model_parallel_size": 2, "pipeline_model_parallel_layout": "Et|tttmmL"},
     "vp2": {"pipeline_model_parallel_size": 2, "num_virtual_stages_per_pipeline_rank": 2},
 }
-_PLACEMENT_REFUSED = megatron_rules.mtp_pipeline_placement_refused()
 
 
 def _logp_beside_worker(rank, world_size, tmp_dir, path, parallel):
@@ -413,9 +411,6 @@ def _logp_beside_worker(rank, world_size, tmp_dir, path, parallel):
     return {name: roles[name].logprobs(tokens, 2) for name in ("train", "logp")}
 
 
-@pytest.mark.skipif(_PLACEMENT_REFUSED is not None, reason=(
-    f"megatron-core {_PLACEMENT_REFUSED}: config.megatron_rules refuses MTP with virtual "
-    "pipeline stages or a pipeline layout"))  # fmt: skip
 @pytest.mark.parametrize("name", list(MTP_PIPELINES))
 def test_layout_and_virtual_stages_train_as_one_rank(name, tiny_model, tmp_path):
     """PP = 2 with the MTP layers placed by a layout ('Et|tttmmL', uneven stages) or in the

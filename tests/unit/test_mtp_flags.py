@@ -2,11 +2,10 @@
 
 Contract: both flags parse to their dests, are classified applied and reach megatron-core's
 TransformerConfig kwargs; --mtp-standalone is ignored with its reason. Pipeline stages are
-accepted; every layout MTP is not built for (context parallelism, a scalar-head role; before
-megatron-core 0.19 virtual pipeline stages and a pipeline layout, from 0.19 on a layout that
-leaves MTP layers off its last stage) and every bad value is a ConfigError naming the flag, its
-value and the rule; from 0.19 on a layout with the MTP layers on its last stage and virtual
-stages are accepted, and a logp role's layout drops its `m`s; the logp and ref roles
+accepted; every layout MTP is not built for (context parallelism, a scalar-head role, a layout
+that leaves MTP layers off its last stage) and every bad value is a ConfigError naming the flag,
+its value and the rule; a layout with the MTP layers on its last stage and virtual stages are
+accepted, and a logp role's layout drops its `m`s; the logp and ref roles
 accept the flag with a warning (they leave the MTP layers out), also through a recipe, the
 factor alone is ignored with a warning, and a scalar head still refuses MTP when built. The MTP
 targets are the tokens k + 2 ahead, counted on real tokens only, and the name map's rank state
@@ -57,9 +56,6 @@ def test_mtp_standalone_is_ignored_with_its_reason():
     assert "mtp_standalone" not in mp.parse_megatron_flags(["--mtp-standalone"])
 
 
-_RELEASE = megatron_rules.mtp_pipeline_placement_refused()  # None from megatron-core 0.19 on
-_BEFORE_019 = pytest.mark.skipif(_RELEASE is None, reason="offered from megatron-core 0.19 on")
-_FROM_019 = pytest.mark.skipif(_RELEASE is not None, reason=f"refused on megatron-core {_RELEASE}")
 _VIRTUAL = [{"pipeline_model_parallel_size": 2, "num_virtual_stages_per_pipeline_rank": 2,
              "num_layers": 4, "position_embedding_type": "rope"},
             {"pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1,
@@ -67,31 +63,12 @@ _VIRTUAL = [{"pipeline_model_parallel_size": 2, "num_virtual_stages_per_pipeline
 _LAYOUT = {"pipeline_model_parallel_size": 2, "num_layers": 4, "position_embedding_type": "rope"}
 
 
-@_BEFORE_019
-@pytest.mark.parametrize("extra, match", [
-    (_VIRTUAL[0], r"--num-virtual-stages-per-pipeline-rank = 2: is not supported with "
-     r"--mtp-num-layers = 2 \(multi-token prediction\) on megatron-core 0\.16.*: offered from "
-     r"0\.19 on.*hint: drop it"),
-    (_VIRTUAL[1], r"--num-layers-per-virtual-pipeline-stage = 1: is not supported with --mtp"),
-    ({**_LAYOUT, "pipeline_model_parallel_layout": "Et|tttmmL"},
-     r"--pipeline-model-parallel-layout = 'Et\|tttmmL': is not supported with --mtp-num-layers "
-     r"= 2 \(multi-token prediction\) on megatron-core"),
-    ({"pipeline_model_parallel_layout": "Et*2L"},
-     r"--pipeline-model-parallel-layout = 'Et\*2L': is not supported with --mtp-num-layers"),
-])  # fmt: skip
-def test_pipeline_placement_is_refused_before_0_19(extra, match):
-    with pytest.raises(ConfigError, match=match):
-        megatron_rules.check_args(_args(**extra), "train")
-
-
-@_FROM_019
 @pytest.mark.parametrize("extra", [*_VIRTUAL, {**_LAYOUT, "pipeline_model_parallel_layout":
                                                "Et|tttmmL"}])  # fmt: skip
-def test_pipeline_placement_is_accepted_from_0_19(extra):
+def test_pipeline_placement_with_virtual_stages_or_a_layout_is_accepted(extra):
     megatron_rules.check_args(_args(**extra), "train")
 
 
-@_FROM_019
 @pytest.mark.parametrize("layout, match", [
     ("Et|tttL", r"--pipeline-model-parallel-layout = 'Et\|tttL': must place all 2 MTP layers "
      r"\('m'\) in its last stage with --mtp-num-layers = 2.*hint: e\.g\. 'Et\*3\|t\*4mL'"),
@@ -247,8 +224,3 @@ def test_a_recipe_builds_mtp_for_the_train_role_only(caplog):
     assert cfg.role_megatron_args["train"]["mtp_num_layers"] == 2
     assert "--mtp-num-layers 2 is ignored for the logp role" in caplog.text
     assert "--mtp-num-layers 2 is ignored for the ref role" in caplog.text
-    if _RELEASE is not None:  # before megatron-core 0.19
-        vp = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
-        match = r"--num-virtual-stages-per-pipeline-rank = 2: is not supported with --mtp"
-        with pytest.raises(ConfigError, match=match + r".*resolved for role train"):
-            build_config(tree, [*FLAGS, *vp])
