@@ -10,7 +10,7 @@ setup(
     # CPU-only import shims for SGLang's engine processes (see engines/cpu_shims/README.md);
     # plain folders on the engine's PYTHONPATH, not packages of ours.
     package_data={
-        "megatron_async_rl.config": ["megatron_lm_flags.json"],
+        "megatron_async_rl.config": ["megatron_lm_flags/*.json"],
         "megatron_async_rl.engines": [
             "cpu_shims/*",
             "cpu_shims/*/*",
@@ -21,19 +21,23 @@ setup(
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=[
+        # Ranges, not pins: this is a plugin that lives in its users' environment. Both ends of
+        # the megatron-core range are tested (scripts/test.sh); the exact versions installed
+        # here are in constraints/cpu.txt.
         "torch>=2.6",
-        "megatron-core==0.16.1",
+        "megatron-core>=0.16.1,<0.20",
         "einops>=0.8",
         "matplotlib>=3.7",
         # the `math` reward's equivalence checks (rewards/math_grade.py)
-        "math-verify==0.9.0",
+        "math-verify>=0.9,<0.10",
         "numpy",
+        "packaging",
         "pyarrow",
         "pyyaml>=6",
         "safetensors>=0.4",
-        # sglang 0.5.21 (the generation engine) pins these two; keep them in step.
-        "transformers==5.12.1",
-        "tokenizers==0.22.2",
+        # what the supported SGLang releases (0.5.21 to 0.5.23) pin, each its own version
+        "transformers>=5.12.1,<6",
+        "tokenizers>=0.22.2,<0.24",
         "tqdm",
         # weight-sync message checksums (XXH3: ~6x faster than CRC-32 here)
         "xxhash>=3",

@@ -4,9 +4,12 @@
 #
 #     bash scripts/gpu_checks.sh [tests] [cpu] [bench]   # all three by default; logs under $OUT
 #
-# Wheels that the machine lacks (megatron-core, and the transformers/tokenizers pair we pin)
-# travel in .whl/ (git-ignored), fetched here with `pip download --python-version 3.12 ...`;
-# they are installed into /tmp/site. What runs:
+# Wheels that the machine lacks travel in .whl/ (git-ignored): megatron-core at the high end of
+# the supported range (0.19.x: the GPU machine has Python 3.12, which 0.17+ require) and the
+# transformers/tokenizers pair of constraints/cpu.txt, fetched here with
+#     pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
+#         megatron-core==0.19.2 transformers==<constraints> tokenizers==<constraints>
+# They are installed into /tmp/site; MEGATRON_CORE_WANT (default 0.19.) is checked. What runs:
 #   1. the GPU test suite, `pytest -m gpu tests/gpu` (CUDA parity fp32/bf16, PPO mini-batch steps
 #      fp32/bf16 and MoE, weight sync on CUDA,
 #      the pinned staging arena, two NCCL ranks where there are two GPUs);
@@ -35,6 +38,9 @@ print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torc
         || echo "transformer_engine: not installed"
     python3 -c "import apex" 2>/dev/null && echo "apex: yes" || echo "apex: not installed"
 } 2>&1 | tee "$OUT/machine.txt"
+python3 -c "import sys, megatron.core as m; v = m.__version__; want = '${MEGATRON_CORE_WANT:-0.19.}'; \
+sys.exit(0 if v.startswith(want) else f'megatron-core {v} installed, want {want}x: carry its wheel in .whl/')" \
+    || exit 1
 
 if [[ " $PARTS " == *" tests "* ]]; then
 echo "== 1. pytest -m gpu tests/gpu"

@@ -11,7 +11,8 @@ set -euo pipefail
 repo_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo_dir"
 bash scripts/setup_env.sh
-py=.venv/bin/python
+py=${PYTHON:-.venv/bin/python}  # PYTHON: another environment (e.g. .venv-megatron-core-0.19.2)
+export PYTHON=$py
 if [[ ! -f runs/tiny-llama/config.json ]]; then
     "$py" -m megatron_async_rl.models.tiny --family llama --out runs/tiny-llama --seed 0
 fi

@@ -13,17 +13,18 @@ if [[ ! -x $venv/bin/python ]]; then
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 stamp=$venv/.megatron_async_rl.stamp
-want=$(cat "$repo_dir/setup.py" "$0" | sha256sum | cut -d' ' -f1)
+constraints=$repo_dir/constraints/cpu.txt
+want=$(cat "$repo_dir/setup.py" "$constraints" "$0" | sha256sum | cut -d' ' -f1)
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
     install_project=1
 else
     install_project=0
 fi
 if ((install_project)); then
-    # torch first, pinned: this machine's CPU wheel. Asking for a newer torch would pull the CUDA
-    # build (several GB); with 2.13.0 installed, megatron-core's "torch>=2.6" installs nothing more.
-    "${pip[@]}" install "torch==2.13.0"
-    "${pip[@]}" install -e "$repo_dir[test]"
+    # torch first, at the constraints' version: this machine's CPU wheel. Asking for a newer torch
+    # would pull the CUDA build (several GB); with it installed, "torch>=2.6" installs nothing more.
+    "${pip[@]}" install -c "$constraints" torch
+    "${pip[@]}" install -c "$constraints" -e "$repo_dir[test]"
     echo "$want" >"$stamp"
 fi
 # The generation engine. On a CPU-only machine: the real SGLang without its CUDA wheels (its own

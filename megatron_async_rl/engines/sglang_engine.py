@@ -30,11 +30,14 @@ for views of one buffer) and the host hands the bytes to SGLang's schedulers unt
 Every call has a timeout (`SGLangEngineConfig.*_timeout_s`) and raises `EngineTimeoutError`
 naming the call. On CPU the host sets `SGLANG_USE_CPU_ENGINE=1` before importing sglang and
 puts `cpu_shims/` first on its `sys.path` and on `PYTHONPATH` for the engine's children (see
-`cpu_shims/README.md`); nothing of this touches the calling process. Private CPU tensors
+`cpu_shims/README.md`); nothing of this touches the calling process. It also names SGLang's
+`torch_native` attention backend, whatever the CPU (`sglang_host.CPU_ATTENTION_BACKEND`: SGLang
+would otherwise probe for AMX; DeepSeek's multi-latent attention runs on it with the shims'
+patch); `SGLangEngine.attention_backend` reports the one SGLang resolved. Private CPU tensors
 sent to `update_weights` are moved to shared memory by torch's multiprocessing pickler.
 `get_weights_by_name` returns the full HF-named parameter as float32, vocab rows padded
 (to a multiple of 64, times the TP size under TP) for the embedding and LM head; SGLang 0.5.21
-implements it for Llama-family models only. Under engine TP > 1, SGLang's own
+to 0.5.23 implement it for Llama-family models only. Under engine TP > 1, SGLang's own
 `get_weights_by_name` answers from TP rank 0 alone (its shard of q/k/v, gate/up and the vocab
 rows; o_proj/down_proj all-gathered), so the host instead has every TP rank dump its parameters
 with SGLang's `save_sharded_model` (into a temporary directory, once per weight version) and
@@ -134,13 +137,17 @@ class SGLangEngine:
         """SGLang refuses a request whose input has this many tokens or more."""
         self.context_tokens: int | None = info.get("context_tokens")
         """SGLang refuses a request whose input plus max_new_tokens is longer."""
+        self.attention_backend: str | None = info.get("attention_backend")
+        """The attention backend SGLang resolved at launch (on CPU `torch_native`, whatever the
+        CPU: `sglang_host.CPU_ATTENTION_BACKEND`)."""
         self._engine_procs = processes(self.engine_child_pids)
         self._engine_files: list[str] = info.get("files", [])
         self.startup_s = time.monotonic() - start
         self._reader = threading.Thread(target=self._read_replies, daemon=True)
         self._reader.start()
         atexit.register(self.shutdown)
-        logger.info("[%s] SGLang engine up in %.1f s", self.where, self.startup_s)
+        logger.info("[%s] SGLang engine up in %.1f s (attention backend %s)", self.where,
+                    self.startup_s, self.attention_backend)  # fmt: skip
 
     # -- Engine protocol ---------------------------------------------------------------------
 

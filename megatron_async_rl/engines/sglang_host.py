@@ -56,6 +56,40 @@ def _scrub_launcher_env() -> None:
             del os.environ[key]
 
 
+# SGLang's own CPU default is `intel_amx` on an x86 CPU with AMX tiles, which needs sgl-kernel's
+# CPU build (not published; the shim in cpu_shims/ registers none of its ops), and it falls back
+# to `torch_native` only after probing for those kernels. Named here, the backend is the same on
+# every CPU; cpu_shims/sitecustomize.py makes multi-latent attention (DeepSeek) run on it.
+CPU_ATTENTION_BACKEND = "torch_native"
+
+
+def engine_kwargs(config: SGLangEngineConfig) -> dict[str, Any]:
+    """The keyword arguments of `sglang.Engine` for `config`; the recipe's `server_args` win over
+    the optional ones."""
+    cpu = config.device == "cpu"
+    optional = {
+        "max_total_tokens": config.max_total_tokens,
+        "mem_fraction_static": config.mem_fraction_static,
+        # SGLang's idle scheduler otherwise spins a core: on CPU, that core is the trainer's
+        # or the weight sync's (measured: weight sync 0.140 -> 0.116 s, raw broadcast alike).
+        "sleep_on_idle": True if cpu else None,
+        "attention_backend": CPU_ATTENTION_BACKEND if cpu else None,
+        # MoE routing replay: SGLang keeps each token's experts
+        "enable_return_routed_experts": True if config.routing is not None else None,
+    }
+    kwargs = {k: v for k, v in optional.items() if v is not None}
+    kwargs.update(config.server_args)
+    return dict(  # a server_args key naming one of these is a TypeError, as in sglang.Engine
+        model_path=config.model_path,
+        device=config.device,
+        tp_size=config.tp_size,
+        dtype=config.dtype,
+        random_seed=config.random_seed,
+        log_level=config.log_level,
+        **kwargs,
+    )
+
+
 def host_main(conn, config: SGLangEngineConfig) -> None:
     """Entry point of the engine host: start `sglang.Engine`, then serve calls until shutdown."""
     # A preemption's SIGTERM is for the ranks, which finish a step and save before they stop
@@ -77,29 +111,10 @@ def host_main(conn, config: SGLangEngineConfig) -> None:
             # Without it SGLang's CPU TP asserts one NUMA node per TP rank.
             bind = cpu_threads_bind(config.tp_size, sorted(os.sched_getaffinity(0)))
             os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = bind
-    optional = {
-        "max_total_tokens": config.max_total_tokens,
-        "mem_fraction_static": config.mem_fraction_static,
-        # SGLang's idle scheduler otherwise spins a core: on CPU, that core is the trainer's
-        # or the weight sync's (measured: weight sync 0.140 -> 0.116 s, raw broadcast alike).
-        "sleep_on_idle": True if config.device == "cpu" else None,
-    }
-    kwargs = {k: v for k, v in optional.items() if v is not None}
-    if config.routing is not None:  # MoE routing replay: SGLang keeps each token's experts
-        kwargs["enable_return_routed_experts"] = True
-    kwargs.update(config.server_args)  # the recipe's own server_args win
     try:
         import sglang
 
-        engine = sglang.Engine(
-            model_path=config.model_path,
-            device=config.device,
-            tp_size=config.tp_size,
-            dtype=config.dtype,
-            random_seed=config.random_seed,
-            log_level=config.log_level,
-            **kwargs,
-        )
+        engine = sglang.Engine(**engine_kwargs(config))
     except BaseException:  # noqa: B036 - reported to the rank, which raises EngineDiedError
         conn.send(("failed", traceback.format_exc()))
         kill_tree(os.getpid(), include_root=False)
@@ -134,10 +149,16 @@ class _EngineHost:
         loop.remove_signal_handler(signal.SIGTERM)  # SGLang's drains and exits: see host_main
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         threading.Thread(target=self._read_calls, args=(loop,), daemon=True).start()
-        limits = {"max_input_tokens": self.tm.max_req_input_len,
-                  "context_tokens": self.tm.context_len}  # what SGLang accepts per request
-        self.conn.send(("ready", {"child_pids": self.child_pids, "files": self._own_files(),
-                                  **limits}))  # fmt: skip
+        resolved = self.tm.server_args.resolved_dict()  # its launch config, defaults decided
+        info = {
+            "child_pids": self.child_pids,
+            "files": self._own_files(),
+            # what SGLang accepts per request
+            "max_input_tokens": self.tm.max_req_input_len,
+            "context_tokens": self.tm.context_len,
+            "attention_backend": resolved["attention_backend"],
+        }
+        self.conn.send(("ready", info))
         await self.stopped.wait()
 
     def _own_files(self) -> list[str]:

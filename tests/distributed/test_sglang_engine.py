@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -36,6 +39,7 @@ from megatron_async_rl.engines.protocol import (
     SamplingParams,
 )
 from megatron_async_rl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
+from megatron_async_rl.engines.sglang_host import CPU_ATTENTION_BACKEND, CPU_SHIMS_DIR
 
 pytestmark = [
     pytest.mark.slow,
@@ -104,12 +108,26 @@ def _greedy(max_new_tokens: int, tag: str) -> list[GenerateRequest]:
     return [GenerateRequest(p, sampling, f"{tag}-{i}") for i, p in enumerate(PROMPTS)]
 
 
+def _hf_model(served: Served):
+    """`transformers`' model of `served.state`, loaded the way it loads a checkpoint: the state
+    is written next to the model's config, so transformers converts checkpoint names itself
+    (its MoE models keep experts fused, e.g. DeepSeek-V3's `experts.gate_up_proj`)."""
+    import tempfile
+
+    import transformers
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in served.model_dir.iterdir():
+            if not path.name.startswith("model.safetensors"):
+                os.symlink(path, Path(tmp) / path.name)
+        save_file({n: t.contiguous() for n, t in served.state.items()}, f"{tmp}/model.safetensors")
+        return transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+
+
 def _hf_logprob_diff(served: Served, results, requests) -> float:
     """Mean |engine log-prob - transformers log-prob| over all generated tokens."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(served.model_dir, dtype=torch.float32)
-    model.load_state_dict(served.state)
+    model = _hf_model(served)
     diffs = []
     with torch.no_grad():
         for request, result in zip(requests, results):
@@ -328,8 +346,6 @@ def test_multiturn_on_the_real_engine(served):
     every turn continues from the trajectory's token ids, so a `transformers` forward pass
     over each whole trajectory gives the engine's log-prob for every model token (within
     1e-3, environment tokens in between), and the model tokens carry the engine's version."""
-    import transformers
-
     from megatron_async_rl.models.tiny import build_tokenizer
     from megatron_async_rl.rollout.environment import EpisodeSample
     from megatron_async_rl.rollout.multiturn import MultiTurnLimits, generate_trajectories
@@ -346,8 +362,7 @@ def test_multiturn_on_the_real_engine(served):
         sampling, MultiTurnLimits(max_turns=4),
     )  # fmt: skip
     assert [e.finish_reason for e in episodes] == ["done", "done"] and counts["turns"] == 6
-    model = transformers.AutoModelForCausalLM.from_pretrained(served.model_dir, dtype=torch.float32)
-    model.load_state_dict(served.state)
+    model = _hf_model(served)
     diffs = []
     with torch.no_grad():
         for traj in trajs:
@@ -412,19 +427,114 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _has_amx() -> bool:
-    try:
-        return "amx_tile" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+# Run in a fresh interpreter with the CPU engine's environment (what the engine host sets up),
+# so nothing of SGLang's import-time state reaches this process.
+def _probe(script: str, *args: str, patched: bool = True) -> dict:
+    """Run `script` (printing one JSON line last) under the CPU engine's environment; with
+    `patched=False` the shims are importable but `cpu_shims/sitecustomize.py` does not run."""
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(CPU_SHIMS_DIR) if patched else None, env.get("PYTHONPATH")) if p
+    )
+    prelude = f"import sys; sys.path.insert(0, {str(CPU_SHIMS_DIR)!r})\n"
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", prelude + script, *args],
+                         env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(
-    not _has_amx(),
-    reason="SGLang 0.5.21's CPU engine runs multi-latent attention on its intel_amx backend "
-    "only: the torch-native one reads the latent KV cache as per-head keys (a shape error in "
-    "the first prefill, seen 2026-11-26 on this CPU without AMX)",
-)
+# SGLang decides a CPU's default attention backend from `cpu_has_amx_support()`: AMX tiles
+# (`is_amx_tile_supported`) and sgl-kernel's CPU build (`_is_intel_amx_backend_available`).
+_BACKEND_PROBE = """
+import json, sys
+from unittest import mock
+import sglang.srt.utils.common as common
+from sglang.srt.server_args import ServerArgs
+from megatron_async_rl.engines.config import SGLangEngineConfig
+from megatron_async_rl.engines.sglang_host import engine_kwargs
+
+model = sys.argv[1]
+out = {}
+for tiles, kernels in [(True, True), (True, False), (False, False)]:
+    with mock.patch.object(common, "is_amx_tile_supported", tiles), mock.patch.object(
+        common, "_is_intel_amx_backend_available", lambda: kernels
+    ):
+        for who, kwargs in [("sglang", {"model_path": model, "device": "cpu"}),
+                            ("ours", engine_kwargs(SGLangEngineConfig(model_path=model)))]:
+            args = ServerArgs(**kwargs)
+            args.resolve_once()
+            out[f"{who}, amx={tiles}, kernels={kernels}"] = (
+                args.resolved_dict()["attention_backend"])
+print(json.dumps(out))
+"""
+
+
+def test_cpu_attention_backend_is_the_engines_choice_not_the_cpus(tiny_model):
+    """Whatever the CPU, our CPU engine runs `torch_native` attention: with SGLang's AMX probe
+    emulated, its own default would be `intel_amx` on an AMX CPU with sgl-kernel's CPU build,
+    `torch_native` otherwise; ours resolves to `torch_native` in every case."""
+    model_dir = tiny_model("deepseek_v3", max_position_embeddings=1024)
+    resolved = _probe(_BACKEND_PROBE, str(model_dir))
+    assert resolved == {
+        "sglang, amx=True, kernels=True": "intel_amx",
+        "ours, amx=True, kernels=True": CPU_ATTENTION_BACKEND,
+        "sglang, amx=True, kernels=False": "torch_native",
+        "ours, amx=True, kernels=False": CPU_ATTENTION_BACKEND,
+        "sglang, amx=False, kernels=False": "torch_native",
+        "ours, amx=False, kernels=False": CPU_ATTENTION_BACKEND,
+    }
+    assert CPU_ATTENTION_BACKEND == "torch_native"
+
+
+# What `cpu_shims/sitecustomize.py` changes, asked of SGLang's own modules.
+_PATCH_PROBE = """
+import json
+from types import SimpleNamespace
+from unittest import mock
+import torch
+import sglang.srt.mem_cache.pool_host.common as pool_host
+import sglang.srt.models.deepseek_common.attention_backend_handler as handlers
+
+out = {}
+try:
+    pool_host._cuda_host_register(torch.zeros(16))
+    out["pin_host_buffer"] = "ok"
+except Exception as exc:
+    out["pin_host_buffer"] = str(exc)
+handler = handlers.AttentionBackendRegistry.get_handler("torch_native")
+prefill = SimpleNamespace(is_extend_without_speculative=lambda: True, is_decode=lambda: False)
+batch = SimpleNamespace(forward_mode=prefill, extend_prefix_lens_cpu=[0, 0])  # no cached prefix
+exec_config = SimpleNamespace(deterministic=SimpleNamespace(enable_deterministic_inference=False))
+with mock.patch.object(handlers, "get_exec", lambda: exec_config):
+    out["mla_handler"] = handler.__name__
+    out["mla_prefill_form"] = handler(SimpleNamespace(), batch).name
+print(json.dumps(out))
+"""
+
+
+def test_cpu_shims_patches_show_the_upstream_defects_and_fix_them():
+    """On the versions `cpu_shims/sitecustomize.py` patches: upstream, pinning a host buffer
+    fails without CUDA, and SGLang's MLA models run an uncached prefill in the "MHA" form under
+    `torch_native` (the Triton backend's answer; that backend then reads per-head keys from a
+    latent KV cache: a shape error); patched, pinning does nothing and the form is the absorbed
+    "MLA" one, which the torch-native backend serves (the DeepSeek-V3 test below)."""
+    import importlib.metadata
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("shims_site", CPU_SHIMS_DIR / "sitecustomize.py")
+    site = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(site)  # only defines the hook here: sglang's modules are not loaded
+    if importlib.metadata.version("sglang") not in site.PATCHED_VERSIONS:
+        pytest.skip(f"sglang {importlib.metadata.version('sglang')} is not patched")
+    upstream = _probe(_PATCH_PROBE, patched=False)
+    assert "not compiled with CUDA" in upstream["pin_host_buffer"], upstream
+    assert upstream["mla_handler"] == "handle_attention_triton"
+    assert upstream["mla_prefill_form"] == "MHA"
+    patched = _probe(_PATCH_PROBE)
+    assert patched == {"pin_host_buffer": "ok", "mla_handler": "handle_attention_torch_native",
+                       "mla_prefill_form": "MLA"}  # fmt: skip
+
+
 def test_deepseek_v3_family_on_the_real_engine(tiny_model):
     """The DeepSeek-V3 family (multi-latent attention, a dense then a MoE layer with a shared
     expert, sigmoid group routing with an expert bias, YaRN) as SGLang serves it: log-probs
@@ -435,6 +545,7 @@ def test_deepseek_v3_family_on_the_real_engine(tiny_model):
     model_dir = tiny_model("deepseek_v3", max_position_embeddings=1024)
     engine = SGLangEngine(_config(model_dir), rank_in_role=0, global_rank=5)
     try:
+        assert engine.attention_backend == CPU_ATTENTION_BACKEND
         served = Served(engine, model_dir, load_file(model_dir / "model.safetensors"))
         requests = _greedy(16, "ds")
         diff = _hf_logprob_diff(served, engine.generate(requests), requests)
@@ -449,4 +560,3 @@ def test_deepseek_v3_family_on_the_real_engine(tiny_model):
         assert diff <= 1e-3
     finally:
         engine.shutdown()
-
