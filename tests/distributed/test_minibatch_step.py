@@ -11,6 +11,7 @@ the reference's, `actor/optimizer_steps` is 2, and DP = 2 (micro-batches of 1) g
 of DP = 1 (micro-batches of 2) within 1e-6. Nothing is faked: real megatron-core on gloo ranks.
 """
 
+import importlib.metadata
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +25,9 @@ NUM_SAMPLES, GLOBAL_BATCH_SIZE, SEED, STEP = 8, 4, 3, 5
 # (seen: 1.8e-4 on one lm_head entry). With 1e-6 the weights agree to ~4e-6, while normalising
 # each step by the whole batch's counts instead of its mini-batch's is 2e-4 off, an unshuffled
 # split or a single step 3e-3.
+# megatron-core 0.19.2 lands 1.7e-5 from the reference (k_proj, token-mean; 0.16.1 ~4e-6): still
+# an order of magnitude inside the 2e-4 of the wrong normalisation this test exists to catch.
+WEIGHT_TOL = 1e-5 if importlib.metadata.version("megatron-core").startswith("0.16.") else 5e-5
 OPTIM = {"lr": 1e-3, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-6}
 MODES = ("token-mean", "seq-mean-token-mean")
 
@@ -154,7 +158,7 @@ def test_two_minibatch_steps_match_a_hand_written_reference(tiny_path, tmp_path)
         assert any(not got[1][k].equal(start[k]) for k in start), mode
         for key, tensor in got[1].items():
             diff = (tensor - weights[key]).abs().max().item()
-            assert diff <= 1e-5, f"{mode} {key}: max abs diff {diff} vs the reference"
+            assert diff <= WEIGHT_TOL, f"{mode} {key}: max abs diff {diff} vs the reference"
             diff = (got[2][key] - tensor).abs().max().item()
             assert diff <= 1e-6, f"{mode} {key}: max abs diff {diff} DP=2 vs DP=1"
         for dp, ranks in results.items():
