@@ -149,12 +149,12 @@ def _check_ramp_available(value) -> None:
 
     if hasattr(calculators, "RampupBatchsizeNumMicroBatchesCalculator"):
         return
-    from megatron_async_rl.compat.versions import installed_version
+    import importlib.metadata
 
     raise ConfigError(
         RAMP_FLAG, value,
         f"needs megatron-core's batch-size ramp, which megatron-core "
-        f"{installed_version('megatron-core')} no longer has (deprecated for "
+        f"{importlib.metadata.version('megatron-core')} no longer has (deprecated for "
         "--step-batch-size-schedule, which this trainer does not apply; Megatron-LM 0.19 ignores "
         "the flag)",
         "drop it (a fixed --global-batch-size), or use megatron-core 0.16.x for the ramp",

@@ -9,9 +9,13 @@ failed start are reported as errors naming the rank, and the test process surviv
 leaves no process and no file in /dev/shm behind (SGLang never removes its load-snapshot
 file). A TP=2 engine reads back the full tensors it was sent, generates like the TP=1 engine
 with the same weights, and reports its killed scheduler (one engine for the three contracts).
-Nothing is faked; the model is made locally (the session's `tiny_model` fixture), so nothing is
-downloaded. One TP=1 engine serves most tests (module fixture, ~30 s to start on 2 cores); the
-TP=2 and failed-start tests start their own.
+A tiny DeepSeek-V3 (multi-latent attention) matches `transformers` the same way on every CPU:
+the engine runs `torch_native` attention whatever SGLang's AMX probe answers (that probe is
+monkeypatched, in a separate interpreter, to emulate an AMX CPU), and the shims' two SGLang
+patches are shown fixing defects the unpatched SGLang has (its modules asked directly, the
+attention batch faked). Otherwise nothing is faked; the models are made locally (the session's
+`tiny_model` fixture), so nothing is downloaded. One TP=1 engine serves most tests (module
+fixture, ~30 s to start on 2 cores); the TP=2, DeepSeek and failed-start tests start their own.
 """
 
 from __future__ import annotations
@@ -537,9 +541,9 @@ def test_cpu_shims_patches_show_the_upstream_defects_and_fix_them():
 
 def test_deepseek_v3_family_on_the_real_engine(tiny_model):
     """The DeepSeek-V3 family (multi-latent attention, a dense then a MoE layer with a shared
-    expert, sigmoid group routing with an expert bias, YaRN) as SGLang serves it: log-probs
-    match `transformers`, and a weight update in the names the trainer's name map sends is
-    applied."""
+    expert, sigmoid group routing with an expert bias, YaRN) as SGLang serves it on CPU, with
+    torch-native attention whatever the CPU: log-probs match `transformers`, and a weight update
+    in the names the trainer's name map sends is applied."""
     from safetensors.torch import load_file
 
     model_dir = tiny_model("deepseek_v3", max_position_embeddings=1024)

@@ -1,9 +1,9 @@
 """CPU engine processes only (this directory is on their PYTHONPATH): two SGLang patches.
 
-Both apply to SGLang 0.5.21 to 0.5.23 (`PATCHED_VERSIONS`), the releases they were measured on;
-with any other version nothing is patched. Each is installed as an import hook that runs once
-its module has been imported, so processes that never import it (and the GPU path, where this
-directory is never on the path) are untouched. See README.md.
+Both apply to SGLang 0.5.21 to 0.5.23 (`PATCHED_VERSIONS`: measured on 0.5.21 and 0.5.23; 0.5.22
+has the same code); with any other version nothing is patched. Each is installed as an import
+hook that runs once its module has been imported, so processes that never import it (and the
+GPU path, where this directory is never on the path) are untouched. See README.md.
 
 - `sglang.srt.mem_cache.pool_host.common`: the routed experts SGLang returns
   (`enable_return_routed_experts`, for MoE routing replay) live in a host buffer that it pins
