@@ -2,7 +2,7 @@
 
 Contract: `roles.learn.train_on_batch` on a real train role takes B / G = 2 optimizer steps on
 the shuffled mini-batches that `plan_minibatches` gives, each with its loss normalised over that
-mini-batch alone. The weights after it match a reference written out here within 1e-5: the
+mini-batch alone. The weights after it match a reference written out here within 5e-5: the
 `transformers` model of the same checkpoint, the GRPO clipped surrogate written by hand
 (token-mean, and seq-mean-token-mean with an empty sample), old log-probs = the starting
 policy's (ratio 1 on the first step), and a plain `torch.optim.Adam` with the same
@@ -11,7 +11,6 @@ the reference's, `actor/optimizer_steps` is 2, and DP = 2 (micro-batches of 1) g
 of DP = 1 (micro-batches of 2) within 1e-6. Nothing is faked: real megatron-core on gloo ranks.
 """
 
-import importlib.metadata
 from types import SimpleNamespace
 
 import pytest
@@ -25,9 +24,10 @@ NUM_SAMPLES, GLOBAL_BATCH_SIZE, SEED, STEP = 8, 4, 3, 5
 # (seen: 1.8e-4 on one lm_head entry). With 1e-6 the weights agree to ~4e-6, while normalising
 # each step by the whole batch's counts instead of its mini-batch's is 2e-4 off, an unshuffled
 # split or a single step 3e-3.
-# megatron-core 0.19.2 lands 1.7e-5 from the reference (k_proj, token-mean; 0.16.1 ~4e-6): still
-# an order of magnitude inside the 2e-4 of the wrong normalisation this test exists to catch.
-WEIGHT_TOL = 1e-5 if importlib.metadata.version("megatron-core").startswith("0.16.") else 5e-5
+# With transformers 5.19.0 the weights land 1.7e-5 from the reference (k_proj, token-mean) on
+# megatron-core 0.16.1 and 0.19.2 alike (~4e-6 with transformers 5.12.1): still an order of
+# magnitude inside the 2e-4 of the wrong normalisation this test exists to catch.
+WEIGHT_TOL = 5e-5
 OPTIM = {"lr": 1e-3, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-6}
 MODES = ("token-mean", "seq-mean-token-mean")
 
