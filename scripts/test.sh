@@ -24,8 +24,6 @@ echo "== the whole suite, megatron-core $low (.venv)"
 
 echo "== the tests that exercise megatron-core, megatron-core $high (.venv-megatron-core-$high)"
 # The engine-only distributed files (SGLang, no Megatron role) are the same in both runs.
-# test_moe_aux_losses.py is left out on 0.19.2: 7 of its cases fail there (the auxiliary-loss
-# gradients differ from the formula); open, to be investigated.
 exec ".venv-megatron-core-$high/bin/python" -m pytest \
     tests/unit/test_compat_versions.py tests/unit/test_megatron_fixes.py \
     tests/unit/test_megatron_lm_flags.py tests/unit/test_megatron_flags.py \
@@ -38,6 +36,5 @@ exec ".venv-megatron-core-$high/bin/python" -m pytest \
     --ignore tests/distributed/test_reshard_engine_tp2.py \
     --ignore tests/distributed/test_collective_faults.py \
     --ignore tests/distributed/test_engine_groups.py \
-    --ignore tests/distributed/test_moe_aux_losses.py \
     tests/e2e/test_grpo_job.py tests/e2e/test_async_job.py tests/e2e/test_checkpoint_resume.py \
     "$@"
