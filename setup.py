@@ -7,11 +7,11 @@ setup(
     version="0.1.0",
     description="Asynchronous RL for LLMs on Megatron-core roles with embedded SGLang engines",
     packages=find_packages(include=["megatron_async_rl", "megatron_async_rl.*"]),
-    # CPU-only import shims for SGLang's engine processes (see engines/cpu_shims/README.md);
+    # CPU-only import shims for SGLang's engine processes (see engines/sglang/cpu_shims/README.md);
     # plain folders on the engine's PYTHONPATH, not packages of ours.
     package_data={
-        "megatron_async_rl.config": ["megatron_lm_flags/*.json"],
-        "megatron_async_rl.engines": [
+        "megatron_async_rl.config.megatron": ["megatron_lm_flags/*.json"],
+        "megatron_async_rl.engines.sglang": [
             "cpu_shims/*",
             "cpu_shims/*/*",
             "cpu_shims/*/*/*",
@@ -44,7 +44,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "tensorboard", "psutil",
-                 "wandb>=0.22"],
+                 "wandb>=0.22",
+                 # the documentation build (tests/unit/test_docs.py runs sphinx-build)
+                 "sphinx>=8,<10", "myst-parser>=4,<6"],
         "wandb": ["wandb>=0.22"],
         "gpu": ["transformer-engine[pytorch]>=2.9", "apex"],
         "tensorboard": ["tensorboard"],

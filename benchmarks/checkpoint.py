@@ -42,17 +42,17 @@ def _worker(rank, world_size, tmp_dir, hidden, layers, repeats, out_dir, device=
     import torch.distributed as dist
 
     from megatron_async_rl.checkpoint import megatron_state, store
-    from megatron_async_rl.config.schema import RoleGroupSpec
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
     from megatron_async_rl.distributed.platform import detect_platform
     from megatron_async_rl.models.tiny import write_tiny_model
+    from megatron_async_rl.recipe.schema import RoleGroupSpec
     from megatron_async_rl.roles.megatron_role import MegatronRole
-    from tests.distributed.test_hf_parity import _role_args
+    from tests.harness.roles import role_args
 
     path = write_tiny_model(Path(tmp_dir) / "model", "llama", seed=0, hidden_size=hidden,
                             num_hidden_layers=layers, intermediate_size=hidden * 3)  # fmt: skip
-    args = _role_args(str(path))
+    args = role_args(str(path))
     args.update(lr=1e-4, clip_grad=0.0, use_distributed_optimizer=True)
     par = Parallelism.from_megatron_args(args)
     layout = plan_layout(1, [RoleGroupSpec(["train"], num_ranks=1)], {"train": par})
@@ -182,7 +182,7 @@ def main() -> None:
     parser.add_argument("--profile-stall", action="store_true",
                         help="where the last asynchronous save's stall goes")  # fmt: skip
     args = parser.parse_args()
-    from tests.distributed.harness import spawn
+    from tests.harness.ranks import spawn
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         out = Path(tmp) / "ckpt"

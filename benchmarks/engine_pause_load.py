@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from safetensors.torch import load_file
 
 from megatron_async_rl.engines.protocol import GenerateRequest, SamplingParams
-from megatron_async_rl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
+from megatron_async_rl.engines.sglang.engine import SGLangEngine, SGLangEngineConfig
 
 MODEL = sys.argv[1] if len(sys.argv) > 1 else "runs/tiny-llama-warm"
 SAMP = SamplingParams(max_new_tokens=48, temperature=1.0)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 
 def _old(response: str, answer: str) -> bool:
-    from megatron_async_rl.rewards.math_answer import answers_match, extract_answer, last_boxed
+    from megatron_async_rl.rewards.math_match import answers_match, extract_answer, last_boxed
 
     predicted = extract_answer(response)
     truth = last_boxed(answer)

@@ -50,14 +50,14 @@ def prepare(model: Path) -> None:
     """The tiny MoE and its warm start, as `scripts/moe_quickstart.sh` writes them."""
     py = sys.executable
     if not (REPO / "runs/arith/train.jsonl").exists():
-        subprocess.run([py, "-m", "megatron_async_rl.rollout.arithmetic", "--out",
+        subprocess.run([py, "-m", "megatron_async_rl.tasks.arithmetic", "--out",
                         "runs/arith/train.jsonl", "--num-rows", "2000", "--seed", "0"],
                        cwd=REPO, check=True)  # fmt: skip
     if not (REPO / "runs/tiny-qwen3-moe/config.json").exists():
         subprocess.run([py, "-m", "megatron_async_rl.models.tiny", "--family", "qwen3_moe",
                         "--out", "runs/tiny-qwen3-moe", "--seed", "0"], cwd=REPO, check=True)
     if not (model / "config.json").exists():
-        subprocess.run([py, "-m", "megatron_async_rl.rollout.warm_start", "--model",
+        subprocess.run([py, "-m", "megatron_async_rl.tasks.warm_start", "--model",
                         "runs/tiny-qwen3-moe", "--data", "runs/arith/train.jsonl", "--out",
                         str(model), "--seed", "0"], cwd=REPO, check=True)  # fmt: skip
 

@@ -36,11 +36,11 @@ def _prepare(out: Path, task: str) -> tuple[Path, Path]:
         subprocess.run([PY, "-m", "megatron_async_rl.models.tiny", "--family", "llama",
                         "--out", str(model), "--seed", "0"], check=True, cwd=REPO)  # fmt: skip
     if not data.exists():
-        subprocess.run([PY, "-m", "megatron_async_rl.rollout.calculator", "--out", str(data),
+        subprocess.run([PY, "-m", "megatron_async_rl.tasks.calculator", "--out", str(data),
                         "--num-rows", "2000", "--seed", "0", "--task", task],
                        check=True, cwd=REPO)  # fmt: skip
     if not (warm / "config.json").exists():
-        subprocess.run([PY, "-m", "megatron_async_rl.rollout.tool_warm_start", "--model",
+        subprocess.run([PY, "-m", "megatron_async_rl.tasks.tool_warm_start", "--model",
                         str(model), "--data", str(data), "--out", str(warm), "--seed", "0",
                         "--task", task], check=True, cwd=REPO)  # fmt: skip
     return warm, data
@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     warm, data = _prepare(out, args.task)
     task_sets = () if args.task == "sum" else (
-        "environment.tools=[megatron_async_rl.rollout.calculator:price,"
-        "megatron_async_rl.rollout.calculator:add]",
+        "environment.tools=[megatron_async_rl.tasks.calculator:price,"
+        "megatron_async_rl.tasks.calculator:add]",
         "environment.max_turns=3", "environment.max_total_tokens=256",
         "megatron.seq_length=320",
     )  # fmt: skip
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"curves: {out / 'learning.png'}")
     if not args.skip_throughput:
         steps = {}
-        tools = (("instant", 29813, "megatron_async_rl.rollout.calculator:add"),
+        tools = (("instant", 29813, "megatron_async_rl.tasks.calculator:add"),
                  ("slow", 29814, "benchmarks.slow_tools:add"))
         for name, port, tool in tools:
             rows = _run(f"tool-{name}", out, warm, data, port,

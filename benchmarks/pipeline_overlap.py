@@ -119,7 +119,7 @@ def main() -> None:
         raise SystemExit("--steps - --warmup must leave at least 5 measured steps")
     sys.path.insert(0, str(REPO))
     from megatron_async_rl.models.tiny import write_tiny_model
-    from megatron_async_rl.rollout.arithmetic import write_arithmetic_dataset
+    from megatron_async_rl.tasks.arithmetic import write_arithmetic_dataset
 
     root = Path(tempfile.mkdtemp(prefix="pipeline_overlap_"))
     write_tiny_model(root / "model", "llama", seed=0, hidden_size=args.hidden_size,

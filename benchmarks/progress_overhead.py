@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/progress_overhead.py [--requests 128] [--max-new-tokens 48]
 
 An engine host streams each request every `engine.progress_every_tokens` tokens and reports
-the newest tokens to the rank (`engines.progress`), so that a request cut by an engine death
-goes on from its prefix. This runs two real SGLang engines on CPU side by side, serving the
+the newest tokens to the rank (`engines.recovery.progress`), so that a request cut by an engine
+death goes on from its prefix. This runs two real SGLang engines on CPU side by side, serving the
 same self-written float32 Llama: one with progress reports (`--every`, default 8, the recipe
 default), one without (0). Each call sends the same `--requests` sampled requests (fixed
 seeds); the engines take turns, `--repeats` calls each, so both see the same machine.
@@ -36,7 +36,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from megatron_async_rl.engines.protocol import GenerateRequest, SamplingParams
-    from megatron_async_rl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from megatron_async_rl.engines.sglang.engine import SGLangEngine, SGLangEngineConfig
     from megatron_async_rl.models.tiny import write_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="progress-overhead-"))

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/restart_load.py [--hidden-size 512 --num-layers 8] [--repeats 3]
 
-One real SGLang engine on CPU, under `engines.restarting.RestartingEngine` (as the generate
+One real SGLang engine on CPU, under `engines.recovery.restarting.RestartingEngine` (as the generate
 rank drives it), serving a Llama it writes itself (float32). It loads one version through the
 wrapper, which keeps the host copy a restart reloads. Then, alternately, `repeats` times each:
 - the restart's reload: `weight_sync.sinks.load_tensors` of that kept copy (chunked into
@@ -44,8 +44,8 @@ def main() -> int:
     from safetensors.torch import load_file
 
     from megatron_async_rl.engines.protocol import GenerateRequest, SamplingParams
-    from megatron_async_rl.engines.restarting import RestartingEngine
-    from megatron_async_rl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from megatron_async_rl.engines.recovery.restarting import RestartingEngine
+    from megatron_async_rl.engines.sglang.engine import SGLangEngine, SGLangEngineConfig
     from megatron_async_rl.models.tiny import write_tiny_model
     from megatron_async_rl.weight_sync.sinks import load_tensors
 

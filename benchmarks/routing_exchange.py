@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/routing_exchange.py [--samples 64] [--tokens 2048]
         [--layers 48] [--topk 8] [--experts 128] [--ranks 4] [--repeats 3]
 
-Spawns `--ranks` gloo ranks on CPU (`tests/distributed/harness.py`); rank 0 is an engine host
+Spawns `--ranks` gloo ranks on CPU (`tests/harness/ranks.py`); rank 0 is an engine host
 holding `--samples` samples of `--tokens` tokens (prompt + response) and every other rank sends
 nothing, as in `jobs/exchange.GlooExchange.share_step` (the payload is the real
 `exchange._payload` of a `StepWork`, gathered with the same `devices.all_gather_object`).
@@ -84,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
     import tempfile
 
-    from tests.distributed.harness import spawn
+    from tests.harness.ranks import spawn
 
     with tempfile.TemporaryDirectory() as tmp:
         results = spawn(_worker, args.ranks, Path(tmp), args)

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/weight_sync.py [--hidden-size 1024 --num-layers 4]
         [--num-generate 1] [--train-tp 1] [--repeats 3]
 
-Spawns gloo ranks on CPU (`tests/distributed/harness.py`): `--train-tp` Megatron train ranks
+Spawns gloo ranks on CPU (`tests/harness/ranks.py`): `--train-tp` Megatron train ranks
 holding a tiny-architecture Llama made large (~250 MB fp32 by default, `models/tiny.py`) and
 `--num-generate` generate ranks, each hosting a real SGLang engine. In one run it measures
 (1) a raw gloo broadcast of the model's byte count from the train role's first rank to the
@@ -223,16 +223,16 @@ def _worker(rank, world_size, tmp_dir, model_path, train_tp, repeats, num_bytes)
     import torch
     import torch.distributed as dist
 
-    from megatron_async_rl.config import megatron_flags
-    from megatron_async_rl.config.schema import RoleGroupSpec
+    from megatron_async_rl.config.megatron import table
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
     from megatron_async_rl.distributed.platform import detect_platform
-    from megatron_async_rl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from megatron_async_rl.engines.sglang.engine import SGLangEngine, SGLangEngineConfig
     from megatron_async_rl.models import hf_checkpoint, hf_config
+    from megatron_async_rl.recipe.schema import RoleGroupSpec
     from megatron_async_rl.roles.megatron_role import MegatronRole
 
-    args = megatron_flags.defaults()
+    args = table.defaults()
     args.update(hf_config.megatron_args_from_hf(hf_checkpoint.read_hf_config(model_path)))
     args.update(tensor_model_parallel_size=train_tp, lr=1e-5)
     par = Parallelism.from_megatron_args(args)
@@ -334,7 +334,7 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     from megatron_async_rl.models.tiny import write_tiny_model
-    from tests.distributed.harness import spawn
+    from tests.harness.ranks import spawn
 
     root = Path(tempfile.mkdtemp(prefix="weight_sync_bench_"))
     model = write_tiny_model(

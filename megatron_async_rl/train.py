@@ -29,11 +29,12 @@ from megatron_async_rl.config.errors import (
     first_report_on_node,
     reported_on_node,
 )
-from megatron_async_rl.config.recipe import RESOLVED_NAME, resolve, write_resolved
 from megatron_async_rl.jobs import preflight
 from megatron_async_rl.models import upcycle
 from megatron_async_rl.observability.logs import leader_print, setup_logging
 from megatron_async_rl.observability.quiet import quiet_known_noise
+from megatron_async_rl.recipe.load import resolve
+from megatron_async_rl.recipe.tree import RESOLVED_NAME, write_resolved
 
 logger = logging.getLogger("megatron_async_rl.train")
 

@@ -45,9 +45,9 @@ def _prepare() -> None:
     steps = [
         ("runs/tiny-llama/config.json", ["-m", "megatron_async_rl.models.tiny", "--family",
                                          "llama", "--out", "runs/tiny-llama", "--seed", "0"]),
-        ("runs/arith/train.jsonl", ["-m", "megatron_async_rl.rollout.arithmetic", "--out",
+        ("runs/arith/train.jsonl", ["-m", "megatron_async_rl.tasks.arithmetic", "--out",
                                     "runs/arith/train.jsonl", "--num-rows", "2000", "--seed", "0"]),
-        ("runs/tiny-llama-warm/config.json", ["-m", "megatron_async_rl.rollout.warm_start",
+        ("runs/tiny-llama-warm/config.json", ["-m", "megatron_async_rl.tasks.warm_start",
                                               "--model", "runs/tiny-llama", "--data",
                                               "runs/arith/train.jsonl", "--out",
                                               "runs/tiny-llama-warm", "--seed", "0"]),

@@ -14,7 +14,7 @@
 # CPU one. So sglang goes in with --no-deps and then the dependency list below, which is its
 # Requires-Dist minus those; a check after the install fails if the installed sglang asks for a
 # package this list neither installs nor skips (a new release needs the list reviewed).
-# The CPU engine also needs two import shims, which live in megatron_async_rl/engines/cpu_shims
+# The CPU engine also needs two import shims, which live in megatron_async_rl/engines/sglang/cpu_shims
 # and are put on the engine's PYTHONPATH at run time (see the README there); nothing is patched
 # in the venv. Idempotent: a second run with the same script and pins only checks a stamp.
 # pip reports dependency conflicts for the excluded packages (expected: filtered below to one
@@ -141,7 +141,7 @@ if unknown:
     )
 EOF
 # The engine's own import, with the CPU shims as the engine host sets them up (~15 s).
-if ! SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="$repo_dir/megatron_async_rl/engines/cpu_shims" \
+if ! SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="$repo_dir/megatron_async_rl/engines/sglang/cpu_shims" \
     "$py" -W ignore -c "import sglang.srt.entrypoints.engine" >/dev/null; then
     echo "install_sglang_cpu.sh: sglang does not import with the CPU shims (see above)" >&2
     exit 1

@@ -27,7 +27,7 @@ def main() -> None:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_async_rl.algorithms.minibatch import run_optimizer_steps_per_rl_step
-    from megatron_async_rl.config.recipe import resolve
+    from megatron_async_rl.recipe.load import resolve
     from megatron_async_rl.roles.lr_schedule import schedule_kwargs
 
     cfg = resolve(args.run_dir / "config.resolved.yaml", [], [], check_paths=False)

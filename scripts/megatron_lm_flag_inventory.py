@@ -1,4 +1,4 @@
-"""Write an inventory of Megatron-LM's command-line flags (`config/megatron_lm_flags/<tag>.json`).
+"""Write an inventory of Megatron-LM's command-line flags (`config/megatron/megatron_lm_flags/`).
 
 Megatron-LM's `megatron/training/arguments.py` builds most of its groups from dataclasses at import
 time (`ArgumentGroupFactory`), so its flags cannot be read from the source text: this script
@@ -6,15 +6,16 @@ imports that file from a Megatron-LM tree at one tag (its own `megatron/` tree, 
 `sys.path`, not the installed megatron-core), builds the parser with `add_megatron_arguments`,
 and records every action: its flags, dest, kind, arity, value type, choices, default and
 argument group. Nothing else of Megatron-LM is kept. There is one inventory per megatron-core
-release series, from the tag `config.megatron_lm.RELEASES` names; to add one, export the tag and
-run this, e.g.
+release series, from the tag `config.megatron.inventory.RELEASES` names; to add one, export the
+tag and run this, e.g.
 
     git --git-dir=Megatron-LM/.git archive core_v0.19.0 | tar -x -C /tmp/mlm-0.19
     PYTHONPATH=/path/to/six python scripts/megatron_lm_flag_inventory.py \
         --megatron-lm /tmp/mlm-0.19 --tag core_v0.19.0 \
         --commit 5be9626709af2722333bf54797c954c09edeada3
 
-The file is written to `megatron_async_rl/config/megatron_lm_flags/<tag>.json` (or `--out`).
+The file is written to `megatron_async_rl/config/megatron/megatron_lm_flags/<tag>.json`
+(or `--out`).
 The tree imports `six`, which this project does not install: put it on PYTHONPATH (`pip install
 --target DIR six`). The commit is recorded (`git rev-parse HEAD` of a checkout, or `--commit`
 for an exported tree). Python 3.11 lacks `typing.override`, which those trees import; an
@@ -34,7 +35,9 @@ import typing
 import warnings
 from pathlib import Path
 
-_OUT_DIR = Path(__file__).parents[1] / "megatron_async_rl" / "config" / "megatron_lm_flags"
+_OUT_DIR = (
+    Path(__file__).parents[1] / "megatron_async_rl" / "config" / "megatron" / "megatron_lm_flags"
+)
 
 _KINDS = {
     "_StoreAction": "value",
@@ -108,7 +111,9 @@ def main() -> None:
     cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cli.add_argument("--megatron-lm", type=Path, required=True, help="a Megatron-LM tree")
     cli.add_argument("--tag", required=True, help="the tag the tree is, e.g. core_v0.19.0")
-    cli.add_argument("--out", type=Path, help="default: config/megatron_lm_flags/<tag>.json")
+    cli.add_argument(
+        "--out", type=Path, help="default: config/megatron/megatron_lm_flags/<tag>.json"
+    )
     cli.add_argument("--commit", help="the tree's commit, when it is not a git checkout")
     args = cli.parse_args()
     table = inventory(args.megatron_lm, args.tag, args.commit)

@@ -19,11 +19,11 @@ if [[ ! -f runs/tiny-qwen3-moe/config.json ]]; then
     "$py" -m megatron_async_rl.models.tiny --family qwen3_moe --out runs/tiny-qwen3-moe --seed 0
 fi
 if [[ ! -f runs/arith/train.jsonl ]]; then
-    "$py" -m megatron_async_rl.rollout.arithmetic --out runs/arith/train.jsonl --num-rows 2000 \
+    "$py" -m megatron_async_rl.tasks.arithmetic --out runs/arith/train.jsonl --num-rows 2000 \
         --seed 0
 fi
 if [[ ! -f runs/tiny-qwen3-moe-warm/config.json ]]; then
-    "$py" -m megatron_async_rl.rollout.warm_start --model runs/tiny-qwen3-moe \
+    "$py" -m megatron_async_rl.tasks.warm_start --model runs/tiny-qwen3-moe \
         --data runs/arith/train.jsonl --out runs/tiny-qwen3-moe-warm --seed 0
 fi
 NPROC_PER_NODE=${NPROC_PER_NODE:-2} exec bash launch/torchrun.sh yaml_configs/tiny-moe-r3-cpu.yaml "$@"

@@ -17,15 +17,15 @@ if [[ ! -f runs/tiny-llama/config.json ]]; then
     "$py" -m megatron_async_rl.models.tiny --family llama --out runs/tiny-llama --seed 0
 fi
 if [[ ! -f runs/arith/train.jsonl ]]; then
-    "$py" -m megatron_async_rl.rollout.arithmetic --out runs/arith/train.jsonl --num-rows 2000 \
+    "$py" -m megatron_async_rl.tasks.arithmetic --out runs/arith/train.jsonl --num-rows 2000 \
         --seed 0
 fi
 if [[ ! -f runs/arith/eval.jsonl ]]; then  # evaluation rows for the validation stage
-    "$py" -m megatron_async_rl.rollout.arithmetic --out runs/arith/eval.jsonl --num-rows 64 \
+    "$py" -m megatron_async_rl.tasks.arithmetic --out runs/arith/eval.jsonl --num-rows 64 \
         --seed 1
 fi
 if [[ ! -f runs/tiny-llama-warm/config.json ]]; then
-    "$py" -m megatron_async_rl.rollout.warm_start --model runs/tiny-llama \
+    "$py" -m megatron_async_rl.tasks.warm_start --model runs/tiny-llama \
         --data runs/arith/train.jsonl --out runs/tiny-llama-warm --seed 0
 fi
 NPROC_PER_NODE=${NPROC_PER_NODE:-2} exec bash launch/torchrun.sh yaml_configs/tiny-grpo-cpu.yaml "$@"

@@ -18,11 +18,11 @@ if [[ ! -f runs/tiny-llama/config.json ]]; then
     "$py" -m megatron_async_rl.models.tiny --family llama --out runs/tiny-llama --seed 0
 fi
 if [[ ! -f runs/calc/train.jsonl ]]; then
-    "$py" -m megatron_async_rl.rollout.calculator --out runs/calc/train.jsonl --num-rows 2000 \
+    "$py" -m megatron_async_rl.tasks.calculator --out runs/calc/train.jsonl --num-rows 2000 \
         --seed 0
 fi
 if [[ ! -f runs/tiny-llama-tools-warm/config.json ]]; then
-    "$py" -m megatron_async_rl.rollout.tool_warm_start --model runs/tiny-llama \
+    "$py" -m megatron_async_rl.tasks.tool_warm_start --model runs/tiny-llama \
         --data runs/calc/train.jsonl --out runs/tiny-llama-tools-warm --seed 0 \
         --args-fraction 0.75 --copy-fraction 0.75
 fi

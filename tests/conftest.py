@@ -5,8 +5,6 @@ import os
 
 import pytest
 
-from tests.e2e.recipe_runs import SYNC_SETS, Run, Task, run_recipe
-
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -29,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_sessionfinish(session, exitstatus):
     """Stop the forkserver the distributed harness starts its ranks from
-    (`tests/distributed/harness.py`) and then this process's resource tracker, which unlinks
+    (`tests/harness/ranks.py`) and then this process's resource tracker, which unlinks
     the semaphores ranks left in /dev/shm. Left alone, both outlived pytest. (Their `_stop`
     methods are multiprocessing's own, private, used by CPython's tests; absent: nothing.)
 
@@ -95,9 +93,11 @@ def tiny_model(tmp_path_factory):
 # for the job's contracts and the others compare with (the asynchronous loop at N = 0, the same
 # run on two hosts).
 @pytest.fixture(scope="session")
-def task(tmp_path_factory) -> Task:
+def task(tmp_path_factory):
+    """`tests.harness.recipes.Task`: the tiny model, the training data, the validation set."""
     from megatron_async_rl.models.tiny import write_tiny_model
-    from megatron_async_rl.rollout.arithmetic import write_arithmetic_dataset
+    from megatron_async_rl.tasks.arithmetic import write_arithmetic_dataset
+    from tests.harness.recipes import Task
 
     root = tmp_path_factory.mktemp("task")
     model = write_tiny_model(root / "model", "llama", seed=0)
@@ -111,6 +111,9 @@ def task(tmp_path_factory) -> Task:
 
 
 @pytest.fixture(scope="session")
-def sync_run(task, tmp_path_factory) -> Run:
+def sync_run(task, tmp_path_factory):
+    """`tests.harness.recipes.Run` of the synchronous recipe (`SYNC_SETS`) on the session's task."""
+    from tests.harness.recipes import SYNC_SETS, run_recipe
+
     run_dir = tmp_path_factory.mktemp("sync") / "run"
-    return run_recipe(task, run_dir, 29631, *SYNC_SETS, f"validation.data.path={task.val}")
+    return run_recipe(task, run_dir, *SYNC_SETS, f"validation.data.path={task.val}")

@@ -4,11 +4,11 @@ as megatron-core's own calculator (`megatron.core.num_microbatches_calculator`) 
 Owned here: `ramped_global_batch_size` (the G RL step k runs), `batch_sizes` (every G a run
 takes, with the RL step where it starts) and `check_batch_ramp` (the rules those G must meet).
 Called by `algorithms.minibatch.global_batch_size_at` (the roles' train stages) and by
-`config.recipe` when it resolves a run. Deterministic and collective-free, but it imports
+`recipe.load` when it resolves a run. Deterministic and collective-free, but it imports
 megatron-core (seconds), so `minibatch` imports it only when one of the two flags is set.
 
 The calculator is asked at the samples consumed before each RL step,
-`minibatch.consumed_samples_before` (k x B x algorithm.ppo_epochs for rollout batches of B):
+`consumed_samples_before` (k x B x algorithm.ppo_epochs for rollout batches of B):
     --rampup-batch-size <start> <increment> <ramp samples>: G starts at `start` and grows by
     `increment` every (ramp samples) / ((G - start) / increment) samples, then stays at
     --global-batch-size;
@@ -31,7 +31,6 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_async_rl.algorithms.minibatch import consumed_samples_before
 from megatron_async_rl.config.errors import ConfigError
 
 RAMP_FLAG = "--rampup-batch-size"
@@ -46,6 +45,12 @@ _COUNTED_IN_STEPS = {
     "exit_interval": "drop it (trainer.num_steps or --exit-duration-in-mins end the run)",
     "save_interval": "use checkpoint.every_steps (RL steps)",
 }
+
+
+def consumed_samples_before(step: int, num_samples: int, ppo_epochs: int) -> int:
+    """Samples Megatron counts as consumed (through the optimizer) before RL step `step`: each
+    earlier RL step trained on its `num_samples` samples `ppo_epochs` times."""
+    return step * num_samples * ppo_epochs
 
 
 @dataclass(frozen=True)

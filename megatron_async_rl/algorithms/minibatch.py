@@ -13,8 +13,8 @@ resolution calls `check_minibatches`. Pure: no torch, no collectives, no megatro
 Consumed samples: Megatron-LM feeds its batch-size calculator the samples its optimizer steps
 have consumed. Here every optimizer step of RL step k trains on the same G (its mini-batches
 cover the rollout batch), and the samples consumed before RL step k are k x B x ppo_epochs
-(`consumed_samples_before`): a function of k alone, so a resumed run continues a ramp where it
-stopped and every data-parallel rank agrees.
+(`batch_ramp.consumed_samples_before`): a function of k alone, so a resumed run continues a
+ramp where it stopped and every data-parallel rank agrees.
 
 Every data-parallel rank and every rerun must pick the same split, so the shuffle comes from
 `random.Random` seeded by (seed, RL step, epoch) alone (a string seed is hashed with SHA-512, the
@@ -68,12 +68,6 @@ def run_optimizer_steps_per_rl_step(cfg) -> int:
         cfg.role_megatron_args["train"].get("global_batch_size"),
         cfg.algorithm.ppo_epochs,
     )
-
-
-def consumed_samples_before(step: int, num_samples: int, ppo_epochs: int) -> int:
-    """Samples Megatron counts as consumed (through the optimizer) before RL step `step`: each
-    earlier RL step trained on its `num_samples` samples `ppo_epochs` times."""
-    return step * num_samples * ppo_epochs
 
 
 def global_batch_size_at(
@@ -181,7 +175,7 @@ def check_role_microbatches(role: str, args: dict, num_samples: int, dp_size: in
     ref, the critic's values, the reward model's scores), and a trained role's optimizer step
     over its data-parallel share of --global-batch-size (or of the batch). Nothing to check
     without virtual stages."""
-    from megatron_async_rl.config.megatron_flags import virtual_stages
+    from megatron_async_rl.config.megatron.core_kwargs import virtual_stages
 
     vp, pp = virtual_stages(args), int(args.get("pipeline_model_parallel_size") or 1)
     if vp == 1:

@@ -41,7 +41,7 @@ Defects, each an AssertionError or None-group error at build, first forward or f
 - (0.16, 0.19) With tied embeddings, the MTP stage of a pipeline (size > 1) allocates an
   output-layer weight it never uses, whose sharded state dict megatron-core asserts absent: it
   is checkpointed as a replica of the first stage's embedding. (`mtp_tied_output_weight`)
-`config.megatron_rules` offers MTP with virtual stages or a layout (its MTP layers in the last
+`config.megatron.rules` offers MTP with virtual stages or a layout (its MTP layers in the last
 stage) from megatron-core 0.19 on.
 With pipeline size > 1 the last stage also holds a copy of the word embedding (the MTP layers
 embed the shifted tokens); megatron-core ties it to the first stage's through the collection's

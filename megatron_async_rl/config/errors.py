@@ -3,13 +3,16 @@
 `ConfigError` carries the key (a dotted recipe path such as `roles.groups[1].num_ranks`, or a
 Megatron flag such as `--hidden-size`), the value received, the rule it broke and an optional hint,
 and renders them on one line. `exit_on_config_error` is what entry points wrap their config step
-in: a user sees `error: <message>` and exit status 2, never a traceback.
+in: a user sees `error: <message>` and exit status 2, never a traceback. `warn_once` is the one
+warning about a setting that is ignored or adjusted, logged once per process whoever asks.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
+import logging
 import os
 import sys
 import tempfile
@@ -20,6 +23,8 @@ from typing import Any, TypeVar
 import yaml
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 _MAX_VALUE_CHARS = 80
 
@@ -163,3 +168,9 @@ def exit_on_config_error(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         sys.stderr.write("".join(f"error: {line}\n" for line in message.splitlines()))
         sys.stderr.flush()
     sys.exit(2)
+
+
+@functools.cache
+def warn_once(message: str) -> None:
+    """Log `message` as a warning the first time it is given in this process."""
+    logger.warning(message)

@@ -2,7 +2,7 @@
 
 Owned here: `check_routing_replay` (`moe.routing_replay` needs replayable MoE routers) and
 `check_reward_model` (a one-label sequence classifier with the policy's tokenizer). Called by
-`config.recipe.build_config` once every role's args are resolved; pure (reads config files).
+`recipe.load.build_config` once every role's args are resolved; pure (reads config files).
 """
 
 from __future__ import annotations

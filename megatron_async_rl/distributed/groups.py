@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from megatron_async_rl.config.megatron_flags import warn_once
+from megatron_async_rl.config.errors import warn_once
 from megatron_async_rl.config.roles import MEGATRON_ROLES
 from megatron_async_rl.distributed import pg_options
 from megatron_async_rl.distributed.layout import RoleGrid, RoleLayout

@@ -5,7 +5,7 @@
 Owned here: the pure plan `plan_group_options(args, backend)` (from one role's resolved Megatron
 args: the NCCL options of each of its groups as plain dicts, and the group SHARP goes to),
 `share_sharp` (one SHARP communicator per process), and `check_group_flags`, which
-`config.recipe` runs on every role at resolution. No collectives, no NCCL: `distributed.groups`
+`recipe.load` runs on every role at resolution. No collectives, no NCCL: `distributed.groups`
 turns a plan into `ProcessGroupNCCL.Options` with megatron-core's own
 `parallel_state.get_nccl_options` and passes them to `HyperCommGrid.create_pg`, as megatron-core's
 `initialize_model_parallel` does for its global groups (which this trainer never creates).
@@ -39,8 +39,7 @@ from typing import Any
 
 import yaml
 
-from megatron_async_rl.config.errors import ConfigError
-from megatron_async_rl.config.megatron_flags import warn_once
+from megatron_async_rl.config.errors import ConfigError, warn_once
 
 PATH_FLAG = "--nccl-communicator-config-path"
 PRIORITY_FLAG = "--high-priority-stream-groups"

@@ -1,9 +1,9 @@
 """The recipe's `engine:` section: how each `generate` rank's SGLang engine is started.
 
 Owned here: `EngineConfig` (validated recipe knobs) and its translation into
-`SGLangEngineConfig`, the config of one `engines.sglang_engine.SGLangEngine` (and of its host
-process, `engines.sglang_host`); and the `faults:` section (`FaultsConfig`, what
-`engines.faults` injects). Called by the jobs that start engines on generate ranks. Pure:
+`SGLangEngineConfig`, the config of one `engines.sglang.engine.SGLangEngine` (and of its host
+process, `engines.sglang.host`); and the `faults:` section (`FaultsConfig`, what
+`engines.recovery.faults` injects). Called by the jobs that start engines on generate ranks. Pure:
 no torch, no sglang (the recipe loader imports it).
 """
 
@@ -46,7 +46,8 @@ class EngineConfig:
     """Extra `sglang.Engine` keyword arguments, passed through as given."""
     max_restarts: int = 3
     """Restarts in place an engine may take within `restart_window_steps` steps when it dies,
-    stops answering or hangs (`engines.restarting`); one more stops the run with every cause.
+    stops answering or hangs (`engines.recovery.restarting`); one more stops the run with every
+    cause.
     To reload its weights, the engine host keeps the newest complete version in host memory
     (one model; two while a version loads). 0: no restart, no copy; a dead engine stops the run."""
     restart_window_steps: int = 100
@@ -65,7 +66,7 @@ class EngineConfig:
 
     reassign: bool = True
     """With more than one engine, a dead engine's requests are taken over by the others while
-    it restarts (`engines.reassign`); false: it carries them on itself once restarted."""
+    it restarts (`engines.recovery.reassign`); false: it carries them on itself once restarted."""
 
     def __post_init__(self) -> None:
         require_int("tp_size", self.tp_size, 1)
@@ -121,7 +122,7 @@ class SGLangEngineConfig:
     device: str = "cpu"
     """"cpu" (SGLang's torch-native path, with the shims) or "cuda"."""
     tp_size: int = 1
-    """Tensor parallel size inside the engine (on CPU, `engines.sglang_engine` says which cores)."""
+    """Tensor parallel size inside the engine (on CPU, `engines.sglang.engine` says which cores)."""
     dtype: str = "auto"
     """Compute dtype; "float32" for exact log-prob parity on CPU."""
     max_total_tokens: int | None = None
@@ -143,7 +144,7 @@ class SGLangEngineConfig:
     """Limit on one `generate` call."""
     progress_every_tokens: int = 0
     """Stream each request and report its tokens to the rank every this many tokens
-    (`engines.progress`); 0: results only when the call returns."""
+    (`engines.recovery.progress`); 0: results only when the call returns."""
     progress_every_s: float = 0.5
     """At most one progress report per this many seconds (and one when an engine process
     dies)."""
@@ -231,7 +232,7 @@ class FaultsConfig:
                 or bool(self.engine_kill_probability) or bool(self.router_noise))  # fmt: skip
 
     def engine_faults(self) -> bool:
-        """Faults `engines.faults.EngineFaults` injects (through the engine's hooks)."""
+        """Faults `engines.recovery.faults.EngineFaults` injects (through the engine's hooks)."""
         return bool(self.engine_kill_steps or self.engine_hang_steps
                     or self.engine_kill_in_load_steps or self.engine_kill_probability)  # fmt: skip
 

@@ -4,8 +4,12 @@ Owned here: the request and result records, the `Engine` protocol (generate with
 begin/update/end weight update stamped with a version; pause/resume; abort; flush cache;
 health; shutdown), the errors an engine raises at run time, and the expansion of SGLang-style
 version spans into one weight version per generated token. Implemented by
-`sglang_engine.SGLangEngine` (the real engine) and `fake.FakeEngine` (unit tests). Imports
-neither torch.distributed nor sglang.
+`sglang.engine.SGLangEngine` (the real engine) and `fake.FakeEngine` (unit tests). Two more
+protocols name what engine recovery (`engines.recovery.restarting`) adds: `RestartableEngine`,
+what it needs of the engine it wraps (probe, kill), and `ManagedEngine`, what the restarting
+engine offers its users beyond `Engine` (step, resume point, metrics, the last complete version);
+`EngineLimits`, the request sizes an engine refuses, where it knows them.
+Imports neither torch.distributed nor sglang.
 
 Weight versions are strings: an engine reports the label of the weights that produced each
 token, `Engine.INITIAL_VERSION` ("default", SGLang's own default) before the first update.
@@ -23,7 +27,8 @@ weights (`WeightSessions`, `EngineTornError`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
@@ -178,7 +183,7 @@ class Engine(Protocol):
     def partial_results(self, rids: Sequence[str]) -> dict[str, GenerateResult]:
         """After a `generate` call failed (the engine died): what it had generated for those
         of `rids` it had reported, each a prefix ("abort") or a whole response ("stop",
-        "length"). Read by `engines.restarting` to carry the requests on from there."""
+        "length"). Read by `engines.recovery.restarting` to carry the requests on from there."""
         ...
 
     def begin_weight_update(self) -> None:
@@ -229,6 +234,73 @@ class Engine(Protocol):
 
     def get_weights_by_name(self, name: str) -> torch.Tensor:
         """A served parameter by HF name, as float32 on CPU (for checks, not for speed)."""
+        ...
+
+
+@runtime_checkable
+class RestartableEngine(Engine, Protocol):
+    """What `engines.recovery.restarting.RestartingEngine` needs of the engine it wraps, beyond
+    `Engine` (whose `partial_results` it reads after a failed `generate`): a health probe
+    that finds a hung engine, and a kill that works on one. Implemented by
+    `sglang.engine.SGLangEngine` and `fake.FakeEngine`."""
+
+    def probe(self, timeout_s: float, control_only: bool = False) -> str | None:
+        """None while the engine answers a one-token request within `timeout_s` (with
+        `control_only`, for a paused engine or one loading weights: a round trip to its
+        schedulers); else what went wrong."""
+        ...
+
+    def kill(self, cause: str) -> None:
+        """Kill the engine's processes at once; calls waiting on it raise `EngineDiedError`
+        naming `cause`."""
+        ...
+
+
+@runtime_checkable
+class EngineLimits(Protocol):
+    """The request sizes an engine refuses, where it knows them (`SGLangEngine`, read from the
+    served model): the multi-turn rollout ends a trajectory before it reaches them."""
+
+    context_tokens: int | None
+    """A request whose input plus `max_new_tokens` is longer is refused."""
+    max_input_tokens: int | None
+    """A request whose input has this many tokens or more is refused."""
+
+
+@runtime_checkable
+class ManagedEngine(Protocol):
+    """What `engines.recovery.restarting.RestartingEngine` offers beyond the `Engine` calls it
+    carries on (it has no `partial_results` of its own: a failed call is carried on inside it). The
+    generate side, the asynchronous loop, the multi-turn rollout and the weight sink check for
+    it with `isinstance`; a bare engine, as in most unit tests, has none of it."""
+
+    inner: RestartableEngine
+    """The engine serving now (replaced by each restart)."""
+    keeps_weights: bool
+    """True when it keeps a host copy of the newest complete version (restarts allowed):
+    `restore_last_version` can then undo a torn load."""
+    board: object | None
+    """With several engines, the `engines.recovery.reassign.HelpBoard` their dead engines'
+    requests go through; else None."""
+    help_gate: Callable[[], AbstractContextManager]
+    """Entered around a job taken over from another engine (the asynchronous loop sets it to
+    its engine gate's `generating(stage=False)`)."""
+
+    def set_step(self, step: int, oldest_version: int | None = None) -> None:
+        """The step being generated (the restart budget counts steps) and the oldest policy
+        version its tokens may carry (an older prefix of a cut request is generated again)."""
+        ...
+
+    def resumed_at(self, step: int) -> None:
+        """The run resumed at `step`: the restart window and injected faults count from it."""
+        ...
+
+    def take_metrics(self) -> dict[str, float]:
+        """`engines/*` counters since the last call, and whether the engine is healthy now."""
+        ...
+
+    def restore_last_version(self) -> None:
+        """Serve the newest complete version again (a version failed on every attempt)."""
         ...
 
 

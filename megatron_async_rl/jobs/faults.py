@@ -2,7 +2,7 @@
 
 Owned here: `RankFaults`, built by `jobs/parts.py` from the recipe's `faults:` section
 (`engines.config.FaultsConfig`, refused without `faults.allow: true`; the engine's own faults are
-`engines/faults.py`'s). Each fault goes through the real recovery path:
+`engines/recovery/faults.py`'s). Each fault goes through the real recovery path:
 - `weight_corrupt_versions`: `tamper` flips one payload byte of the first message an engine
   host receives of that version, on the first attempt only, before its checks: the checksum
   fails and the sync sends the version again (`weight_sync.max_attempts`);

@@ -16,6 +16,7 @@ rank waiting for the weight sync to start (an engine host while rank 0 trains) i
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch.distributed as dist
@@ -34,8 +35,8 @@ GENERATE_STAGES = (Stage.DATALOADER, Stage.GENERATE, Stage.REWARD, Stage.VALIDAT
 
 
 def learn_stages(cfg) -> tuple[Stage, ...]:
-    """The learn side's stages of a run, in order (each a `LearnSide` method of the stage's
-    name, `ref` for ref_logp): logp, ref_logp, then with a placed reward model or critic its
+    """The learn side's stages of a run, in order (each a `LearnSide` method:
+    `learn_stage_methods`): logp, ref_logp, then with a placed reward model or critic its
     stages, train, and the critic's train after the actor's."""
     placed = cfg.roles.placed_roles()
     return tuple(
@@ -46,9 +47,16 @@ def learn_stages(cfg) -> tuple[Stage, ...]:
     )  # fmt: skip
 
 
-def stage_method(learn, stage: Stage):
-    """The `LearnSide` method that runs `stage`."""
-    return getattr(learn, "ref" if stage == Stage.REF_LOGP else stage.value)
+def learn_stage_methods(learn) -> dict[Stage, Callable[[StepWork], StepWork]]:
+    """The `LearnSide` method that runs each learn stage (`learn_stages` picks a run's)."""
+    return {
+        Stage.LOGP: learn.logp,
+        Stage.REF_LOGP: learn.ref,
+        Stage.REWARD_MODEL: learn.reward_model,
+        Stage.CRITIC_VALUES: learn.critic_values,
+        Stage.TRAIN: learn.train,
+        Stage.CRITIC_TRAIN: learn.critic_train,
+    }
 
 
 @contextmanager
@@ -66,6 +74,7 @@ def run_steps(gen, learn, exchange, clock: RankClock, cfg, checkpoints=None, sta
     world); with `checkpoints` (a `CheckpointManager`), save when due, on a signal (then raise
     `Preempted`) and at the end. `faults`: the recipe's injected faults (`jobs/faults.py`)."""
     machines = {stage: clock.machine(stage) for stage in Stage}
+    methods = learn_stage_methods(learn) if learn is not None else {}
     staleness = StalenessController(0)
     last = time.perf_counter()
     for step in range(start, cfg.trainer.num_steps):
@@ -81,7 +90,7 @@ def run_steps(gen, learn, exchange, clock: RankClock, cfg, checkpoints=None, sta
             before = "samples in"
             for stage in learn_stages(cfg):
                 with running(machines[stage], step, before):
-                    stage_method(learn, stage)(learned)
+                    methods[stage](learned)
                 before = f"{stage.value} done"
             learned.batch_metrics.update(staleness.check_batch(step, learned.token_versions()))
         update = machines[Stage.PARAM_UPDATE]

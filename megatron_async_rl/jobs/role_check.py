@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_async_rl.config.schema import ResolvedConfig
 from megatron_async_rl.distributed import devices
 from megatron_async_rl.distributed.groups import WorldGroups
 from megatron_async_rl.distributed.platform import LOGPROB_TOLERANCE, Platform, exact_fp32_matmuls
 from megatron_async_rl.models import hf_checkpoint, hf_config
 from megatron_async_rl.models.hf_reference import hf_logprobs
 from megatron_async_rl.observability.logs import leader_print
+from megatron_async_rl.recipe.schema import ResolvedConfig
 from megatron_async_rl.roles.megatron_role import MegatronRole, build_local_roles
 
 logger = logging.getLogger(__name__)

@@ -51,7 +51,7 @@ class EngineGate:
     @contextmanager
     def generating(self, stage: bool = True):
         """Around a batch of the generate stage (`stage=False`: a batch of requests taken
-        over from another engine, `engines.restarting`; loads treat it alike, but the
+        over from another engine, `engines.recovery.restarting`; loads treat it alike, but the
         generate stage's machine is not this batch's)."""
         with self.engine_lock:
             with self.load_lock:

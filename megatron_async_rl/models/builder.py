@@ -18,10 +18,11 @@ import numpy as np
 import torch
 
 from megatron_async_rl.compat import megatron_fixes, megatron_mtp
-from megatron_async_rl.config import megatron_flags
+from megatron_async_rl.config.megatron import core_kwargs
 from megatron_async_rl.distributed.layout import Parallelism
 from megatron_async_rl.distributed.platform import Platform
-from megatron_async_rl.models import heads, name_map
+from megatron_async_rl.models import heads
+from megatron_async_rl.models.dims import padded_vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def te_available(platform: Platform) -> bool:
 
 
 def build_transformer_config(args: dict[str, Any], par: Parallelism, platform: Platform):
-    kwargs = megatron_flags.transformer_config_kwargs(args)
+    kwargs = core_kwargs.transformer_config_kwargs(args)
     kwargs.update(
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
@@ -105,7 +106,7 @@ def build_transformer_config(args: dict[str, Any], par: Parallelism, platform: P
                 "Transformer Engine is not importable: %s off (their kernels come from it)",
                 ", ".join(off),
             )
-    return megatron_flags.transformer_config_class(args)(**kwargs)
+    return core_kwargs.transformer_config_class(args)(**kwargs)
 
 
 def model_spec(
@@ -114,7 +115,7 @@ def model_spec(
     """`head`: a scalar head (`models.heads`); its model has untied embeddings (the head is
     not the embedding's transpose), whatever --untie-embeddings-and-output-weights says."""
     heads.check_kind(head)
-    gpt = megatron_flags.gpt_model_kwargs(args)
+    gpt = core_kwargs.gpt_model_kwargs(args)
     if head is not None:
         gpt["share_embeddings_and_output_weights"] = False
     vocab = gpt.pop("vocab_size", None) or args.get("vocab_size")
@@ -126,7 +127,7 @@ def model_spec(
     divisible_by = int(args.get("make_vocab_size_divisible_by") or 128)
     return ModelSpec(
         vocab_size=int(vocab),
-        padded_vocab_size=name_map.padded_vocab_size(int(vocab), divisible_by, par.tp),
+        padded_vocab_size=padded_vocab_size(int(vocab), divisible_by, par.tp),
         max_sequence_length=int(gpt.pop("max_sequence_length")),
         gpt_kwargs=gpt,
         use_te=te_available(platform),
@@ -163,7 +164,7 @@ def mtp_block_spec(config, spec: ModelSpec, decoder_spec, pp_rank: int, vp_stage
     """megatron-core's multi-token-prediction block spec (--mtp-num-layers: the MTP layers
     repeat the decoder's last layer spec), built on the role's groups (`compat.megatron_mtp`);
     None without MTP and on every pipeline stage but the last, which holds them all (without
-    virtual stages: `config.megatron_rules`)."""
+    virtual stages: `config.megatron.rules`)."""
     if not config.mtp_num_layers:
         return None
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec

@@ -7,7 +7,7 @@ HF side of loading it (shape checks, and the initial head of a checkpoint withou
 starting from the policy's checkpoint); and the reward model's pooling at each row's last non-pad
 token (`last_non_pad_index`). Called by `models.builder`, `models.weights` and
 `roles.megatron_role` (`values`, `scores`, `train_step(outputs="values")`); the HF names are
-`models.name_map`'s (`HEAD_HF_NAMES`).
+`models.dims`' (`HEAD_HF_NAMES`).
 
 Kinds:
 - "value": a value per token, HF `*ForTokenClassification` (`score` = Linear(hidden, 1), with a
@@ -46,9 +46,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_async_rl.models import name_map
+from megatron_async_rl.models.dims import HEAD_HF_NAMES, ModelDims, hf_shape
 
-HEAD_KINDS = tuple(name_map.HEAD_HF_NAMES)
+HEAD_KINDS = tuple(HEAD_HF_NAMES)
 """("value", "score")."""
 
 
@@ -136,7 +136,7 @@ def attach_scalar_head(model, config, head: str, tp_group, seed: int) -> None:
         return
     model.output_layer = ScalarHead(
         config.hidden_size,
-        bias=len(name_map.HEAD_HF_NAMES[head]) > 1,
+        bias=len(HEAD_HF_NAMES[head]) > 1,
         dtype=config.params_dtype,
         sequence_parallel=bool(config.sequence_parallel),
         tp_group=tp_group,
@@ -146,7 +146,7 @@ def attach_scalar_head(model, config, head: str, tp_group, seed: int) -> None:
 
 
 def head_reader(
-    read: Callable[[str], Tensor], names: Iterable[str], dims: name_map.ModelDims,
+    read: Callable[[str], Tensor], names: Iterable[str], dims: ModelDims,
     init_std: float | None, seed: int = 0, path: str = "<checkpoint>",
 ) -> tuple[Callable[[str], Tensor], list[str]]:  # fmt: skip
     """`read` and `names` of a HF checkpoint, completed with the head tensors `dims.head` needs.
@@ -157,14 +157,14 @@ def head_reader(
     Head tensors present must have HF's num_labels=1 shape.
     """
     names = list(names)
-    wanted = name_map.HEAD_HF_NAMES[dims.head]
+    wanted = HEAD_HF_NAMES[dims.head]
     for name in wanted:
         if name in names:
             shape = tuple(read(name).shape)
-            if shape != name_map.hf_shape(name, dims):
+            if shape != hf_shape(name, dims):
                 raise ValueError(
                     f"HF checkpoint {path}: {name} has shape {shape}, not "
-                    f"{name_map.hf_shape(name, dims)}: a {dims.head} head has num_labels=1"
+                    f"{hf_shape(name, dims)}: a {dims.head} head has num_labels=1"
                 )
     missing = [name for name in wanted if name not in names]
     if not missing:
@@ -179,8 +179,8 @@ def head_reader(
         raise ValueError(f"head_init_std={init_std}: must be >= 0 (0: a zero head)")
     generator = torch.Generator().manual_seed(seed)
     made = {
-        name: torch.randn(name_map.hf_shape(name, dims), generator=generator) * init_std
-        if name.endswith(".weight") else torch.zeros(name_map.hf_shape(name, dims))
+        name: torch.randn(hf_shape(name, dims), generator=generator) * init_std
+        if name.endswith(".weight") else torch.zeros(hf_shape(name, dims))
         for name in missing
     }  # fmt: skip
 

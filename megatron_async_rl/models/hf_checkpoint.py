@@ -4,7 +4,7 @@ Owns the on-disk side of HF checkpoints: reading the `*.safetensors` of a direct
 tensor by tensor (`HFTensorReader`, honouring `model.safetensors.index.json`), reading
 `config.json`, writing an export directory that `transformers` and SGLang load, and turning a
 transformers 5 module's state dict into the hub layout (`to_hub_layout`). Called by model
-building (HF init), export and tests; tensor layouts between Megatron and HF live in `name_map`.
+building (HF init), export and tests; tensor layouts between Megatron and HF live in `models.names`.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def load_hf_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
 
 
 def to_hub_layout(hf_sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """A transformers 5 module state dict -> the hub (on-disk) names `name_map` uses.
+    """A transformers 5 module state dict -> the hub (on-disk) names `models.names` uses.
 
     transformers 5.12.1 keeps MoE experts fused in the module, `mlp.experts.gate_up_proj`
     (E, 2F, H) with `[gate; up]` along dim 1 and `mlp.experts.down_proj` (E, H, F); on disk (its

@@ -27,28 +27,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_async_rl.models.hf_keys import (
+    ARCHITECTURES,
+    expect_arg,
+    get_arg,
+    require,
+    unsupported,
+    with_base,
+)
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-}
-# Keys carried over from a source config on export: they describe tokens, not shapes.
-_PASSTHROUGH_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
-
-def _unsupported(key: str, value: Any, rule: str) -> ValueError:
-    return ValueError(f"unsupported HF config: {key}={value!r}; {rule}")
-
-
-def _require(cfg: dict, key: str) -> Any:
-    if key not in cfg or cfg[key] is None:
-        raise ValueError(
-            f"HF config (model_type={cfg.get('model_type')!r}) lacks required key {key!r}"
-        )
-    return cfg[key]
 
 
 def rope_theta(hf_config: dict) -> float:
@@ -61,35 +50,35 @@ def rope_theta(hf_config: dict) -> float:
     if isinstance(params, dict) and params:
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type != "default":
-            raise _unsupported("rope_parameters.rope_type", rope_type, "only 'default' RoPE")
+            raise unsupported("rope_parameters.rope_type", rope_type, "only 'default' RoPE")
         factor = params.get("partial_rotary_factor", 1.0)
         if factor != 1.0:
-            raise _unsupported("rope_parameters.partial_rotary_factor", factor, "must be 1.0")
+            raise unsupported("rope_parameters.partial_rotary_factor", factor, "must be 1.0")
         return float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
     scaling = hf_config.get("rope_scaling")
     if scaling:
         rope_type = scaling.get("rope_type", scaling.get("type"))
         if rope_type != "default":
-            raise _unsupported("rope_scaling", scaling, "only plain RoPE (rope_scaling null)")
+            raise unsupported("rope_scaling", scaling, "only plain RoPE (rope_scaling null)")
     return float(hf_config.get("rope_theta", 10000.0))
 
 
 def _check_attention(cfg: dict, model_type: str) -> None:
     if cfg.get("hidden_act", "silu") != "silu":
-        raise _unsupported("hidden_act", cfg["hidden_act"], "only 'silu' (SwiGLU)")
+        raise unsupported("hidden_act", cfg["hidden_act"], "only 'silu' (SwiGLU)")
     if cfg.get("use_sliding_window", False):
-        raise _unsupported("use_sliding_window", True, "sliding-window attention is not built")
+        raise unsupported("use_sliding_window", True, "sliding-window attention is not built")
     layer_types = cfg.get("layer_types") or []
     if any(t != "full_attention" for t in layer_types):
-        raise _unsupported("layer_types", layer_types, "every layer must be 'full_attention'")
+        raise unsupported("layer_types", layer_types, "every layer must be 'full_attention'")
     if cfg.get("mlp_bias", False):
-        raise _unsupported("mlp_bias", True, "MLP biases are not built (add_bias_linear=False)")
+        raise unsupported("mlp_bias", True, "MLP biases are not built (add_bias_linear=False)")
     if model_type != "qwen2" and cfg.get("attention_bias", False):
         # In llama/qwen3 this also puts a bias on o_proj, which only add_bias_linear could
         # express, and that flag would add MLP biases as well.
-        raise _unsupported("attention_bias", True, f"{model_type} with o_proj bias")
+        raise unsupported("attention_bias", True, f"{model_type} with o_proj bias")
     if cfg.get("pretraining_tp", 1) not in (1, None):
-        raise _unsupported("pretraining_tp", cfg["pretraining_tp"], "must be 1")
+        raise unsupported("pretraining_tp", cfg["pretraining_tp"], "must be 1")
 
 
 def _moe_args(cfg: dict) -> dict[str, Any]:
@@ -97,17 +86,17 @@ def _moe_args(cfg: dict) -> dict[str, Any]:
     if not num_experts:
         raise ValueError("HF config (model_type='qwen3_moe') lacks num_experts (> 0)")
     if cfg.get("mlp_only_layers"):
-        raise _unsupported("mlp_only_layers", cfg["mlp_only_layers"], "every layer must be MoE")
+        raise unsupported("mlp_only_layers", cfg["mlp_only_layers"], "every layer must be MoE")
     if cfg.get("decoder_sparse_step", 1) != 1:
-        raise _unsupported(
+        raise unsupported(
             "decoder_sparse_step",
             cfg["decoder_sparse_step"],
             "must be 1 (every layer MoE)",
         )
-    top_k = int(_require(cfg, "num_experts_per_tok"))
+    top_k = int(require(cfg, "num_experts_per_tok"))
     norm_topk = bool(cfg.get("norm_topk_prob", False))
     if norm_topk and top_k == 1:
-        raise _unsupported(
+        raise unsupported(
             "norm_topk_prob",
             True,
             "with num_experts_per_tok=1 Megatron cannot renormalise",
@@ -115,7 +104,7 @@ def _moe_args(cfg: dict) -> dict[str, Any]:
     return {
         "num_experts": int(num_experts),
         "moe_router_topk": top_k,
-        "moe_ffn_hidden_size": int(_require(cfg, "moe_intermediate_size")),
+        "moe_ffn_hidden_size": int(require(cfg, "moe_intermediate_size")),
         "moe_layer_freq": 1,
         "moe_router_score_function": "softmax",
         "moe_router_pre_softmax": not norm_topk,
@@ -127,25 +116,25 @@ def megatron_args_from_hf(hf_config: dict) -> dict[str, Any]:
     """Megatron-LM arg dest names -> values describing the same network as `hf_config`."""
     model_type = hf_config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise _unsupported("model_type", model_type, f"supported: {SUPPORTED_MODEL_TYPES}")
+        raise unsupported("model_type", model_type, f"supported: {SUPPORTED_MODEL_TYPES}")
     if model_type == "deepseek_v3":
         from megatron_async_rl.models import hf_deepseek
 
         return hf_deepseek.megatron_args_from_hf(hf_config)
     _check_attention(hf_config, model_type)
-    hidden = int(_require(hf_config, "hidden_size"))
-    num_heads = int(_require(hf_config, "num_attention_heads"))
+    hidden = int(require(hf_config, "hidden_size"))
+    num_heads = int(require(hf_config, "num_attention_heads"))
     if model_type == "llama":
         num_groups = int(hf_config.get("num_key_value_heads") or num_heads)
     else:
-        num_groups = int(_require(hf_config, "num_key_value_heads"))
+        num_groups = int(require(hf_config, "num_key_value_heads"))
     # Mirrors transformers: Qwen3Config defaults head_dim to 128, the others derive it.
     default_head_dim = 128 if model_type == "qwen3" else hidden // num_heads
     head_dim = int(hf_config.get("head_dim") or default_head_dim)
     args: dict[str, Any] = {
-        "num_layers": int(_require(hf_config, "num_hidden_layers")),
+        "num_layers": int(require(hf_config, "num_hidden_layers")),
         "hidden_size": hidden,
-        "ffn_hidden_size": int(_require(hf_config, "intermediate_size")),
+        "ffn_hidden_size": int(require(hf_config, "intermediate_size")),
         "num_attention_heads": num_heads,
         "group_query_attention": num_groups != num_heads,
         "num_query_groups": num_groups,
@@ -161,8 +150,8 @@ def megatron_args_from_hf(hf_config: dict) -> dict[str, Any]:
         "add_bias_linear": False,
         "add_qkv_bias": model_type == "qwen2",
         "qk_layernorm": model_type in ("qwen3", "qwen3_moe"),
-        "vocab_size": int(_require(hf_config, "vocab_size")),
-        "max_position_embeddings": int(_require(hf_config, "max_position_embeddings")),
+        "vocab_size": int(require(hf_config, "vocab_size")),
+        "max_position_embeddings": int(require(hf_config, "max_position_embeddings")),
         "attention_dropout": float(hf_config.get("attention_dropout", 0.0)),
         "hidden_dropout": 0.0,
         "init_method_std": float(hf_config.get("initializer_range", 0.02)),
@@ -170,20 +159,6 @@ def megatron_args_from_hf(hf_config: dict) -> dict[str, Any]:
     if model_type == "qwen3_moe":
         args.update(_moe_args(hf_config))
     return args
-
-
-def _get(args: Any, key: str, default: Any = None) -> Any:
-    if isinstance(args, dict):
-        return args.get(key, default)
-    return getattr(args, key, default)
-
-
-def _expect(args: Any, key: str, wanted: Any, model_type: str) -> None:
-    value = _get(args, key, wanted)
-    if value != wanted:
-        raise ValueError(
-            f"Megatron arg {key}={value!r} cannot be exported as {model_type}: needs {wanted!r}"
-        )
 
 
 def hf_config_from_megatron_args(
@@ -196,7 +171,7 @@ def hf_config_from_megatron_args(
     (written as both `torch_dtype` and `dtype`); it must match the exported tensors.
     """
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise _unsupported("model_type", model_type, f"supported: {SUPPORTED_MODEL_TYPES}")
+        raise unsupported("model_type", model_type, f"supported: {SUPPORTED_MODEL_TYPES}")
     if model_type == "deepseek_v3":
         from megatron_async_rl.models import hf_deepseek
 
@@ -212,28 +187,28 @@ def hf_config_from_megatron_args(
         ("add_qkv_bias", model_type == "qwen2"),
         ("qk_layernorm", model_type in ("qwen3", "qwen3_moe")),
     ):
-        _expect(args, key, wanted, model_type)
-    num_heads = int(_get(args, "num_attention_heads"))
-    hidden = int(_get(args, "hidden_size"))
-    groups = _get(args, "num_query_groups") if _get(args, "group_query_attention") else None
+        expect_arg(args, key, wanted, model_type)
+    num_heads = int(get_arg(args, "num_attention_heads"))
+    hidden = int(get_arg(args, "hidden_size"))
+    groups = get_arg(args, "num_query_groups") if get_arg(args, "group_query_attention") else None
     cfg: dict[str, Any] = {
         "architectures": [ARCHITECTURES[model_type]],
         "model_type": model_type,
-        "vocab_size": int(_get(args, "vocab_size")),
+        "vocab_size": int(get_arg(args, "vocab_size")),
         "hidden_size": hidden,
-        "intermediate_size": int(_get(args, "ffn_hidden_size")),
-        "num_hidden_layers": int(_get(args, "num_layers")),
+        "intermediate_size": int(get_arg(args, "ffn_hidden_size")),
+        "num_hidden_layers": int(get_arg(args, "num_layers")),
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(groups or num_heads),
-        "head_dim": int(_get(args, "kv_channels") or hidden // num_heads),
+        "head_dim": int(get_arg(args, "kv_channels") or hidden // num_heads),
         "hidden_act": "silu",
-        "max_position_embeddings": int(_get(args, "max_position_embeddings")),
-        "rms_norm_eps": float(_get(args, "norm_epsilon", 1e-5)),
-        "rope_theta": float(_get(args, "rotary_base", 10000.0)),
+        "max_position_embeddings": int(get_arg(args, "max_position_embeddings")),
+        "rms_norm_eps": float(get_arg(args, "norm_epsilon", 1e-5)),
+        "rope_theta": float(get_arg(args, "rotary_base", 10000.0)),
         "rope_scaling": None,
-        "tie_word_embeddings": not _get(args, "untie_embeddings_and_output_weights", True),
-        "attention_dropout": float(_get(args, "attention_dropout", 0.0)),
-        "initializer_range": float(_get(args, "init_method_std", 0.02)),
+        "tie_word_embeddings": not get_arg(args, "untie_embeddings_and_output_weights", True),
+        "attention_dropout": float(get_arg(args, "attention_dropout", 0.0)),
+        "initializer_range": float(get_arg(args, "init_method_std", 0.02)),
     }
     if model_type in ("llama", "qwen3", "qwen3_moe"):
         cfg["attention_bias"] = False
@@ -242,44 +217,33 @@ def hf_config_from_megatron_args(
     else:
         cfg["use_sliding_window"] = False
     if model_type == "qwen3_moe":
-        _expect(args, "moe_router_score_function", "softmax", model_type)
-        _expect(args, "moe_router_topk_scaling_factor", None, model_type)
-        freq = _get(args, "moe_layer_freq", 1)
+        expect_arg(args, "moe_router_score_function", "softmax", model_type)
+        expect_arg(args, "moe_router_topk_scaling_factor", None, model_type)
+        freq = get_arg(args, "moe_layer_freq", 1)
         if freq != 1 and not (isinstance(freq, list) and set(freq) == {1}):
             raise ValueError(
                 f"Megatron arg moe_layer_freq={freq!r}: qwen3_moe needs all layers MoE"
             )
         cfg.update(
-            num_experts=int(_get(args, "num_experts")),
-            num_experts_per_tok=int(_get(args, "moe_router_topk")),
-            moe_intermediate_size=int(_get(args, "moe_ffn_hidden_size")),
-            norm_topk_prob=not _get(args, "moe_router_pre_softmax", False),
+            num_experts=int(get_arg(args, "num_experts")),
+            num_experts_per_tok=int(get_arg(args, "moe_router_topk")),
+            moe_intermediate_size=int(get_arg(args, "moe_ffn_hidden_size")),
+            norm_topk_prob=not get_arg(args, "moe_router_pre_softmax", False),
             decoder_sparse_step=1,
             mlp_only_layers=[],
         )
-    elif _get(args, "num_experts"):
+    elif get_arg(args, "num_experts"):
         raise ValueError(
-            f"Megatron arg num_experts={_get(args, 'num_experts')!r} cannot be exported as "
+            f"Megatron arg num_experts={get_arg(args, 'num_experts')!r} cannot be exported as "
             f"{model_type}: only qwen3_moe has experts"
         )
     return with_base(cfg, base)
 
 
-def with_base(cfg: dict[str, Any], base: dict | None) -> dict[str, Any]:
-    """`cfg` with the token ids and the dtype of `base` (the source model's config)."""
-    for key in _PASSTHROUGH_KEYS:
-        if base and key in base:
-            cfg[key] = base[key]
-    dtype = base and (base.get("torch_dtype") or base.get("dtype"))
-    if dtype:
-        cfg["torch_dtype"] = cfg["dtype"] = dtype
-    return cfg
-
-
 def export_base(base: dict, mtp_num_layers: int) -> dict[str, Any]:
     """The source model's config `base` as a train role's HF export writes it: a deepseek_v3
     one says how many multi-token-prediction layers the export carries
-    (`num_nextn_predict_layers`: --mtp-num-layers, `name_map`; 0 without)."""
+    (`num_nextn_predict_layers`: --mtp-num-layers, `models.names`; 0 without)."""
     if base.get("model_type") == "deepseek_v3":
         return {**base, "num_nextn_predict_layers": mtp_num_layers}
     return base

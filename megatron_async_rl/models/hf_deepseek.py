@@ -32,7 +32,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_async_rl.models import hf_config as hc
+from megatron_async_rl.models.hf_keys import (
+    ARCHITECTURES,
+    expect_arg,
+    get_arg,
+    require,
+    unsupported,
+    with_base,
+)
 
 
 def _rope_args(cfg: dict) -> dict[str, Any]:
@@ -44,13 +51,13 @@ def _rope_args(cfg: dict) -> dict[str, Any]:
     if rope_type == "default":
         return plain
     if rope_type != "yarn":
-        raise hc._unsupported("rope_parameters.rope_type", rope_type, "'default' or 'yarn'")
+        raise unsupported("rope_parameters.rope_type", rope_type, "'default' or 'yarn'")
     for key, ok in (("attention_factor", None), ("truncate", True)):
         if params.get(key, ok) != ok:
-            raise hc._unsupported(f"rope_parameters.{key}", params[key], f"must be {ok}")
+            raise unsupported(f"rope_parameters.{key}", params[key], f"must be {ok}")
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
     if mscale_all_dim and not mscale:
-        raise hc._unsupported(
+        raise unsupported(
             "rope_parameters.mscale", mscale,
             "needed with mscale_all_dim (transformers then scales cos/sin by mscale(factor, 1))",
         )  # fmt: skip
@@ -59,7 +66,7 @@ def _rope_args(cfg: dict) -> dict[str, Any]:
     return {
         **plain,
         "rope_type": "yarn",
-        "rotary_scaling_factor": float(hc._require(params, "factor")),
+        "rotary_scaling_factor": float(require(params, "factor")),
         "original_max_position_embeddings": int(
             params.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
         ),
@@ -71,27 +78,27 @@ def _rope_args(cfg: dict) -> dict[str, Any]:
 
 
 def _moe_args(cfg: dict, num_layers: int) -> dict[str, Any]:
-    experts = int(hc._require(cfg, "n_routed_experts"))
-    top_k = int(hc._require(cfg, "num_experts_per_tok"))
+    experts = int(require(cfg, "n_routed_experts"))
+    top_k = int(require(cfg, "num_experts_per_tok"))
     for key, wanted in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"),
                         ("moe_layer_freq", 1), ("hidden_act", "silu"),
                         ("attention_bias", False), ("rope_interleave", True)):  # fmt: skip
         if cfg.get(key, wanted) != wanted:
-            raise hc._unsupported(key, cfg[key], f"only {wanted!r} is built here")
+            raise unsupported(key, cfg[key], f"only {wanted!r} is built here")
     if top_k > 1 and not cfg.get("norm_topk_prob", True):
-        raise hc._unsupported(
+        raise unsupported(
             "norm_topk_prob", False, "megatron-core renormalises sigmoid routing weights"
         )
     groups, group_topk = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
     if groups > 1 and top_k != 2 * group_topk:
-        raise hc._unsupported(
+        raise unsupported(
             "topk_group", group_topk,
             f"with n_group={groups} megatron-core scores a group by its top num_experts_per_tok"
             f" // topk_group = {top_k // group_topk} experts, transformers by its top 2",
         )  # fmt: skip
     dense = int(cfg.get("first_k_dense_replace") or 0)
     shared = int(cfg.get("n_shared_experts") or 0)
-    moe_ffn = int(hc._require(cfg, "moe_intermediate_size"))
+    moe_ffn = int(require(cfg, "moe_intermediate_size"))
     return {
         "num_experts": experts,
         "moe_router_topk": top_k,
@@ -109,34 +116,34 @@ def _moe_args(cfg: dict, num_layers: int) -> dict[str, Any]:
 
 def megatron_args_from_hf(cfg: dict) -> dict[str, Any]:
     """Megatron-LM arg dest names -> values describing the same network as a deepseek_v3 config."""
-    heads = int(hc._require(cfg, "num_attention_heads"))
+    heads = int(require(cfg, "num_attention_heads"))
     if cfg.get("num_key_value_heads", heads) != heads:
-        raise hc._unsupported(
+        raise unsupported(
             "num_key_value_heads", cfg["num_key_value_heads"], f"MLA needs {heads} (one per head)"
         )
     if cfg.get("pretraining_tp", 1) not in (1, None):
-        raise hc._unsupported("pretraining_tp", cfg["pretraining_tp"], "must be 1")
+        raise unsupported("pretraining_tp", cfg["pretraining_tp"], "must be 1")
     if cfg.get("quantization_config"):
         method = cfg["quantization_config"].get("quant_method", "?")
-        raise hc._unsupported(
+        raise unsupported(
             "quantization_config", method,
             "a quantized checkpoint (DeepSeek's are fp8 with block scales) is trained from its "
             "bf16 weights: dequantize it first (e.g. DeepSeek's fp8_cast_bf16.py)",
         )  # fmt: skip
-    num_layers = int(hc._require(cfg, "num_hidden_layers"))
+    num_layers = int(require(cfg, "num_hidden_layers"))
     q_lora = cfg.get("q_lora_rank")
     return {
         "num_layers": num_layers,
-        "hidden_size": int(hc._require(cfg, "hidden_size")),
-        "ffn_hidden_size": int(hc._require(cfg, "intermediate_size")),
+        "hidden_size": int(require(cfg, "hidden_size")),
+        "ffn_hidden_size": int(require(cfg, "intermediate_size")),
         "num_attention_heads": heads,
         "group_query_attention": False,
         "multi_latent_attention": True,
         "q_lora_rank": int(q_lora) if q_lora else None,
-        "kv_lora_rank": int(hc._require(cfg, "kv_lora_rank")),
-        "qk_head_dim": int(hc._require(cfg, "qk_nope_head_dim")),
-        "qk_pos_emb_head_dim": int(hc._require(cfg, "qk_rope_head_dim")),
-        "v_head_dim": int(hc._require(cfg, "v_head_dim")),
+        "kv_lora_rank": int(require(cfg, "kv_lora_rank")),
+        "qk_head_dim": int(require(cfg, "qk_nope_head_dim")),
+        "qk_pos_emb_head_dim": int(require(cfg, "qk_rope_head_dim")),
+        "v_head_dim": int(require(cfg, "v_head_dim")),
         "swiglu": True,
         "normalization": "RMSNorm",
         "norm_epsilon": float(cfg.get("rms_norm_eps", 1e-6)),
@@ -148,8 +155,8 @@ def megatron_args_from_hf(cfg: dict) -> dict[str, Any]:
         "add_bias_linear": False,
         "add_qkv_bias": False,
         "qk_layernorm": True,
-        "vocab_size": int(hc._require(cfg, "vocab_size")),
-        "max_position_embeddings": int(hc._require(cfg, "max_position_embeddings")),
+        "vocab_size": int(require(cfg, "vocab_size")),
+        "max_position_embeddings": int(require(cfg, "max_position_embeddings")),
         "attention_dropout": float(cfg.get("attention_dropout", 0.0)),
         "hidden_dropout": 0.0,
         "init_method_std": float(cfg.get("initializer_range", 0.02)),
@@ -172,14 +179,14 @@ def _dense_prefix(freq: Any, num_layers: int) -> int:
 def hf_config_from_megatron_args(args: Any, base: dict | None = None) -> dict[str, Any]:
     """A deepseek_v3 `config.json` dict for `args`, in the hub spelling SGLang and transformers
     4 and 5 read (`rope_scaling`, `scoring_func`, `topk_method`)."""
-    get = hc._get
+    get = get_arg
     for key, wanted in (
         ("multi_latent_attention", True), ("swiglu", True), ("normalization", "RMSNorm"),
         ("position_embedding_type", "rope"), ("add_bias_linear", False), ("qk_layernorm", True),
         ("rotary_percent", 1.0), ("moe_router_score_function", "sigmoid"),
         ("moe_router_enable_expert_bias", True),
     ):  # fmt: skip
-        hc._expect(args, key, wanted, "deepseek_v3")
+        expect_arg(args, key, wanted, "deepseek_v3")
     num_layers, heads = int(get(args, "num_layers")), int(get(args, "num_attention_heads"))
     moe_ffn = int(get(args, "moe_ffn_hidden_size"))
     shared = get(args, "moe_shared_expert_intermediate_size") or 0
@@ -204,7 +211,7 @@ def hf_config_from_megatron_args(args: Any, base: dict | None = None) -> dict[st
                          "be exported as deepseek_v3 (its MLA softmax scale would differ)")
     q_lora = get(args, "q_lora_rank")
     cfg: dict[str, Any] = {
-        "architectures": [hc.ARCHITECTURES["deepseek_v3"]],
+        "architectures": [ARCHITECTURES["deepseek_v3"]],
         "model_type": "deepseek_v3",
         "vocab_size": int(get(args, "vocab_size")),
         "hidden_size": int(get(args, "hidden_size")),
@@ -220,7 +227,7 @@ def hf_config_from_megatron_args(args: Any, base: dict | None = None) -> dict[st
         "n_group": int(groups),
         "topk_group": int(get(args, "moe_router_group_topk") or 1),
         "first_k_dense_replace": _dense_prefix(get(args, "moe_layer_freq", 1), num_layers),
-        "num_nextn_predict_layers": int(get(args, "mtp_num_layers") or 0),  # MTP (`name_map`)
+        "num_nextn_predict_layers": int(get(args, "mtp_num_layers") or 0),  # MTP (`models.names`)
         "norm_topk_prob": True,
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
@@ -241,4 +248,4 @@ def hf_config_from_megatron_args(args: Any, base: dict | None = None) -> dict[st
         "attention_dropout": float(get(args, "attention_dropout", 0.0)),
         "initializer_range": float(get(args, "init_method_std", 0.02)),
     }
-    return hc.with_base(cfg, base)
+    return with_base(cfg, base)

@@ -12,7 +12,7 @@ DTensors). Called by `roles.megatron_role` (wrapping), `models.weights` (HF load
 
 The parameters stay sharded between steps: a reader gathers one tensor at a time, and every
 data-parallel rank of the role must read the same tensors in the same order (they do: they walk
-the same model). Which flags go with FSDP2 is `config.megatron_rules`' `_torch_fsdp2_rules`.
+the same model). Which flags go with FSDP2 is `config.megatron.rules`' `_torch_fsdp2_rules`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from megatron_async_rl.config import megatron_flags
+from megatron_async_rl.config.errors import warn_once
+from megatron_async_rl.config.megatron import core_kwargs
 
 
 def _modules_to_shard(use_te: bool) -> set:
@@ -67,11 +68,11 @@ def wrap_chunks(chunks: list, config, args: dict[str, Any], use_te: bool, dp_gro
         )
     defaults = DistributedDataParallelConfig()
     ignored = sorted(
-        name for name, value in megatron_flags.ddp_config_kwargs(args).items()
+        name for name, value in core_kwargs.ddp_config_kwargs(args).items()
         if value != getattr(defaults, name)
     ) + (["ddp_num_buckets"] if args.get("ddp_num_buckets") else [])  # fmt: skip
     if ignored:
-        megatron_flags.warn_once(
+        warn_once(
             f"--use-torch-fsdp2: the DDP settings {', '.join(ignored)} are ignored (FSDP2 "
             "reduce-scatters each unit's gradients itself, as in Megatron-LM)"
         )

@@ -3,7 +3,7 @@ HF checkpoint becomes the checkpoint of its family's MoE twin, whose MoE layers 
 what the dense MLPs did, until training moves them apart.
 
 Owned here: `UpcyclePlan` (checked from one role's Megatron args by `plan_upcycling`, which
-`config/recipe.py` calls while a recipe resolves), the conversion itself (`upcycled_hf_config`,
+`recipe/load.py` calls while a recipe resolves), the conversion itself (`upcycled_hf_config`,
 `upcycle_state_dict`), and `use_upcycled`, which `train.py` calls once the world is up: rank 0
 writes the MoE checkpoint to `<run_dir>/upcycled_hf` (shared by every node, as checkpoints are),
 the others wait, and every rank then reads `model.hf_path` from there, so the Megatron roles, the
@@ -40,8 +40,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megatron_async_rl.config.errors import ConfigError
-from megatron_async_rl.config.megatron_flags import warn_once
+from megatron_async_rl.config.errors import ConfigError, warn_once
 from megatron_async_rl.models import hf_config as hf
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 Owned here (pure: numpy and torch, no collectives, no Megatron): the compact dtype of expert
 ids, decoding SGLang's `routed_experts` payload, the batch tensor the Megatron roles replay
-(`routing_batch`), and top-k set agreement. The engine host decodes (`engines.sglang_host`),
+(`routing_batch`), and top-k set agreement. The engine host decodes (`engines.sglang.host`),
 the sample carries the array (`rollout.generation.Sample.routed_experts`), `rollout.batch` lays
 it out, `moe.replay` replays it.
 

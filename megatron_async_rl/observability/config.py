@@ -22,9 +22,11 @@ class WandbConfig:
     mode: str = "online"
     """`online`, `offline` (written under `<run_dir>/wandb/`, `wandb sync` later) or `disabled`."""
     entity: str | None = None
+    """The W&B team or user the run is logged under [W&B's default entity of the logged-in user]."""
     name: str | None = None
     """The W&B run's display name [the run directory's name]."""
     tags: list[str] = field(default_factory=list)
+    """Tags attached to the W&B run (a list of strings)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.project, str) or not self.project.strip():

@@ -1,6 +1,6 @@
 """The recipe's `reward:` section: which reward scores the samples; a pure, validated dataclass.
 
-Owned here: `RewardConfig`, built by the recipe loader (`config/schema.py`) and turned into a
+Owned here: `RewardConfig`, built by the recipe loader (`recipe/schema.py`) and turned into a
 reward function by `rewards.registry.get_reward`. Imports only the config checks and the
 standard library, so loading a recipe never imports the registry or a reward plug-in.
 

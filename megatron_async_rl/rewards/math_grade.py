@@ -6,7 +6,7 @@ thread) and `quick_grade` (the part that needs no Math-Verify: microseconds). Th
 a pool of worker processes (`rewards/math_pool.py`) that run `grade`.
 
 `grade(response, answer)`, first rule that decides:
-1. **Fast match** (ours, `math_answer.answers_match`): the answer the response states in a
+1. **Fast match** (ours, `math_match.answers_match`): the answer the response states in a
    `\\boxed{}` or after "answer is" / "Answer:", or the whole response when it is that short,
    equals the ground truth as a number (any written form) or as normalised text. Only a match
    decides here: a mismatch goes on (Math-Verify knows forms we do not). The last bare number of
@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import re
 
-from megatron_async_rl.rewards.math_answer import (
-    _ANSWER_PHRASE,
+from megatron_async_rl.rewards.math_match import (
+    ANSWER_PHRASE,
     answers_match,
     last_boxed,
     normalize,
@@ -56,7 +56,7 @@ def stated_answer(response: str) -> str | None:
     is" / "Answer:" (to the end of that line), whichever comes later (a response that boxes
     steps and then states "The final answer is ..." means the statement), else the whole
     response when short."""
-    phrases = list(_ANSWER_PHRASE.finditer(response))
+    phrases = list(ANSWER_PHRASE.finditer(response))
     box_at = max(response.rfind(command) for command in ("\\boxed", "\\fbox"))
     if phrases and phrases[-1].start() > box_at:
         stated = phrases[-1].group(1).strip().rstrip(".")

@@ -2,7 +2,7 @@
 
 Owned here: `GradePool`. Math-Verify bounds its parsing and comparisons with `signal.alarm`,
 which works only on a process's main thread; the reward stage runs on a scheduler thread, so
-`grade` runs in a `rollout.worker_pool.WorkerPool` (spawned workers), where those bounds hold
+`grade` runs in a `processes.worker_pool.WorkerPool` (spawned workers), where those bounds hold
 and several answers are graded at once. The pool starts at the first answer our fast match
 leaves undecided (a run whose answers all match quickly never starts it). An answer a worker
 still has not graded within `call_timeout_s` (a pathological input Math-Verify's bounds miss)
@@ -12,7 +12,7 @@ one answer cannot stall the reward stage.
 
 from __future__ import annotations
 
-from megatron_async_rl.rollout.worker_pool import WorkerPool
+from megatron_async_rl.processes.worker_pool import WorkerPool
 
 
 def _init_worker() -> None:

@@ -2,9 +2,9 @@
 
 Owned here: the registry (`register`, `get_reward`, configured by the recipe's `reward:`
 section, `rewards.config.RewardConfig`) and `SafeReward`, the wrapper the reward stage calls on
-every generated sample. The built-in rewards live one per file next to this one
-(`math_answer.py` registers `math`, `arithmetic.py` registers `arithmetic`); `remote.py` is
-built from a `RewardConfig` with a URL.
+every generated sample. The built-in rewards live one per file: `math_answer.py` next to this
+one registers `math`, the demo task's `tasks/arithmetic_reward.py` registers `arithmetic` (both
+imported by name on first lookup); `remote.py` is built from a `RewardConfig` with a URL.
 
 A reward function has the signature
 
@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_async_rl.config.errors import ConfigError, suggest
+from megatron_async_rl.processes.isolated import FAULT_KEY, IsolatedReward
 from megatron_async_rl.rewards.config import REMOTE, RewardConfig
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,10 @@ RewardFn = Callable[[str, str, dict], float]
 _REGISTRY: dict[str, RewardFn] = {}
 # Modules whose import registers the built-in names; imported on first lookup so that importing
 # the registry alone stays cheap and free of cycles.
-_BUILTIN_MODULES = ("megatron_async_rl.rewards.math_answer", "megatron_async_rl.rewards.arithmetic")
+_BUILTIN_MODULES = (
+    "megatron_async_rl.rewards.math_answer",
+    "megatron_async_rl.tasks.arithmetic_reward",
+)
 
 
 def register(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -171,10 +175,6 @@ class RewardRequest:
     metadata: dict = field(default_factory=dict)
 
 
-FAULT_KEY = "__megatron_async_rl_fault__"
-"""Metadata key of an injected reward hang: the isolated reward's child sleeps on it."""
-
-
 async def _awaited(awaitable):
     return await awaitable
 
@@ -190,18 +190,16 @@ def _checked(value) -> float:
 
 def safe_reward(config: RewardConfig) -> SafeReward:
     """The recipe's reward, guarded: in a child process with a per-call bound when
-    `reward.call_timeout_s` is set (`rewards.isolated`), else in this process."""
+    `reward.call_timeout_s` is set (`processes.isolated`), else in this process."""
     fn = get_reward(config)  # in this process too: a bad name fails here, before any child
     if config.call_timeout_s is not None:
-        from megatron_async_rl.rewards.isolated import IsolatedReward
-
-        fn = IsolatedReward(config, config.call_timeout_s)
+        fn = IsolatedReward(config, config.call_timeout_s, get_reward)
     return SafeReward(fn, config.name, stop_on_failure=config.on_failure == "stop",
                       max_error_rate=config.max_error_rate)  # fmt: skip
 
 
 class SafeReward:
-    """Calls a reward function; an exception, a timeout (`rewards.isolated`) or a non-finite
+    """Calls a reward function; an exception, a timeout (`processes.isolated`) or a non-finite
     value scores 0.0 and is counted."""
 
     def __init__(self, fn: RewardFn, name: str = "", max_logged: int = 5,

@@ -1,9 +1,10 @@
 """The generate role on an engine-host rank: prompts to scored samples, validation passes.
 
 Owned here: `GenerateSide`, its stages as methods `StepWork -> StepWork` (`load`, `generate`,
-`score`) plus `validate`, and `build_generate_side` (engine, dataset, reward, validator from the
-recipe). When each stage runs, and how weights reach the engine, is the loops' business
-(`jobs/grpo_sync.py`, `jobs/grpo_async.py`); this class never waits for anything.
+`score`) plus `validate`, `build_generate_side` (dataset, reward, validator and engine from
+the recipe) and `build_engine` (the engine stack: SGLang inside `RestartingEngine`). When each
+stage runs, and how weights reach the engine, is the loops' business (`jobs/grpo_sync.py`,
+`jobs/grpo_async.py`, `jobs/generate_pipeline.py`); this class never waits for anything.
 
 The dataset and its cursor live here only: the rank that draws a step's prompts records where
 they started (`StepWork.cursor`). Every engine host draws the same prompts from the same seeded
@@ -22,8 +23,10 @@ import dataclasses
 import logging
 import os
 import threading
+from typing import TYPE_CHECKING
 
-from megatron_async_rl.engines import prefixes
+from megatron_async_rl.engines.protocol import ManagedEngine
+from megatron_async_rl.engines.recovery import prefixes
 from megatron_async_rl.rewards.registry import safe_reward
 from megatron_async_rl.roles.work import StepWork
 from megatron_async_rl.rollout.dataset import PromptDataset, encode_prompt
@@ -36,6 +39,9 @@ from megatron_async_rl.rollout.refill import (
     wait_for_round,
 )
 from megatron_async_rl.rollout.validation import Validator
+
+if TYPE_CHECKING:
+    from megatron_async_rl.engines.recovery.restarting import RestartingEngine
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +98,7 @@ class GenerateSide:
         ids = {i: records[i].prompt_ids or self.encode(records[i]) for i in mine}
         # A request cut short keeps its prefix if it is in the step's window.
         oldest = max(0, work.step - cfg.scheduler.generate_ahead_steps)
-        if hasattr(self.engine, "set_step"):  # a restart budget counts steps
+        if isinstance(self.engine, ManagedEngine):  # a restart budget counts steps
             self.engine.set_step(work.step, oldest)
         kept = self._prefixes(work, oldest)
         for attempt in range(1, 4):
@@ -129,7 +135,7 @@ class GenerateSide:
         cfg, records = self.cfg, work.records
         ids = {i: self.multi_turn.encode(records[i], self.tokenizer,
                                          cfg.rollout.use_chat_template) for i in mine}  # fmt: skip
-        if hasattr(self.engine, "set_step"):
+        if isinstance(self.engine, ManagedEngine):
             self.engine.set_step(work.step, max(0, work.step - cfg.scheduler.generate_ahead_steps))
         with self._cut_lock:
             self._generating, self._cut = True, False
@@ -281,7 +287,7 @@ class GenerateSide:
         if self.faults is not None:
             work.report.add_sums(self.faults.take_metrics())
         work.report.add_means(self.dataset.metrics())
-        if hasattr(self.engine, "take_metrics"):
+        if isinstance(self.engine, ManagedEngine):
             work.report.add_sums(self.engine.take_metrics())
         return work
 
@@ -293,7 +299,7 @@ class GenerateSide:
     def resumed_at(self, step: int) -> None:
         """The run resumed at `step`: the engine's restart window and injected faults count
         from there."""
-        if hasattr(self.engine, "resumed_at"):
+        if isinstance(self.engine, ManagedEngine):
             self.engine.resumed_at(step)
 
     def encode(self, record) -> list[int]:
@@ -334,11 +340,31 @@ def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None
             val, cfg.rollout, records, safe_reward(cfg.reward),
             index, num_engines, cfg.seed,
         )  # fmt: skip
-    from megatron_async_rl.engines.faults import EngineFaults
-    from megatron_async_rl.engines.restarting import RestartingEngine
-    from megatron_async_rl.engines.sglang_engine import SGLangEngine
+    engine = build_engine(cfg, platform, layout, rank)
+    rounds = None
+    if cfg.algorithm.refill and num_engines > 1:
+        import torch.distributed as dist
+
+        # The world's own store (torchrun's), as the help board's: no collective, so a host
+        # waiting for the others' flags never holds a checkpoint's barrier.
+        store = dist.PrefixStore("refill_rounds", dist.distributed_c10d._get_default_store())
+        rounds = StoreRounds(store, index, num_engines)
+    return GenerateSide(
+        cfg, engine, tokenizer, dataset, reward, validator, index, num_engines, multi_turn, rounds
+    )
+
+
+def build_engine(cfg, platform, layout, rank: int) -> RestartingEngine:
+    """Engine host `rank`'s engine, started: an SGLang engine (`engine:`, `model.hf_path`, the
+    MoE routing it returns) inside a `RestartingEngine` (restart budget, watchdog, the recipe's
+    engine faults, and with several engines the help board they share)."""
+    from megatron_async_rl.engines.recovery.faults import EngineFaults
+    from megatron_async_rl.engines.recovery.restarting import RestartingEngine
+    from megatron_async_rl.engines.sglang.engine import SGLangEngine
     from megatron_async_rl.weight_sync.sinks import load_tensors
 
+    hosts = layout.engine_host_ranks()
+    index, num_engines = hosts.index(rank), len(hosts)
     config = cfg.engine.sglang_config(cfg.model.hf_path, platform.device_type, cfg.seed)
     config = dataclasses.replace(config, routing=routing_capture(cfg))  # MoE: routed experts
     if platform.device_type == "cuda":  # the engine's TP ranks start at our device
@@ -355,12 +381,12 @@ def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None
     if num_engines > 1 and e.reassign and e.max_restarts > 0:
         import torch.distributed as dist
 
-        from megatron_async_rl.engines.reassign import HelpBoard
+        from megatron_async_rl.engines.recovery.reassign import HelpBoard
 
         # The world's own store (torchrun's): every engine host reaches it, no collective.
         store = dist.PrefixStore("engine_help", dist.distributed_c10d._get_default_store())
         board = HelpBoard(store, index)
-    engine = RestartingEngine(
+    return RestartingEngine(
         start, load_tensors, where=f"generate rank in role {rank_in_role}, global rank {rank}",
         max_restarts=e.max_restarts, window_steps=e.restart_window_steps,
         health_timeout_s=e.health_timeout_s, check_every_s=e.health_check_every_s,
@@ -370,24 +396,13 @@ def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None
         ),
         board=board, generate_timeout_s=e.generate_timeout_s,
     )  # fmt: skip
-    rounds = None
-    if cfg.algorithm.refill and num_engines > 1:
-        import torch.distributed as dist
-
-        # The world's own store (torchrun's), as the help board's: no collective, so a host
-        # waiting for the others' flags never holds a checkpoint's barrier.
-        store = dist.PrefixStore("refill_rounds", dist.distributed_c10d._get_default_store())
-        rounds = StoreRounds(store, index, num_engines)
-    return GenerateSide(
-        cfg, engine, tokenizer, dataset, reward, validator, index, num_engines, multi_turn, rounds
-    )
 
 
 def routing_capture(cfg):
     """What the engines return of their MoE routing (`moe.config`), or None: a dense model, or
     neither replay nor metrics asked."""
     from megatron_async_rl.engines.config import RoutingCapture
-    from megatron_async_rl.models.name_map import moe_layer_pattern
+    from megatron_async_rl.models.dims import moe_layer_pattern
 
     args = cfg.role_megatron_args.get("train") or next(iter(cfg.role_megatron_args.values()))
     if not cfg.moe.engine_routing or not args.get("num_experts"):

@@ -22,7 +22,7 @@ import xxhash
 from megatron_async_rl.algorithms import advantages, corrections, grpo, losses, minibatch
 from megatron_async_rl.algorithms.config import check_overlong_budget, response_budget
 from megatron_async_rl.distributed import devices
-from megatron_async_rl.models.name_map import chunk_name
+from megatron_async_rl.models.names import chunk_name
 from megatron_async_rl.moe.routing import agreement_metrics, routing_counts
 from megatron_async_rl.observability.ledger import PromptLedger
 from megatron_async_rl.observability.metrics import MetricsWriter, summarize

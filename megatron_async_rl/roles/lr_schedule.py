@@ -36,11 +36,10 @@ the output layer); megatron-core 0.16.1's scheduler does not read `lr_mult`.
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any
 
-from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.config.errors import ConfigError, warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +54,6 @@ _CHECKED_WD = ("start_wd", "end_wd", "wd_incr_steps", "wd_incr_style")
 
 def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
-
-
-@functools.cache
-def _warn_once(message: str) -> None:
-    logger.warning(message)
 
 
 def _first(*values):
@@ -146,7 +140,7 @@ def schedule_kwargs(args: dict[str, Any], total_optimizer_steps: int | None) -> 
 
     if decay_steps is None:
         if style != "constant":
-            _warn_once(
+            warn_once(
                 f"--lr-decay-style {style} is ignored: with no --lr-decay-iters, --train-iters or "
                 "total optimizer steps there is nothing to decay over; the lr stays at --lr "
                 "after the warm-up (constant)"

@@ -6,8 +6,8 @@ the role's pipeline (forward only). Called by the entry point for each Megatron 
 on this rank. `train` gets `DistributedDataParallel` (megatron-core's FSDP2 wrapper with
 --use-torch-fsdp2: `models.torch_fsdp2`), Megatron's optimizer and its lr schedule
 (`roles.lr_schedule`), its param-group map written with --dump-param-to-param-group-map
-(`roles.param_groups`); `logp` and `ref` are forward-only, and `ref` is frozen (requires_grad
-False).
+(`roles.param_groups`), all wired by `roles.megatron_wrap`; `logp` and `ref` are forward-only,
+and `ref` is frozen (requires_grad False).
 
 With --mtp-num-layers the train role's model carries multi-token-prediction layers, trained in
 `train_step` beside the RL loss (`algorithms.mtp`, `compat.megatron_mtp`; `actor/mtp_loss`); the
@@ -24,10 +24,6 @@ interleaved schedule with one data iterator per chunk over the same micro-batche
 Batch tensors: tokens_BT (int64, right-padded), logp_BT / entropy_BT for positions 1..T-1
 (column t is the log-prob of tokens[:, t + 1]); values_BT for positions 0..T-1 (column t is the
 value after tokens[:, :t + 1], so values_BT[:, :-1] lines up with logp_BT); scores_B.
-
-Size: just past 600 lines, one class: a role's build, load, forward passes and train step, which
-the MoE, MTP and scalar-head variants share; what each variant computes lives in its own module
-(`moe/`, `algorithms.mtp`, `models.heads`).
 """
 
 from __future__ import annotations
@@ -41,44 +37,20 @@ import torch.distributed as dist
 
 from megatron_async_rl.algorithms import minibatch, mtp
 from megatron_async_rl.algorithms.logprobs import vocab_parallel_logprobs
-from megatron_async_rl.compat import megatron_fixes, megatron_mtp
-from megatron_async_rl.config import megatron_flags, megatron_rules
+from megatron_async_rl.compat import megatron_mtp
+from megatron_async_rl.config.errors import warn_once
+from megatron_async_rl.config.megatron import rules
 from megatron_async_rl.config.roles import TRAINED_ROLES
 from megatron_async_rl.distributed import devices
 from megatron_async_rl.distributed.groups import MEGATRON_ROLES, RoleGroups, WorldGroups
 from megatron_async_rl.distributed.layout import Parallelism
 from megatron_async_rl.distributed.platform import Platform
-from megatron_async_rl.models import builder, heads, torch_fsdp2, weights
-from megatron_async_rl.models.name_map import moe_layer_pattern
+from megatron_async_rl.models import builder, heads, weights
+from megatron_async_rl.models.dims import moe_layer_pattern
 from megatron_async_rl.moe import aux_metrics
-from megatron_async_rl.roles import lr_schedule, param_groups
+from megatron_async_rl.roles import lr_schedule, megatron_wrap
 
 logger = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def role_scoped_object_gather(group):
-    """Scope Megatron's world-wide `all_gather_object` to the role while building an optimizer.
-
-    `get_megatron_optimizer` gathers its param-group keys over the WORLD (facts: leak 3); if only
-    some roles build an optimizer the world hangs. Inside this block a group-less call gathers
-    over `group` instead. Main thread only; the original is restored on exit.
-    """
-    original = dist.all_gather_object
-
-    def gather(object_list, obj, group_=None, **kwargs):
-        if group_ is None and "group" not in kwargs:
-            gathered = [None] * dist.get_world_size(group)
-            original(gathered, obj, group=group)
-            object_list[:] = gathered
-            return None
-        return original(object_list, obj, group=kwargs.pop("group", group_), **kwargs)
-
-    dist.all_gather_object = gather
-    try:
-        yield
-    finally:
-        dist.all_gather_object = original
 
 
 class MegatronRole:
@@ -123,10 +95,10 @@ class MegatronRole:
             raise RuntimeError(f"role {role}: rank {dist.get_rank()} is not in its window")
         if role in ("logp", "ref") and args.get("mtp_num_layers") is not None:
             # MTP layers train with the actor only; these roles' log-probs are the main head's
-            # (`config.megatron_rules` says so once), and their pipeline layout places none
+            # (`config.megatron.rules` says so once), and their pipeline layout places none
             args = {**args, "mtp_num_layers": None}
             if args.get("pipeline_model_parallel_layout") is not None:
-                args["pipeline_model_parallel_layout"] = megatron_rules.layout_without_mtp(
+                args["pipeline_model_parallel_layout"] = rules.layout_without_mtp(
                     args["pipeline_model_parallel_layout"]
                 )
         self.role, self.args, self.par, self.platform = role, args, par, platform
@@ -141,7 +113,7 @@ class MegatronRole:
         if args.get("num_experts"):
             self.mask_moe_padding = not self.config.sequence_parallel
             if self.config.sequence_parallel:
-                megatron_flags.warn_once(
+                warn_once(
                     "--sequence-parallel: pad positions count in the MoE auxiliary losses "
                     "(megatron-core 0.16.1 scatters the routers' padding mask over its global "
                     "tensor-parallel group, which roles built from explicit groups lack)"
@@ -165,7 +137,7 @@ class MegatronRole:
             self.moe_aux_names = aux_metrics.tracked_names(args)
             if self.moe_aux_names:
                 self.moe_layers = _moe_layers(args)
-            self._wrap_for_training(total_optimizer_steps)
+            megatron_wrap.wrap_for_training(self, total_optimizer_steps)
         else:
             for chunk in self.chunks:
                 chunk.eval()
@@ -190,76 +162,6 @@ class MegatronRole:
                 "chunks (virtual pipeline stages): use its `chunks` / `models`"
             )
         return chunks[0]
-
-    def _ddp_config(self):
-        from megatron.core.distributed import DistributedDataParallelConfig
-
-        ddp_kwargs = megatron_flags.ddp_config_kwargs(self.args)
-        if self.args.get("ddp_num_buckets"):  # as Megatron-LM: the role's parameters / N
-            if self.args.get("bucket_size") is not None:
-                raise ValueError("--ddp-num-buckets cannot be combined with --ddp-bucket-size")
-            numel = sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
-            ddp_kwargs["bucket_size"] = max(numel // self.args["ddp_num_buckets"], 1)
-        return DistributedDataParallelConfig(**ddp_kwargs)
-
-    def _wrap_for_training(self, total_optimizer_steps: int | None) -> None:
-        from megatron.core.distributed import DistributedDataParallel
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        if self.args.get("use_torch_fsdp2"):  # parameters become DTensors: `models.torch_fsdp2`
-            self.models = torch_fsdp2.wrap_chunks(
-                self.chunks, self.config, self.args, self.spec.use_te, self.pgc.dp_cp
-            )
-            ddp_config = self.models[0].ddp_config
-        else:
-            ddp_config = self._ddp_config()
-            # One DDP wrapper per model chunk, buckets for the first only (Megatron-LM's
-            # get_model).
-            self.models = [
-                DistributedDataParallel(
-                    self.config, ddp_config, chunk, disable_bucketing=v > 0,
-                    pg_collection=self.pgc,
-                )  # fmt: skip
-                for v, chunk in enumerate(self.chunks)
-            ]
-        # Reduces gradients over data-parallel ranks (and tied embeddings over stages) at the
-        # end of each step's backward; the schedule passes our pg_collection to it.
-        self.config.finalize_model_grads_func = megatron_fixes.finalize_model_grads_in_role
-        opt_kwargs = megatron_flags.optimizer_config_kwargs(self.args)
-        opt_kwargs.setdefault("bf16", bool(self.args.get("bf16")))
-        opt_kwargs["use_distributed_optimizer"] = ddp_config.use_distributed_optimizer
-        with role_scoped_object_gather(self.pgc.intra_dist_opt):
-            self.optimizer = get_megatron_optimizer(
-                OptimizerConfig(**opt_kwargs),
-                self.models,
-                use_gloo_process_groups=False,
-                pg_collection=self.pgc,
-            )
-        dump_path = self.args.get("dump_param_to_param_group_map")
-        if dump_path and self.role == "train":  # megatron-core's own writer cannot run here
-            param_groups.dump_param_to_param_group_map(
-                dump_path, self.optimizer, self.models, self.config.num_moe_experts, self.pgc
-            )
-        elif dump_path and dist.get_rank(self.pgc.intra_dist_opt) == 0:
-            megatron_flags.warn_once(
-                f"--dump-param-to-param-group-map is written for the train role only; the "
-                f"{self.role} role's optimizer groups are not written"
-            )
-        self.lr_scheduler = lr_schedule.build_lr_scheduler(
-            self.optimizer, self.args, total_optimizer_steps
-        )
-        # As Megatron-LM's training loop wires them: the schedule multiplies each micro-batch
-        # loss by the optimizer's loss scale (fp16; 1 otherwise), and with an overlapped grad
-        # reduce / param gather it drives DDP's sync hooks across micro-batches.
-        self.config.grad_scale_func = self.optimizer.scale_loss
-        # (one function, or one per model chunk for the interleaved schedule)
-        if ddp_config.overlap_grad_reduce:
-            self.config.no_sync_func = _per_chunk([m.no_sync for m in self.models])
-            if self.args.get("align_grad_reduce", True):
-                self.config.grad_sync_func = _per_chunk([m.start_grad_sync for m in self.models])
-        self.gather_after_step = bool(ddp_config.overlap_param_gather)
-        if ddp_config.overlap_param_gather and ddp_config.align_param_gather:
-            self.config.param_sync_func = _per_chunk([m.start_param_sync for m in self.models])
 
     # ------------------------------------------------------------------------------------------
     def load_hf_checkpoint(self, path: str, head_init_std: float | None = None) -> None:
@@ -511,7 +413,7 @@ class MegatronRole:
         self.optimizer.zero_grad()
         if self.moe_aux_names:
             aux_metrics.clear()
-        outputs = self._run_schedule(forward_step, micro_batches, seq_len, mb_size, False)
+        step_outputs = self._run_schedule(forward_step, micro_batches, seq_len, mb_size, False)
         update_ok, grad_norm, _ = self.optimizer.step()
         if self.gather_after_step:
             # The distributed optimizer leaves the updated shards' all-gather to the next
@@ -531,9 +433,9 @@ class MegatronRole:
                 self.lr_scheduler.step(
                     increment=lr_schedule.scheduler_increment(self.args, step_samples)
                 )
-        if outputs:
-            for key in outputs[0]:
-                metrics[key] = sum(o[key] for o in outputs) / len(outputs)
+        if step_outputs:
+            for key in step_outputs[0]:
+                metrics[key] = sum(o[key] for o in step_outputs) / len(step_outputs)
         if self.moe_aux_names:  # the routers' auxiliary losses, as Megatron-LM logs them
             aux = aux_metrics.step_metrics(
                 self.moe_aux_names, self.moe_layers, self.config.num_layers, num_micro, self.pgc,
@@ -556,11 +458,6 @@ def _split(batch: dict, size: int) -> list[dict]:
         {k: v[i : i + size] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         for i in range(0, rows, size)
     ]
-
-
-def _per_chunk(funcs: list):
-    """A DDP hook for the schedule's config: the one chunk's, or the list of each chunk's."""
-    return funcs[0] if len(funcs) == 1 else funcs
 
 
 def _role_routing(chunks: list, args: dict, pgc, noise: float = 0.0):

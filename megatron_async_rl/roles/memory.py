@@ -26,7 +26,8 @@ import shutil
 
 from megatron_async_rl.config.errors import ConfigError
 from megatron_async_rl.config.roles import TRAINED_ROLES
-from megatron_async_rl.models import name_map as nm
+from megatron_async_rl.models.dims import ModelDims, hf_shape
+from megatron_async_rl.models.names import hf_names_for, shard_spec, stage_param_names
 
 GiB = 2**30
 
@@ -50,28 +51,28 @@ def _dtype_bytes(args: dict) -> int:
     return 2 if args.get("bf16") or args.get("fp16") else 4
 
 
-def _param_numel(name: str, dims: nm.ModelDims) -> int:
-    return sum(math.prod(nm.hf_shape(hf, dims)) for hf in nm.hf_names_for(name, dims))
+def _param_numel(name: str, dims: ModelDims) -> int:
+    return sum(math.prod(hf_shape(hf, dims)) for hf in hf_names_for(name, dims))
 
 
-def stage_numel(dims: nm.ModelDims, grid) -> int:
+def stage_numel(dims: ModelDims, grid) -> int:
     """Weights on the busiest rank of a role grid (after TP / expert-TP slicing)."""
     best = 0
     for pp_rank in range(grid.pp):
         for ep_rank in range(grid.ep):
-            names = nm.stage_param_names(dims, pp_rank=pp_rank, pp_size=grid.pp,
+            names = stage_param_names(dims, pp_rank=pp_rank, pp_size=grid.pp,
                                          ep_rank=ep_rank, ep_size=grid.ep)  # fmt: skip
             n = 0
             for name in names:
-                spec = nm.shard_spec(name, dims)
+                spec = shard_spec(name, dims)
                 split = 1 if spec.partition_dim is None else grid.etp if spec.is_expert else grid.tp
                 n += _param_numel(name, dims) // split
             best = max(best, n)
     return best
 
 
-def model_numel(dims: nm.ModelDims) -> int:
-    return sum(_param_numel(name, dims) for name in nm.stage_param_names(dims))
+def model_numel(dims: ModelDims) -> int:
+    return sum(_param_numel(name, dims) for name in stage_param_names(dims))
 
 
 def plan_memory(cfg, layout) -> list[RankMemory]:
@@ -87,14 +88,14 @@ def plan_memory(cfg, layout) -> list[RankMemory]:
             "this trainer from model.hf_path's config.json",
             "set model.hf_path, or --vocab-size / megatron.vocab_size",
         )  # fmt: skip
-    dims = nm.ModelDims.from_megatron_args(train_args)
+    dims = ModelDims.from_megatron_args(train_args)
     whole = model_numel(dims)
     for role, args in cfg.role_megatron_args.items():
         if role not in layout.parallelism:
             continue
         grid, b = layout.grid(role), _dtype_bytes(args)
         # a critic or reward model has its own checkpoint's size (its head ~ the LM head's)
-        n = stage_numel(nm.ModelDims.from_megatron_args(args), grid)
+        n = stage_numel(ModelDims.from_megatron_args(args), grid)
         device = {"weights": n * b}
         if role in TRAINED_ROLES:
             low = bool(args.get("bf16") or args.get("fp16"))
@@ -122,7 +123,7 @@ def staging_bytes(cfg) -> int:
     if not cfg.scheduler.use_async_loop:
         return 0
     args = cfg.role_megatron_args.get("train") or next(iter(cfg.role_megatron_args.values()))
-    return model_numel(nm.ModelDims.from_megatron_args(args)) * _dtype_bytes(args)
+    return model_numel(ModelDims.from_megatron_args(args)) * _dtype_bytes(args)
 
 
 def check_shared_memory(need: int, path: str = "/dev/shm") -> None:

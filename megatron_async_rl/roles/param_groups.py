@@ -1,6 +1,6 @@
 """The train role's optimizer parameter groups, written where --dump-param-to-param-group-map asks.
 
-Owned here: `dump_param_to_param_group_map`, called by `MegatronRole._wrap_for_training` right
+Owned here: `dump_param_to_param_group_map`, called by `roles.megatron_wrap.wrap_for_training` right
 after `get_megatron_optimizer` when the role's args set the flag, on every rank of the role.
 
 What Megatron-LM writes (core_v0.16.1, `get_megatron_optimizer`): a torch.distributed.checkpoint

@@ -68,7 +68,7 @@ class MultiTurnRollout:
         sums for the report (`multiturn/...`). `should_stop()`: true when the stage was cut
         (then `multiturn.Cut` is raised). `trace`: a `TraceRecorder` that gets an
         `environment` span per turn (the environments of a turn stepping together)."""
-        from megatron_async_rl.engines.protocol import SamplingParams
+        from megatron_async_rl.engines.protocol import EngineLimits, ManagedEngine, SamplingParams
 
         stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
         owners, episode_samples, ids, sampling = [], [], [], []
@@ -87,9 +87,11 @@ class MultiTurnRollout:
                 ))  # fmt: skip
         calls_before = Counter(self.runner.counts) if self.runner else Counter()
         start = time.perf_counter()
-        inner = getattr(engine, "inner", engine)  # a RestartingEngine's current engine
-        limits = replace(self.limits, max_context_tokens=getattr(inner, "context_tokens", None),
-                         max_input_tokens=getattr(inner, "max_input_tokens", None))  # fmt: skip
+        limits = self.limits
+        inner = engine.inner if isinstance(engine, ManagedEngine) else engine  # serving now
+        if isinstance(inner, EngineLimits):
+            limits = replace(limits, max_context_tokens=inner.context_tokens,
+                             max_input_tokens=inner.max_input_tokens)  # fmt: skip
         trajectories, episodes, counts = generate_trajectories(
             engine, tokenizer, self.make_env, episode_samples, ids, sampling, limits,
             rid_prefix=f"s{step}", should_stop=should_stop,

@@ -2,7 +2,7 @@
 
 Owned here: `DatasetConfig` (where the prompts are and how to read them), `RolloutConfig` (how
 prompts become samples each step) and `ValidationConfig` (the held-out set and how it is
-sampled). Built by the recipe loader (`config/schema.py`); read by `rollout.dataset`,
+sampled). Built by the recipe loader (`recipe/schema.py`); read by `rollout.dataset`,
 `rollout.generation` and `rollout.validation`, which do the work. Imports only the config
 checks and the standard library, so loading a recipe loads neither numpy nor a tokenizer.
 Error keys are relative (`num_prompts`); the recipe loader prefixes them
@@ -10,7 +10,7 @@ Error keys are relative (`num_prompts`); the recipe loader prefixes them
 
     data: {path: runs/arith/train.jsonl}
     rollout: {num_prompts_per_step: 8, max_new_tokens: 16}
-    environment: {name: tools, tools: [megatron_async_rl.rollout.calculator:add]}
+    environment: {name: tools, tools: [megatron_async_rl.tasks.calculator:add]}
     validation: {data: {path: runs/arith/val.jsonl, shuffle: false}, num_prompts: 64}
 """
 

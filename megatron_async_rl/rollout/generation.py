@@ -81,9 +81,9 @@ def generate_samples(
 ) -> list[Sample]:
     """Sample `num_samples` responses for each prompt in `indices` with `engine`. `prefixes`
     (request id -> `GenerateResult`): responses generated earlier and cut short, continued
-    from there (`engines.prefixes`); a whole one is taken as it is."""
-    from megatron_async_rl.engines import prefixes as continuing
+    from there (`engines.recovery.prefixes`); a whole one is taken as it is."""
     from megatron_async_rl.engines.protocol import GenerateRequest, SamplingParams
+    from megatron_async_rl.engines.recovery import prefixes as continuing
 
     prefixes = prefixes or {}
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()

@@ -179,9 +179,9 @@ async def _trajectory(index, sample, env, trajectory, episode, own, generate, to
 
 def _whole_turn(engine, request: GenerateRequest, should_stop) -> tuple[GenerateResult, int]:
     """(`request`'s result, times it was continued): a result cut short is continued from its
-    partial output (`engines.prefixes`: its tokens kept, with their versions) up to
+    partial output (`engines.recovery.prefixes`: its tokens kept, with their versions) up to
     `MAX_CONTINUATIONS` times; `Cut` when the stage was cut."""
-    from megatron_async_rl.engines import prefixes
+    from megatron_async_rl.engines.recovery import prefixes
 
     (result,) = engine.generate([request])
     for continued in range(MAX_CONTINUATIONS + 1):

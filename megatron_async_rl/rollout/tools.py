@@ -3,7 +3,7 @@
 Owned here: `load_tools(specs)` (Python callables or `module:function` strings -> `Tool`s, each
 with the JSON schema chat templates take, made by `transformers.utils.get_json_schema` from the
 signature and the Google-style docstring), and `ToolRunner`, which runs a turn's calls in
-worker processes (`rollout.worker_pool.WorkerPool`: code a tool runs cannot hang or crash the
+worker processes (`processes.worker_pool.WorkerPool`: code a tool runs cannot hang or crash the
 rank; a call past `timeout_s` is cut) and turns every outcome into the text of a `tool`
 message: the result as JSON (or text; past `max_chars` cut, with a note), or an error the
 model can read. Unknown tools, bad arguments, exceptions and timeouts are errors, each counted
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from megatron_async_rl.config.errors import ConfigError
 from megatron_async_rl.config.plugins import import_named
+from megatron_async_rl.processes.worker_pool import CallTimeout, WorkerPool
 from megatron_async_rl.rollout.tool_calls import ToolCall
-from megatron_async_rl.rollout.worker_pool import CallTimeout, WorkerPool
 
 
 @dataclass(frozen=True)

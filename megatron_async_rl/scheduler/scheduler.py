@@ -22,7 +22,8 @@
     receiver threads; weights: the weight thread), so a blocking collective never stalls the
     scheduler. Every wait is bounded by `stage_timeout_s`.
 
-Owned here: `StageTask` (a machine, its work, its queues and start condition) and `Scheduler`.
+Owned here: `StageTask` (a machine, its work, its queues and start condition), `Scheduler`, and
+`HelperThread` (a thread beside it whose failure its guards re-raise).
 Called by `jobs/grpo_async.py` on every rank. The scheduler thread only moves machines and picks
 work; the main thread runs the work (engine calls, Megatron forward/backward), one item at a
 time, so roles sharing a rank window are serialised on it. When several tasks can start, the one
@@ -303,3 +304,32 @@ class Scheduler:
         if self.watchdog is not None:
             out["scheduler/stalls"] = float(self.watchdog.stalls)
         return out
+
+
+class HelperThread(threading.Thread):
+    """A thread beside a scheduler (the samples sender or receiver of the asynchronous loop)
+    whose error the scheduler's guards re-raise: a failure wakes the scheduler, and the next
+    guard's `check` raises it naming the thread."""
+
+    def __init__(self, name: str, target: Callable[[], None], wake: Callable[[], None]):
+        super().__init__(name=name, daemon=True)
+        self.target, self.wake = target, wake
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.target()
+        except BaseException as err:  # noqa: BLE001 - surfaced by the scheduler's checks
+            self.error = name_failure(err, {"stage": self.name})
+            self.wake()
+
+    def check(self, who: str) -> None:
+        if self.error is not None:
+            raise RuntimeError(
+                f"{who}: the {self.name} thread failed: {self.error}"
+            ) from self.error
+
+    def finish(self, timeout: float, waiting_for: str, context: dict) -> None:
+        self.join(timeout=timeout)
+        if self.is_alive():
+            raise StageTimeout(waiting_for, timeout, timeout, context)

@@ -47,7 +47,8 @@ import torch.distributed as dist
 
 from megatron_async_rl.distributed import devices
 from megatron_async_rl.distributed.layout import RoleGrid
-from megatron_async_rl.models import name_map, weights
+from megatron_async_rl.models import weights
+from megatron_async_rl.models.dims import ModelDims, expert_offset
 from megatron_async_rl.weight_sync import buffers, executor, plan
 from megatron_async_rl.weight_sync.config import WeightSyncConfig
 from megatron_async_rl.weight_sync.shard_sink import ShardSink
@@ -68,7 +69,7 @@ class PlanKey:
     """Everything `plan.build_plan` needs, plus the version being sent."""
 
     layout: RoleGrid
-    dims: name_map.ModelDims
+    dims: ModelDims
     dtype: str
     produce_bytes: int
     consume_bytes: int
@@ -111,7 +112,7 @@ def _local_state(role, reshard: plan.ReshardPlan, rank: int) -> dict[str, torch.
     dims, pgc = reshard.dims, role.pgc
     e0 = 0
     if dims.num_experts:
-        e0 = name_map.expert_offset(
+        e0 = expert_offset(
             dist.get_rank(pgc.ep), dist.get_world_size(pgc.ep), dims.num_experts
         )
     plan.check_stage_names(reshard, rank, list(local), dist.get_rank(pgc.pp), e0)

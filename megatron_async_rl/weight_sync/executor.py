@@ -26,7 +26,7 @@ acknowledged the last message of the bucket two back. A receiver then holds no c
 and an engine gets handles to the sender's memory: no byte is copied between pack and load.
 Otherwise (another host, or `transport: broadcast`) each message is broadcast whole. On the
 device bridge (`WeightSyncConfig.bridge`: GPU slots, NCCL groups) messages are always broadcast
-whole and nothing is negotiated; engines get CUDA views (`engines.handover`: CUDA IPC).
+whole and nothing is negotiated; engines get CUDA views (`engines.sglang.handover`: CUDA IPC).
 
 Ordering contract (why nothing deadlocks): every rank walks `plan.schedule` in the same order
 and posts, in that order, only the operations it takes part in; it only ever waits for an
@@ -51,7 +51,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_async_rl.distributed import devices
-from megatron_async_rl.models import name_map
+from megatron_async_rl.models.names import hf_names_for, megatron_param_to_hf
+from megatron_async_rl.models.shards import unshard
 from megatron_async_rl.weight_sync import buffers
 from megatron_async_rl.weight_sync.plan import HEADER_BYTES, Message, Piece, ReshardPlan
 
@@ -239,7 +240,7 @@ def _gather(plan, gather, rank, sender, local, tp_groups, checked) -> torch.Tens
     tensor = tensor.contiguous()
     shards = [torch.empty_like(tensor) for _ in gather.ranks] if rank == sender else None
     dist.gather(tensor, shards, dst=sender, group=group)
-    return name_map.unshard(shards, gather.spec) if rank == sender else None
+    return unshard(shards, gather.spec) if rank == sender else None
 
 
 class _Sender:
@@ -297,7 +298,7 @@ class _Sender:
         A parameter this rank holds whole is not copied at all; a gathered one is this sync's
         own memory until its last piece is packed ("gathered").
         """
-        hf = name_map.megatron_param_to_hf(gather.param, full, self.plan.dims, copy=False)
+        hf = megatron_param_to_hf(gather.param, full, self.plan.dims, copy=False)
         for hf_name, tensor in hf:
             self.staged[hf_name] = tensor
             nbytes = tensor.numel() * tensor.element_size()
@@ -317,7 +318,7 @@ class _Sender:
         buffers.pack(view, message, self.staged, self.dtype, version=self.version,
                      sender=self.rank, seq=self.seq)  # fmt: skip
         for param in message.releases:
-            for hf_name in name_map.hf_names_for(param, self.plan.dims):
+            for hf_name in hf_names_for(param, self.plan.dims):
                 del self.staged[hf_name]
                 self.stats.counter.sub("gathered", self.owned.pop(hf_name))
         self.seq += 1

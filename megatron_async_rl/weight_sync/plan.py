@@ -5,7 +5,7 @@ dims, dtype, bucket sizes) to a frozen `ReshardPlan`. Called by `weight_sync.exe
 rank taking part in a sync (the same inputs give the same plan everywhere, so no plan crosses the
 wire). The grid (`distributed.layout.RoleGrid`: global rank of every coordinate, and the sender
 ranks the group builder also reads) is layout arithmetic and lives with the layout. Imports no
-collective, no megatron, no sglang; split rules and names come from `models.name_map` (its pure
+collective, no megatron, no sglang; split rules and names come from `models.names` (its pure
 functions only).
 
     stage p, EP rank e:   sender = rank (tp 0, cp 0, dp 0, pp p) for dense parameters
@@ -17,7 +17,7 @@ functions only).
 
 Every PP stage and EP rank has its own sender, so stages send in parallel and no rank holds more
 than its stage's parameters; with virtual pipeline stages a sender sends its model chunks in
-turn (parameters named by `name_map.chunk_name`). A message is the unit of sending,
+turn (parameters named by `names.chunk_name`). A message is the unit of sending,
 checksumming and loading; a tensor larger than a message is cut into pieces and reassembled by
 the receiver. Ranks follow `ReshardPlan.schedule`, one global order of (sender, bucket), so
 blocking collectives never wait on each other in a cycle. Grid orders are those of `RoleGrid`
@@ -31,13 +31,11 @@ import functools
 from dataclasses import dataclass
 
 from megatron_async_rl.distributed.layout import RoleGrid
-from megatron_async_rl.models.name_map import (
-    ModelDims,
+from megatron_async_rl.models.dims import ModelDims, expert_offset, hf_shape
+from megatron_async_rl.models.names import (
     ShardSpec,
     chunk_name,
-    expert_offset,
     hf_names_for,
-    hf_shape,
     rank_global_name,
     shard_spec,
     stage_param_names,
@@ -64,7 +62,7 @@ class Gather:
     """Global name (global layer and expert indices)."""
     local_name: str
     """The name in the state dict of every rank in `ranks` (stage-local, EP-local; its model
-    chunk's `name_map.chunk_name` with virtual pipeline stages)."""
+    chunk's `names.chunk_name` with virtual pipeline stages)."""
     spec: ShardSpec
     ranks: tuple[int, ...]
     """Global ranks holding its shards, in (expert-)TP rank order; `ranks[0]` is the sender."""
@@ -182,7 +180,7 @@ class ReshardPlan:
 def check_stage_names(plan: ReshardPlan, rank: int, local_names, pp_rank: int, e0: int) -> None:
     """ValueError naming a parameter of `rank`'s model stage that the plan cannot map or lacks.
 
-    `local_names` are the rank's state-dict names (`name_map.rank_state_dict`: every model
+    `local_names` are the rank's state-dict names (`shards.rank_state_dict`: every model
     chunk's); `pp_rank` / `e0` its pipeline rank and expert offset.
     """
     for local in local_names:

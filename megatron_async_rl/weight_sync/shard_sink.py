@@ -8,7 +8,7 @@ copy out its own slices, every step. This sink keeps only what its rank holds:
   layers, another expert-parallel rank's experts) is dropped as it arrives;
 - the pieces it needs go into one buffer per HF tensor, where they arrive (the rank's GPU under
   the device bridge: nothing goes through host memory), until every HF tensor a parameter
-  comes from is complete; then the rank's slice is cut from them (`name_map.build_shard`: of
+  comes from is complete; then the rank's slice is cut from them (`shards.build_shard`: of
   a TP-split parameter only its rows or columns, no whole-parameter copy) and copied into the
   parameter, and buffers no other pending parameter needs are freed.
 Peak staging (`weight_sync/staging_peak_MB`) is the HF tensors of the parameters in flight, not
@@ -23,7 +23,9 @@ import math
 
 import torch
 
-from megatron_async_rl.models import name_map
+from megatron_async_rl.models.dims import ModelDims, hf_shape
+from megatron_async_rl.models.names import hf_names_for
+from megatron_async_rl.models.shards import build_shard, rank_state_dict, stage_entries
 
 
 class ShardSink:
@@ -31,12 +33,12 @@ class ShardSink:
 
     borrows_buffers = False
 
-    def __init__(self, chunks, dims: name_map.ModelDims, ranks: dict, counter, dtype, rank: int):
+    def __init__(self, chunks, dims: ModelDims, ranks: dict, counter, dtype, rank: int):
         """`chunks`: the rank's model chunks (a list, or one module); `ranks`: their place in
         the grid (`weights.stage_ranks`); `rank`: the global rank (named in errors)."""
         self.dims, self.counter, self.dtype, self.rank = dims, counter, dtype, rank
-        own = name_map.rank_state_dict(chunks)
-        entries = name_map.stage_entries(dims, **ranks)
+        own = rank_state_dict(chunks)
+        entries = stage_entries(dims, **ranks)
         expected = {e.local for e in entries}
         missing, unexpected = sorted(own.keys() - expected), sorted(expected - own.keys())
         if missing or unexpected:
@@ -46,12 +48,12 @@ class ShardSink:
                 "parameter (the logp and train roles must build the same model)"
             )
         self.params = own
-        self.waiting = {e: set(name_map.hf_names_for(e.source, dims)) for e in entries}
+        self.waiting = {e: set(hf_names_for(e.source, dims)) for e in entries}
         self.users: dict[str, list] = {}
         for entry, sources in self.waiting.items():
             for hf in sources:
                 self.users.setdefault(hf, []).append(entry)
-        self.left = {hf: math.prod(name_map.hf_shape(hf, dims)) for hf in self.users}
+        self.left = {hf: math.prod(hf_shape(hf, dims)) for hf in self.users}
         self.buffers: dict[str, torch.Tensor] = {}
         self.counted: set[str] = set()
         self.loaded = 0
@@ -86,7 +88,7 @@ class ShardSink:
             sources.discard(hf)
             if sources:
                 continue
-            shard = name_map.build_shard(entry, self.dims, self.buffers.__getitem__, self._range)
+            shard = build_shard(entry, self.dims, self.buffers.__getitem__, self._range)
             target = self.params[entry.local]
             if shard.shape != target.shape:
                 raise RuntimeError(
@@ -96,7 +98,7 @@ class ShardSink:
                 )
             target.copy_(shard)
             self.loaded += 1
-            for source in name_map.hf_names_for(entry.source, self.dims):
+            for source in hf_names_for(entry.source, self.dims):
                 if all(not self.waiting[e] for e in self.users[source]):
                     self._free(source)
 

@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from megatron_async_rl.engines.protocol import ManagedEngine
 from megatron_async_rl.weight_sync import buffers
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ class EngineSink:
     def recoverable(self) -> bool:
         """A version that fails on every attempt can be undone: the engine reloads the last
         complete one (`RestartingEngine.restore_last_version`, which keeps it)."""
-        return bool(getattr(self.engine, "keeps_weights", False))
+        return isinstance(self.engine, ManagedEngine) and self.engine.keeps_weights
 
     def begin(self) -> None:
         if self.in_place:

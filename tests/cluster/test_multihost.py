@@ -26,7 +26,8 @@ import sys
 import pytest
 
 from tests.cluster.hosts import CannotRun, TwoHosts
-from tests.e2e.recipe_runs import RECIPE, REPO, SYNC_SETS
+from tests.harness.ports import free_port
+from tests.harness.recipes import RECIPE, REPO, SYNC_SETS
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow, pytest.mark.e2e]
 VOLATILE = ("timing/", "throughput/", "scheduler/", "utilization/", "weight_sync/GB_per_s",
@@ -54,7 +55,8 @@ def test_async_loop_on_two_hosts_learns_as_on_one(hosts, task, sync_run, tmp_pat
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
         "--rdzv-id", "two-hosts", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"{hosts.addrs[0]}:29671",
+        # a port free on this machine; host 0's network namespace is new, nothing holds one there
+        "--rdzv-endpoint", f"{hosts.addrs[0]}:{free_port()}",
         "-m", "megatron_async_rl.train", "--config", str(RECIPE), "--run-dir", str(run_dir),
     ]  # fmt: skip
     for item in sets:

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.slurm import CannotRun, SlurmCluster
+from tests.harness.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.e2e]
@@ -43,7 +44,8 @@ def cluster(tmp_path_factory):
 def _sbatch(cluster, tmp_path, task, *sets: str) -> tuple[subprocess.CompletedProcess, str]:
     out = tmp_path / "job.out"
     env = dict(cluster.env, GPUS_PER_NODE="2", RUN_DIR=str(tmp_path / "run"),
-               PYTHON=sys.executable, MASTER_PORT="29651", OMP_NUM_THREADS="1")  # fmt: skip
+               PYTHON=sys.executable, MASTER_PORT=str(free_port()),
+               OMP_NUM_THREADS="1")  # fmt: skip
     cmd = [
         "sbatch", "--wait", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=2", "--time=20",
         f"--output={out}", str(REPO / "launch" / "slurm.sbatch"),
@@ -87,6 +89,7 @@ def _job_state(cluster, job: str) -> str:
     raise AssertionError(f"scontrol show job {job} kept failing: {proc.stderr[-500:]}")
 
 
+@pytest.mark.fault_soak  # minutes: scripts/fault_checks.sh runs it
 def test_a_preempted_job_saves_requeues_itself_and_resumes(cluster, task, tmp_path):
     """SLURM's preemption signal to the batch shell (`scancel --signal=TERM --batch`, what
     `--signal=B:TERM@180` sends before the time limit): the ranks save at the next step
@@ -96,7 +99,7 @@ def test_a_preempted_job_saves_requeues_itself_and_resumes(cluster, task, tmp_pa
 
     out, run_dir = tmp_path / "job.out", tmp_path / "run"
     env = dict(cluster.env, GPUS_PER_NODE="2", RUN_DIR=str(run_dir), PYTHON=sys.executable,
-               MASTER_PORT="29652", OMP_NUM_THREADS="1")  # fmt: skip
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")  # fmt: skip
     cmd = [
         "sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=2",
         "--time=20", f"--output={out}", str(REPO / "launch" / "slurm.sbatch"),

@@ -31,7 +31,7 @@ import traceback
 import pytest
 import torch
 
-from tests.distributed.harness import spawn
+from tests.harness.ranks import spawn
 
 WORLD_SIZE, ENGINE_RANK, NUM_TRAIN_SLOTS = 5, 4, 4
 PRODUCE_MB, CONSUME_MB = 0.03, 0.01
@@ -59,6 +59,18 @@ class Layout:
     perturb: bool = False
     """Change the weights with `_perturb` instead of an optimizer step (MoE with TP > 1 cannot
     train on CPU: Megatron needs sequence parallel, which the local spec's RMSNorm refuses)."""
+
+
+TP2, PP2, EP2 = (
+    {"tensor_model_parallel_size": 2},
+    {"pipeline_model_parallel_size": 2},
+    {"expert_model_parallel_size": 2},
+)
+# (train layout, number of train ranks) of the MoE tests, here and with engine TP=2.
+MOE = [
+    Layout("train_ep2", EP2, 2, "moe"),
+    Layout("train_tp2_ep2", TP2 | EP2, 4, "moe", perturb=True),
+]
 
 
 def run_world(path, engine_tp_size: int, layouts: list[Layout], tmp_path) -> dict:
@@ -93,7 +105,7 @@ def label(results: list[dict], k: int) -> str:
 
 def _worker(rank, world_size, tmp_dir, path, engine_tp_size, layouts):
     from megatron_async_rl.distributed.platform import detect_platform
-    from megatron_async_rl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from megatron_async_rl.engines.sglang.engine import SGLangEngine, SGLangEngineConfig
 
     platform = detect_platform("cpu", "gloo")
     engine, out = None, {}
@@ -121,13 +133,13 @@ def _build(rank, path, layout: Layout, platform):
     """This layout's groups (collective) and, on its train ranks, its freshly loaded roles."""
     import torch.distributed as dist
 
-    from megatron_async_rl.config.schema import RoleGroupSpec
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
+    from megatron_async_rl.recipe.schema import RoleGroupSpec
     from megatron_async_rl.roles.megatron_role import MegatronRole
-    from tests.distributed.test_hf_parity import _role_args
+    from tests.harness.roles import role_args
 
-    args = _role_args(path, **layout.parallel)
+    args = role_args(path, **layout.parallel)
     args.update(lr=1e-2, clip_grad=0.0)
     par = Parallelism.from_megatron_args(args)
     specs = [RoleGroupSpec(list(layout.roles), num_ranks=layout.num_train)]

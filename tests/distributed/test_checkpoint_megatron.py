@@ -18,77 +18,14 @@ import math
 import pytest
 import torch
 
-from tests.distributed.harness import spawn
-from tests.distributed.test_train_step import _batch
-
-
-def _role(world_size, path, parallel):
-    from megatron_async_rl.config.schema import RoleGroupSpec
-    from megatron_async_rl.distributed.groups import build_world_groups
-    from megatron_async_rl.distributed.layout import Parallelism, plan_layout
-    from megatron_async_rl.distributed.platform import detect_platform
-    from megatron_async_rl.roles.megatron_role import MegatronRole
-    from tests.distributed.test_hf_parity import _role_args
-
-    args = _role_args(path, **parallel)
-    args.update(lr=1e-3, clip_grad=0.0, use_distributed_optimizer=True)
-    args.update(lr_decay_style="cosine", train_iters=4)  # a different lr at every step
-    par = Parallelism.from_megatron_args(args)
-    layout = plan_layout(
-        world_size, [RoleGroupSpec(["train"], num_ranks=world_size)], {"train": par}
-    )
-    platform = detect_platform("cpu", "gloo")
-    groups = build_world_groups(layout, platform.backend)
-    role = MegatronRole("train", args, par, groups.roles["train"], platform, seed=5)
-    role.load_hf_checkpoint(path)
-    return role
-
-
-def _step(role, seed):
-    tokens, mask = _batch()
-    tokens = tokens.roll(seed, dims=1)
-    total = mask.sum()
-
-    def loss_fn(logp, entropy, batch):
-        loss = -(logp * batch["mask"]).sum() / total
-        return loss, {"loss": loss.detach()}
-
-    return role.train_step([{"tokens": tokens, "mask": mask}], loss_fn)
-
-
-def _schedule(role):
-    """The scheduler's step count and every param group's lr (the next step's)."""
-    return role.lr_scheduler.num_steps, [g["lr"] for g in role.optimizer.param_groups]
-
-
-def _weights(role):
-    out = role.gather_hf_state_dict()
-    return None if out is None else {k: v.detach().clone() for k, v in out.items()}
-
-
-def _save_worker(rank, world_size, tmp_dir, path, ckpt):
-    from pathlib import Path
-
-    from megatron_async_rl.checkpoint.megatron_state import save_train_state
-
-    role = _role(world_size, path, {"tensor_model_parallel_size": 2})
-    _step(role, 0)
-    save_train_state(role, Path(ckpt))
-    saved, schedule = _weights(role), _schedule(role)
-    lr = _step(role, 1)["actor/lr"]
-    return saved, _weights(role), (schedule, lr)
-
-
-def _load_worker(rank, world_size, tmp_dir, path, ckpt, parallel):
-    from pathlib import Path
-
-    from megatron_async_rl.checkpoint.megatron_state import load_train_state
-
-    role = _role(world_size, path, parallel)
-    load_train_state(role, Path(ckpt))
-    loaded, schedule = _weights(role), _schedule(role)
-    lr = _step(role, 1)["actor/lr"]
-    return loaded, _weights(role), (schedule, lr)
+from tests.harness.checkpoints import (
+    checkpoint_role,
+    checkpoint_step,
+    exported_weights,
+    load_worker,
+    save_worker,
+)
+from tests.harness.ranks import spawn
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +37,7 @@ def llama_path(tiny_model):
 def saved(tmp_path_factory, llama_path):
     root = tmp_path_factory.mktemp("ckpt")
     (root / "save").mkdir()
-    results = spawn(_save_worker, 2, root / "save", str(llama_path), str(root / "ckpt"))
+    results = spawn(save_worker, 2, root / "save", str(llama_path), str(root / "ckpt"))
     return root, next(r for r in results if r[0] is not None)
 
 
@@ -112,7 +49,7 @@ def saved(tmp_path_factory, llama_path):
 def test_resume_continues_the_optimizer_in_any_layout(saved, llama_path, name, parallel, tolerance):
     root, (at_save, uninterrupted, (schedule, second_lr)) = saved
     (root / name).mkdir()
-    results = spawn(_load_worker, 2, root / name, str(llama_path), str(root / "ckpt"), parallel)
+    results = spawn(load_worker, 2, root / name, str(llama_path), str(root / "ckpt"), parallel)
     loaded, after, (loaded_schedule, loaded_lr) = next(r for r in results if r[0] is not None)
     for key, tensor in at_save.items():
         assert torch.equal(loaded[key], tensor), key
@@ -130,14 +67,14 @@ def _async_save_worker(rank, world_size, tmp_dir, path, ckpt):
 
     from megatron_async_rl.checkpoint.megatron_state import AsyncWriter, save_train_state
 
-    role = _role(world_size, path, {"tensor_model_parallel_size": 2})
-    _step(role, 0)
+    role = checkpoint_role(world_size, path, {"tensor_model_parallel_size": 2})
+    checkpoint_step(role, 0)
     writer = AsyncWriter()
     save_train_state(role, Path(ckpt), writer)
-    saved = _weights(role)
-    _step(role, 1)  # while the forked process writes: it must still write the saved state
+    saved = exported_weights(role)
+    checkpoint_step(role, 1)  # while the forked process writes: it must still write the saved state
     assert writer.finish(blocking=True)
-    return saved, _weights(role)
+    return saved, exported_weights(role)
 
 
 def test_an_asynchronous_save_writes_the_state_of_its_snapshot(saved, llama_path, tmp_path):
@@ -149,7 +86,7 @@ def test_an_asynchronous_save_writes_the_state_of_its_snapshot(saved, llama_path
     ckpt = str(tmp_path / "ckpt")
     results = spawn(_async_save_worker, 2, tmp_path / "save", llama_path, ckpt)
     at_async_save, _ = next(r for r in results if r[0] is not None)
-    results = spawn(_load_worker, 2, tmp_path / "load", llama_path, ckpt,
+    results = spawn(load_worker, 2, tmp_path / "load", llama_path, ckpt,
                     {"tensor_model_parallel_size": 2})  # fmt: skip
     loaded, after, _ = next(r for r in results if r[0] is not None)
     for key, tensor in at_async_save.items():
@@ -167,8 +104,8 @@ def _hung_writer_worker(rank, world_size, tmp_dir, path, ckpt):
 
     from megatron_async_rl.checkpoint.megatron_state import AsyncWriter, save_train_state
 
-    role = _role(world_size, path, {"tensor_model_parallel_size": 2})
-    _step(role, 0)
+    role = checkpoint_role(world_size, path, {"tensor_model_parallel_size": 2})
+    checkpoint_step(role, 0)
     writer = AsyncWriter()
     before = {p.pid for p in psutil.Process().children()}
     save_train_state(role, Path(ckpt), writer)

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from tests.distributed import harness
+from tests.harness import ranks as harness
 
 pytestmark = pytest.mark.slow  # ~20 s: two worlds of two ranks
 
@@ -76,7 +76,7 @@ def _world(rank, world_size, tmp_dir, fault):
 
 def _run(tmp_path, fault: str) -> dict:
     if harness.START_METHOD == "forkserver":
-        mp.set_forkserver_preload(["tests.distributed.rank_preload"])
+        mp.set_forkserver_preload(["tests.harness.rank_preload"])
     context = mp.start_processes(
         harness._entry,
         args=(2, str(tmp_path), _world, (fault,)),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.harness import spawn
+from tests.harness.ranks import spawn
 
 pytestmark = pytest.mark.slow  # 1-2 min on 2 busy cores: three ranks import megatron-core
 

@@ -12,7 +12,7 @@ counts are zeroed. Nothing is faked: the recorder only reads the routers' counte
 
 import torch
 
-from tests.distributed.harness import spawn
+from tests.harness.ranks import spawn
 
 RATE = 0.01
 
@@ -20,14 +20,14 @@ RATE = 0.01
 def _worker(rank, world_size, tmp_dir, path, padded=False):
     import torch.distributed as dist
 
-    from megatron_async_rl.config.schema import RoleGroupSpec
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
     from megatron_async_rl.distributed.platform import detect_platform
+    from megatron_async_rl.recipe.schema import RoleGroupSpec
     from megatron_async_rl.roles.megatron_role import MegatronRole
-    from tests.distributed.test_hf_parity import _role_args
+    from tests.harness.roles import role_args
 
-    args = {**_role_args(path), "moe_router_bias_update_rate": RATE}
+    args = {**role_args(path), "moe_router_bias_update_rate": RATE}
     assert args.get("moe_router_enable_expert_bias"), "the deepseek_v3 checkpoint sets it"
     layout = plan_layout(2, [RoleGroupSpec(["train"], num_ranks=2)], {"train": Parallelism(1, 1)})
     platform = detect_platform("cpu", "gloo")

@@ -18,13 +18,20 @@ real transformers (run before any Megatron state exists in the test process).
 import pytest
 import torch
 
-from tests.distributed.harness import spawn
-from tests.distributed.test_hf_parity import _role_args
+from tests.harness.heads import (
+    LENGTHS,
+    PAD_ID,
+    check_export,
+    check_heads,
+    head_outputs,
+    head_tokens,
+    hf_scores,
+    hf_values,
+)
+from tests.harness.ranks import spawn
+from tests.harness.roles import role_args
 
 FAMILIES = ("llama", "qwen3")
-TOLERANCE = 1e-4
-PAD_ID = 0  # `models.tiny`'s "<pad>", the tiny configs' pad_token_id
-LENGTHS = (24, 17, 9, 1)  # right-padded rows
 
 
 @pytest.fixture(scope="module")
@@ -43,87 +50,14 @@ def checkpoints(tiny_model):
     return out
 
 
-def _tokens(vocab_size: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(13)
-    tokens = torch.randint(1, vocab_size, (len(LENGTHS), max(LENGTHS)), generator=generator)
-    for row, length in enumerate(LENGTHS):
-        tokens[row, length:] = PAD_ID
-    return tokens
-
-
-def _hf_values(path: str) -> torch.Tensor:
-    import transformers
-
-    model = transformers.AutoModelForTokenClassification.from_pretrained(path, dtype=torch.float32)
-    model.eval()
-    with torch.no_grad():
-        return model(_tokens(model.config.vocab_size)).logits[..., 0]
-
-
-def _hf_scores(path: str) -> torch.Tensor:
-    import transformers
-
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(
-        path, dtype=torch.float32
-    )
-    model.eval()
-    tokens = _tokens(model.config.vocab_size)
-    with torch.no_grad():
-        return model(tokens, attention_mask=(tokens != PAD_ID).long()).logits[:, 0]
-
-
-def _value_step(role, tokens: torch.Tensor) -> dict:
-    """One train step of a masked squared error on the values; the head's gradients after it
-    (DDP's main_grad, as the optimizer left them: clipped by the same factor when the grad
-    norms agree)."""
-    target = torch.linspace(-1.0, 1.0, tokens.numel()).view_as(tokens)
-    mask = (tokens != PAD_ID).float()
-    total = mask.sum()
-
-    def loss_fn(values_BT, entropy, batch):
-        assert entropy is None
-        loss = ((values_BT - batch["target"]) ** 2 * batch["mask"]).sum() / total
-        return loss, {"value_loss": loss.detach()}
-
-    micro_batches = [
-        {"tokens": tokens[i : i + 2], "target": target[i : i + 2], "mask": mask[i : i + 2]}
-        for i in range(0, tokens.shape[0], 2)
-    ]
-    metrics = role.train_step(micro_batches, loss_fn, outputs="values")
-    out = {"metrics": metrics}
-    if role.is_last_stage:
-        head = role.module.output_layer
-        out.update(weight_grad=head.weight.main_grad.clone(), bias_grad=head.bias.main_grad.clone())
-    return out
-
-
-def _head_outputs(role, args, par, role_groups, platform, paths) -> dict:
-    """Values, scores, exports (and, for `train`, a value step) of one role on this rank."""
-    from megatron_async_rl.roles.megatron_role import MegatronRole
-
-    out = {"role": role}
-    critic = MegatronRole(role, args, par, role_groups, platform, seed=5, head="value")
-    critic.load_hf_checkpoint(paths["value"])
-    tokens = _tokens(critic.spec.vocab_size)
-    out["values"] = critic.values(tokens, micro_batch_size=2)
-    out["value_export"] = critic.gather_hf_state_dict()
-    if role == "train":
-        out["step"] = _value_step(critic, tokens)
-    reward = MegatronRole(role, args, par, role_groups, platform, seed=5, head="score")
-    reward.load_hf_checkpoint(paths["score"])
-    out["scores"] = reward.scores(tokens, PAD_ID, micro_batch_size=2)
-    out["score_export"] = reward.gather_hf_state_dict()
-    return out
-
-
 def _layout_worker(rank, world_size, tmp_dir, paths, role_parallel):
-    """[train (ranks 0-1), logp (ranks 2-3)] with `role_parallel`; `_head_outputs` of each."""
-    from megatron_async_rl.config.schema import RoleGroupSpec
+    """[train (ranks 0-1), logp (ranks 2-3)] with `role_parallel`; `head_outputs` of each."""
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
     from megatron_async_rl.distributed.platform import detect_platform
+    from megatron_async_rl.recipe.schema import RoleGroupSpec
 
-    args = {role: _role_args(paths["value"], **par) for role, par in role_parallel.items()}
+    args = {role: role_args(paths["value"], **par) for role, par in role_parallel.items()}
     specs = [RoleGroupSpec(roles=[role], num_ranks=2) for role in role_parallel]
     layout = plan_layout(
         world_size, specs, {role: Parallelism.from_megatron_args(a) for role, a in args.items()}
@@ -132,15 +66,15 @@ def _layout_worker(rank, world_size, tmp_dir, paths, role_parallel):
     groups = build_world_groups(layout, platform.backend)
     role = layout.roles_of_rank(rank)[0]
     par, role_groups = layout.parallelism[role], groups.roles[role]
-    return _head_outputs(role, args[role], par, role_groups, platform, paths)
+    return head_outputs(role, args[role], par, role_groups, platform, paths)
 
 
 def _tp1_worker(rank, world_size, tmp_dir, checkpoints):
     """Every family on one rank (TP=1, a train role), and a critic from the policy."""
-    from megatron_async_rl.config.schema import RoleGroupSpec
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
     from megatron_async_rl.distributed.platform import detect_platform
+    from megatron_async_rl.recipe.schema import RoleGroupSpec
     from megatron_async_rl.roles.megatron_role import MegatronRole
 
     platform = detect_platform("cpu", "gloo")
@@ -149,40 +83,18 @@ def _tp1_worker(rank, world_size, tmp_dir, checkpoints):
     groups = build_world_groups(layout, platform.backend)
     out = {}
     for family, paths in checkpoints.items():
-        args = _role_args(paths["value"])
-        out[family] = _head_outputs("train", args, par, groups.roles["train"], platform, paths)
+        args = role_args(paths["value"])
+        out[family] = head_outputs("train", args, par, groups.roles["train"], platform, paths)
         critic = MegatronRole("ref", args, par, groups.roles["train"], platform, 5, head="value")
         critic.load_hf_checkpoint(paths["policy"], head_init_std=0.0)
         head = critic.module.output_layer
         out[family]["from_policy"] = {
             "weight": head.weight.detach().clone(),
             "bias": head.bias.detach().clone(),
-            "values": critic.values(_tokens(critic.spec.vocab_size), micro_batch_size=4),
+            "values": critic.values(head_tokens(critic.spec.vocab_size), micro_batch_size=4),
             "export": critic.gather_hf_state_dict(),
         }
     return out
-
-
-def _check(result: dict, values_ref, scores_ref, label: str) -> dict:
-    """Values and scores of one last stage against `transformers`; returns the max diffs."""
-    diffs = {
-        "values": (result["values"] - values_ref).abs().max().item(),
-        "scores": (result["scores"] - scores_ref).abs().max().item(),
-    }
-    print(f"{label}: max abs diff {diffs}")
-    assert result["values"].shape == values_ref.shape and result["scores"].shape == (len(LENGTHS),)
-    assert max(diffs.values()) <= TOLERANCE, f"{label}: max abs diff {diffs}"
-    return diffs
-
-
-def _check_export(exported: dict, path: str) -> None:
-    from megatron_async_rl.models import hf_checkpoint
-
-    original = hf_checkpoint.load_hf_state_dict(path)
-    assert exported.keys() == original.keys()
-    assert "score.weight" in exported and "lm_head.weight" not in exported
-    for name, tensor in original.items():
-        assert torch.equal(exported[name], tensor), name
 
 
 def _check_step(step: dict, reference: dict, label: str) -> None:
@@ -198,7 +110,7 @@ def _check_step(step: dict, reference: dict, label: str) -> None:
 def references(checkpoints):
     """`transformers` outputs, computed in this process before any rank starts."""
     return {
-        family: {"values": _hf_values(p["value"]), "scores": _hf_scores(p["score"])}
+        family: {"values": hf_values(p["value"]), "scores": hf_scores(p["score"])}
         for family, p in checkpoints.items()
     }
 
@@ -212,9 +124,10 @@ def tp1_results(checkpoints, references, tmp_path_factory):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tp1_values_and_scores_match_transformers(family, checkpoints, references, tp1_results):
     result = tp1_results[family]
-    _check(result, references[family]["values"], references[family]["scores"], f"{family} TP=1")
-    _check_export(result["value_export"], checkpoints[family]["value"])
-    _check_export(result["score_export"], checkpoints[family]["score"])
+    reference = references[family]
+    check_heads(result, reference["values"], reference["scores"], f"{family} TP=1")
+    check_export(result["value_export"], checkpoints[family]["value"])
+    check_export(result["score_export"], checkpoints[family]["score"])
     # the loss is a sum over real values, the head's gradient not zero: the step saw them
     assert result["step"]["metrics"]["value_loss"] > 0
     assert result["step"]["weight_grad"].abs().max() > 0
@@ -255,18 +168,18 @@ def test_tp2_pp2_heads_match_transformers_and_export_round_trips(
     for rank, r in enumerate(results):
         if r["values"] is not None:
             label = f"{family} {'TP=2' if r['role'] == 'train' else 'PP=2'} rank {rank}"
-            _check(r, values_ref, scores_ref, label)
+            check_heads(r, values_ref, scores_ref, label)
     exports = [r for r in results if r["value_export"] is not None]
     assert [r["role"] for r in exports] == ["train", "logp"]  # each role's first rank
     for r in exports:
-        _check_export(r["value_export"], paths["value"])
-        _check_export(r["score_export"], paths["score"])
+        check_export(r["value_export"], paths["value"])
+        check_export(r["score_export"], paths["score"])
     for rank in (0, 1):  # both TP ranks hold the head: each has the TP=1 gradient
         _check_step(results[rank]["step"], tp1_results[family]["step"], f"{family} TP=2 {rank}")
 
     # the export (of the TP=2 role) loads into transformers and gives the same outputs
-    for kind, hf_outputs, reference in (("value", _hf_values, values_ref),
-                                        ("score", _hf_scores, scores_ref)):  # fmt: skip
+    for kind, hf_outputs, reference in (("value", hf_values, values_ref),
+                                        ("score", hf_scores, scores_ref)):  # fmt: skip
         out = tmp_path / f"export-{kind}"
         hf_checkpoint.save_hf_checkpoint(
             out, exports[0][f"{kind}_export"], hf_checkpoint.read_hf_config(paths[kind]),

@@ -11,20 +11,14 @@ same bytes. Nothing is faked: real megatron-core on 4 gloo ranks, real transform
 import pytest
 import torch
 
-from tests.distributed.harness import spawn
-
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
-TOLERANCE = 1e-4
+from tests.harness.parity import FAMILIES, TOLERANCE, parity_tokens
+from tests.harness.ranks import spawn
+from tests.harness.roles import role_args
 
 
 @pytest.fixture(scope="module")
 def tiny_models(tiny_model):
     return {family: str(tiny_model(family)) for family in FAMILIES}
-
-
-def _tokens(vocab_size: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(11)
-    return torch.randint(0, vocab_size, (4, 24), generator=generator)
 
 
 def _hf_logits(path: str) -> torch.Tensor:
@@ -33,30 +27,18 @@ def _hf_logits(path: str) -> torch.Tensor:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
     with torch.no_grad():
-        return model(_tokens(model.config.vocab_size)).logits
-
-
-def _role_args(path: str, **parallel) -> dict:
-    from megatron_async_rl.config import megatron_flags
-    from megatron_async_rl.models import hf_checkpoint, hf_config
-
-    args = megatron_flags.defaults()
-    args.update(hf_config.megatron_args_from_hf(hf_checkpoint.read_hf_config(path)))
-    args.update(parallel, lr=1e-5)
-    if args.get("num_experts"):
-        args["moe_router_load_balancing_type"] = "none"
-    return args
+        return model(parity_tokens(model.config.vocab_size)).logits
 
 
 def _worker(rank, world_size, tmp_dir, path, role_parallel):
     """Carve [train (ranks 0-1), logp (ranks 2-3)], load `path` into both, return logits."""
-    from megatron_async_rl.config.schema import RoleGroupSpec
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
     from megatron_async_rl.distributed.platform import detect_platform
+    from megatron_async_rl.recipe.schema import RoleGroupSpec
     from megatron_async_rl.roles.megatron_role import MegatronRole
 
-    args = {role: _role_args(path, **par) for role, par in role_parallel.items()}
+    args = {role: role_args(path, **par) for role, par in role_parallel.items()}
     layout = plan_layout(
         world_size,
         [RoleGroupSpec(roles=["train"], num_ranks=2), RoleGroupSpec(roles=["logp"], num_ranks=2)],
@@ -69,7 +51,7 @@ def _worker(rank, world_size, tmp_dir, path, role_parallel):
         role, args[role], layout.parallelism[role], groups.roles[role], platform, seed=5
     )
     model.load_hf_checkpoint(path)
-    logits = model.full_logits(_tokens(model.spec.vocab_size), micro_batch_size=2)
+    logits = model.full_logits(parity_tokens(model.spec.vocab_size), micro_batch_size=2)
     exported = model.gather_hf_state_dict()
     return {"role": role, "logits": logits, "exported": exported}
 
@@ -122,10 +104,10 @@ def test_logits_match_transformers_and_export_round_trips(family, tiny_models, t
 
 
 def _single_worker(rank, world_size, tmp_dir, paths):
-    from megatron_async_rl.config.schema import RoleGroupSpec
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
     from megatron_async_rl.distributed.platform import detect_platform
+    from megatron_async_rl.recipe.schema import RoleGroupSpec
     from megatron_async_rl.roles.megatron_role import MegatronRole
 
     platform = detect_platform("cpu", "gloo")
@@ -133,10 +115,10 @@ def _single_worker(rank, world_size, tmp_dir, paths):
     groups = build_world_groups(layout, platform.backend)
     out = {}
     for family, path in paths.items():
-        args = _role_args(path)
+        args = role_args(path)
         model = MegatronRole("ref", args, Parallelism(1, 1), groups.roles["ref"], platform, 5)
         model.load_hf_checkpoint(path)
-        out[family] = model.full_logits(_tokens(model.spec.vocab_size), micro_batch_size=4)
+        out[family] = model.full_logits(parity_tokens(model.spec.vocab_size), micro_batch_size=4)
     return out
 
 

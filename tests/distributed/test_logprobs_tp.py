@@ -9,7 +9,7 @@ Nothing is faked: two spawned gloo ranks.
 
 import torch
 
-from tests.distributed.harness import spawn
+from tests.harness.ranks import spawn
 
 VOCAB, PADDED = 13, 16  # 3 padding ids, all on rank 1's shard
 

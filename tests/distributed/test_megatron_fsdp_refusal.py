@@ -1,4 +1,4 @@
-"""Why --use-megatron-fsdp is refused (config/megatron_lm.py `_FSDP`), checked against the
+"""Why --use-megatron-fsdp is refused (config/megatron/inventory.py `_FSDP`), checked against the
 installed megatron-core rather than taken on trust. Each test pins one release's reason; if an
 upgrade changes it, the test fails: revisit the refusal.
 
@@ -30,7 +30,7 @@ import pytest
 import torch
 from packaging.version import Version
 
-from tests.distributed.harness import spawn
+from tests.harness.ranks import spawn
 
 MEGATRON_CORE = Version(importlib.metadata.version("megatron-core"))
 ON_0_16 = pytest.mark.skipif(
@@ -60,9 +60,9 @@ def test_the_0_16_adapter_reads_the_global_tensor_parallel_group():
 
 def _carve(world_size: int, num_train_ranks: int, train_args: dict | None = None):
     """The world's groups: a generate window (rank 0, an engine host) then a train window."""
-    from megatron_async_rl.config.schema import RoleGroupSpec
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
+    from megatron_async_rl.recipe.schema import RoleGroupSpec
 
     specs = [RoleGroupSpec(roles=["generate"], num_ranks=world_size - num_train_ranks),
              RoleGroupSpec(roles=["train"], num_ranks=num_train_ranks)]  # fmt: skip
@@ -158,9 +158,9 @@ def _two_rank_role(rank, world_size, tmp_dir, path):
     from megatron_async_rl.distributed.layout import Parallelism
     from megatron_async_rl.distributed.platform import detect_platform
     from megatron_async_rl.models import builder
-    from tests.distributed.test_hf_parity import _role_args
+    from tests.harness.roles import role_args
 
-    args = _role_args(path)
+    args = role_args(path)
     role = _carve(world_size, 2, args).roles["train"]
     if not role.is_member:
         return None
@@ -189,7 +189,7 @@ def _steps_against_torch(model, twin, pgc, vocab: int) -> dict:
     import torch.distributed as dist
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_async_rl.roles.megatron_role import role_scoped_object_gather
+    from megatron_async_rl.roles.megatron_wrap import role_scoped_object_gather
 
     config = OptimizerConfig(optimizer="adam", lr=LR, clip_grad=CLIP, weight_decay=0.0,
                              use_distributed_optimizer=True)  # fmt: skip

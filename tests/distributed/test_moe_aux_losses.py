@@ -31,7 +31,7 @@ Nothing is faked: real megatron-core on gloo ranks (one; two data-parallel), rea
 import pytest
 import torch
 
-from tests.distributed.harness import spawn
+from tests.harness.ranks import spawn
 
 NUM_EXPERTS, TOPK = 4, 2  # tests/conftest.py's tiny qwen3_moe
 TOLERANCE = 1e-5
@@ -176,19 +176,19 @@ def _worker(rank, world_size, tmp_dir, path, case_flags, mbs, padded=False):
     each step's gradients in HF names (rank 0)."""
     import torch.distributed as dist
 
-    from megatron_async_rl.config.schema import RoleGroupSpec
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
     from megatron_async_rl.distributed.platform import detect_platform
+    from megatron_async_rl.recipe.schema import RoleGroupSpec
     from megatron_async_rl.roles.megatron_role import MegatronRole
-    from tests.distributed.test_hf_parity import _role_args
+    from tests.harness.roles import role_args
 
     layout = plan_layout(
         world_size, [RoleGroupSpec(["train"], num_ranks=world_size)], {"train": Parallelism(1, 1)}
     )
     platform = detect_platform("cpu", "gloo")
     groups = build_world_groups(layout, platform.backend)
-    args = {**_role_args(path), **case_flags, "lr": 0.0, "min_lr": 0.0, "clip_grad": 0.0}
+    args = {**role_args(path), **case_flags, "lr": 0.0, "min_lr": 0.0, "clip_grad": 0.0}
     role = MegatronRole("train", args, Parallelism(1, 1), groups.roles["train"], platform, seed=5)
     role.load_hf_checkpoint(path)
     tokens = (_padded_batch if padded else _batch)(role.spec.vocab_size)

@@ -36,138 +36,49 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.harness import spawn
-from tests.distributed.test_virtual_pipeline import _role as _one_window_role
-
-NUM_MTP, FACTOR = 2, 0.3
-
-
-def _micro_batches() -> list[dict]:
-    generator = torch.Generator().manual_seed(7)
-    tokens = torch.randint(1, 96, (4, 12), generator=generator)
-    padding = torch.zeros(4, 12, dtype=torch.bool)
-    padding[1, 8:] = True  # a sample of 8 real tokens
-    mask = (~padding[:, 1:]).float()
-    mask[:, :3] = 0.0  # a 4-token prompt
-    return [{"tokens": tokens[i : i + 2], "mask": mask[i : i + 2], "padding": padding[i : i + 2]}
-            for i in (0, 2)]  # fmt: skip
-
-
-def _role(path: str, mtp: dict | None, name: str = "train"):
-    extra = {"lr": 1e-3, "clip_grad": 0.0, **(mtp or {})}
-    return _one_window_role(name, 1, path, {}, extra=extra)[0][name]
-
-
-def _rl_loss(logp, mask, total):
-    return -(logp * mask).sum() / total
-
-
-def _step(role, micro: list[dict], total=None) -> tuple[dict, list, dict]:
-    """Metrics, the RL loss's log-probs per micro-batch, and every parameter's gradient;
-    `total`: the RL loss's token count (default: `micro`'s)."""
-    total = sum(mb["mask"].sum() for mb in micro) if total is None else total
-    seen = []
-
-    def loss_fn(logp, entropy, batch):
-        seen.append(logp.detach().clone())
-        loss = _rl_loss(logp, batch["mask"], total)
-        return loss, {"loss": loss.detach()}
-
-    metrics = role.train_step(micro, loss_fn)
-    grads = {n: p.main_grad.clone() for n, p in role.chunks[0].named_parameters()}
-    return metrics, seen, grads
-
-
-def _rms(x, weight, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-def _inner_layer(mtp_layer):
-    """An MTP layer's transformer layer (megatron-core 0.19 names it `mtp_model_layer`)."""
-    if hasattr(mtp_layer, "mtp_model_layer"):
-        return mtp_layer.mtp_model_layer
-    return mtp_layer.transformer_layer
-
-
-def _reference(model, micro: list[dict], vocab: int):
-    """(gradients of the reference loss, each MTP layer's cross-entropy averaged over the
-    micro-batches) by plain autograd; see the module docstring."""
-    params = dict(model.named_parameters())
-    eps, out_w = model.config.layernorm_epsilon, model.output_layer.weight
-    if model.share_embeddings_and_output_weights:
-        out_w = model.shared_embedding_or_output_weight()
-    total = sum(mb["mask"].sum() for mb in micro)
-    loss, ce_means = 0.0, torch.zeros(NUM_MTP)
-    for mb in micro:
-        tokens, padding = mb["tokens"], mb["padding"]
-        b, t = tokens.shape
-        captured = {}
-        hook = model.decoder.register_forward_hook(
-            lambda m, a, kw, out, into=captured: into.update(out=out, kw=kw), with_kwargs=True
-        )
-        positions = torch.arange(t).expand(b, t)
-        logits = model(tokens, positions, attention_mask=None)  # no hook: the main head only
-        hook.remove()
-        logp = logits[:, :-1, :vocab].log_softmax(-1).gather(-1, tokens[:, 1:, None])[..., 0]
-        loss = loss + _rl_loss(logp, mb["mask"], total)
-        hidden, ids = captured["out"], tokens
-        for k, layer in enumerate(model.mtp.layers):
-            ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)  # t + k + 1
-            emb = model.embedding.word_embeddings.weight[ids].transpose(0, 1)
-            joined = torch.cat(
-                [_rms(emb, layer.enorm.weight, eps), _rms(hidden, layer.hnorm.weight, eps)], -1
-            )
-            out, _ = _inner_layer(layer)(
-                hidden_states=joined @ layer.eh_proj.weight.T, attention_mask=None,
-                rotary_pos_emb=captured["kw"]["rotary_pos_emb"],
-            )  # fmt: skip
-            hidden = _rms(out, layer.final_layernorm.weight, eps)
-            logits_k = (hidden @ out_w.T).transpose(0, 1)[:, : t - k - 2, :vocab]
-            target, real = tokens[:, k + 2 :], ~padding[:, k + 2 :]
-            ce = -logits_k.log_softmax(-1).gather(-1, target[..., None])[..., 0]
-            ce_mean = (ce * real).sum() / real.sum()
-            ce_means[k] += ce_mean.detach() / len(micro)
-            loss = loss + FACTOR / NUM_MTP * ce_mean / len(micro)
-    grads = torch.autograd.grad(loss, list(params.values()))
-    return dict(zip(params, grads, strict=True)), ce_means
-
-
-def _reference_worker(rank, world_size, tmp_dir, path):
-    role = _role(path, {"mtp_num_layers": NUM_MTP, "mtp_loss_scaling_factor": FACTOR})
-    micro = _micro_batches()
-    ref_grads, ref_ce = _reference(role.chunks[0], micro, role.spec.vocab_size)
-    metrics, _, grads = _step(role, micro)
-    return {"grads": grads, "ref_grads": ref_grads, "ref_ce": ref_ce, "metrics": metrics}
+from tests.harness.mtp import (
+    FACTOR,
+    NUM_MTP,
+    embedding_copies,
+    mtp_micro_batches,
+    mtp_reference,
+    mtp_role,
+    mtp_step,
+    reference_worker,
+)
+from tests.harness.ranks import spawn
+from tests.harness.roles import one_window_roles
 
 
 def _worker(rank, world_size, tmp_dir, path):
     from megatron_async_rl.checkpoint.megatron_state import load_train_state, save_train_state
-    from megatron_async_rl.models import name_map, weights
+    from megatron_async_rl.models import weights
+    from megatron_async_rl.models.shards import rank_state_dict
     from megatron_async_rl.weight_sync.plan import TrainLayout, build_plan, check_stage_names
 
-    micro = _micro_batches()
+    micro = mtp_micro_batches()
     mtp = {"mtp_num_layers": NUM_MTP, "mtp_loss_scaling_factor": FACTOR}
     tokens = torch.cat([mb["tokens"] for mb in micro])
-    plain = _role(path, None)
+    plain = mtp_role(path, None)
     plain_forward = plain.logprobs(tokens, 2)[0]
-    plain_metrics, plain_logp, plain_grads = _step(plain, micro)
+    plain_metrics, plain_logp, plain_grads = mtp_step(plain, micro)
 
-    role = _role(path, mtp)
+    role = mtp_role(path, mtp)
     forward = role.logprobs(tokens, 2)[0]  # a forward-only pass: the MTP layers do not run
-    ref_grads, ref_ce = _reference(role.chunks[0], micro, role.spec.vocab_size)
+    ref_grads, ref_ce = mtp_reference(role.chunks[0], micro, role.spec.vocab_size)
     mtp_names = [n for n, _ in role.chunks[0].named_parameters() if n.startswith("mtp.")]
-    metrics, logp, grads = _step(role, micro)
+    metrics, logp, grads = mtp_step(role, micro)
     try:
         role.train_step([{k: v for k, v in micro[0].items() if k != "padding"}], None)
         no_padding = None
     except RuntimeError as error:
         no_padding = str(error)
 
-    logp_role = _role(path, mtp, "logp")
+    logp_role = mtp_role(path, mtp, "logp")
     logp_forward = logp_role.logprobs(tokens, 2)[0]
     logp_names = [n for n, _ in logp_role.chunks[0].named_parameters()]
-    zero = _role(path, {**mtp, "mtp_loss_scaling_factor": 0.0})
-    _, _, zero_grads = _step(zero, micro)
+    zero = mtp_role(path, {**mtp, "mtp_loss_scaling_factor": 0.0})
+    _, _, zero_grads = mtp_step(zero, micro)
 
     dims = weights.model_dims(role.args, role.spec)
     reshard = build_plan(TrainLayout(offset=0, tp=1, pp=1, dp=1), dims, "float32", 1 << 20,
@@ -182,7 +93,7 @@ def _worker(rank, world_size, tmp_dir, path):
     ckpt = Path(tmp_dir) / "ckpt"
     save_train_state(role, ckpt)
     saved = {n: p.detach().clone() for n, p in role.chunks[0].named_parameters()}
-    restored = _role(path, mtp)
+    restored = mtp_role(path, mtp)
     fresh = {n: p.detach().clone() for n, p in restored.chunks[0].named_parameters()}
     load_train_state(restored, ckpt)
     return {
@@ -192,7 +103,7 @@ def _worker(rank, world_size, tmp_dir, path):
         "zero_grads": zero_grads, "ref_ce": ref_ce, "metrics": metrics,
         "plain_metrics": plain_metrics, "mtp_names": mtp_names,
         "exported": sorted(role.gather_hf_state_dict()),
-        "rank_names": sorted(name_map.rank_state_dict(role.chunks)),
+        "rank_names": sorted(rank_state_dict(role.chunks)),
         "full_names": sorted(weights.full_rank_state_dict(role.chunks)),
         "saved": saved, "synced": sorted(reshard.params_of(0)), "unmapped": unmapped,
         "no_padding": no_padding, "fresh": fresh,
@@ -240,7 +151,7 @@ def test_gradients_are_rl_plus_scaled_mtp_cross_entropy(result):
 ])  # fmt: skip
 def test_tied_and_deepseek_gradients_are_the_reference(family, overrides, tiny_model, tmp_path):
     path = str(tiny_model(family, **overrides))
-    got = spawn(_reference_worker, 1, tmp_path, path)[0]
+    got = spawn(reference_worker, 1, tmp_path, path)[0]
     for name, want in got["ref_grads"].items():
         torch.testing.assert_close(got["grads"][name], want, rtol=1e-5, atol=1e-6, msg=name)
     assert got["metrics"]["actor/mtp_loss"] == pytest.approx(float(got["ref_ce"].mean()), abs=1e-5)
@@ -298,10 +209,10 @@ def _layout_worker(rank, world_size, tmp_dir, path, parallel, ckpt):
 
     extra = {"lr": 1e-3, "clip_grad": 0.0, "mtp_num_layers": NUM_MTP,
              "mtp_loss_scaling_factor": FACTOR, "use_distributed_optimizer": True}  # fmt: skip
-    role = _one_window_role("train", world_size, path, parallel, extra=extra)[0]["train"]
-    micro = _micro_batches()
+    role = one_window_roles("train", world_size, path, parallel, extra=extra)[0]["train"]
+    micro = mtp_micro_batches()
     if ckpt is None:
-        _step(role, [{**mb, "tokens": mb["tokens"].roll(1, dims=1)} for mb in micro])
+        mtp_step(role, [{**mb, "tokens": mb["tokens"].roll(1, dims=1)} for mb in micro])
         save_train_state(role, Path(tmp_dir) / "saved")
     else:
         load_train_state(role, Path(ckpt))
@@ -309,36 +220,22 @@ def _layout_worker(rank, world_size, tmp_dir, path, parallel, ckpt):
     dp_rank = torch.distributed.get_rank(role.pgc.dp)
     if torch.distributed.get_world_size(role.pgc.dp) > 1:
         micro = micro[dp_rank : dp_rank + 1]
-    metrics, _, _ = _step(role, micro, total)
+    metrics, _, _ = mtp_step(role, micro, total)
     return {"metrics": metrics, "weights": role.gather_hf_state_dict(),
-            "embeddings": _embedding_copies(role), "sync": _sync_names(role)}  # fmt: skip
+            "embeddings": embedding_copies(role), "sync": _sync_names(role)}  # fmt: skip
 
 
 def _sync_names(role) -> tuple[list, list]:
     """(the names weight sync plans for this rank, MTP left out; those it sends)."""
     import dataclasses
 
-    from megatron_async_rl.models import name_map, weights
+    from megatron_async_rl.models import weights
+    from megatron_async_rl.models.shards import stage_entries
 
     dims = dataclasses.replace(weights.model_dims(role.args, role.spec), mtp_num_layers=0)
-    planned = name_map.stage_entries(dims, **weights.stage_ranks(role.pgc))
+    planned = stage_entries(dims, **weights.stage_ranks(role.pgc))
     sent = weights.full_rank_state_dict(role.chunks, mtp_num_layers=0)
     return sorted(e.local for e in planned), sorted(sent)
-
-
-def _embedding_copies(role) -> list:
-    """Every pipeline stage's word embedding, on each rank (pipeline-collective): the first
-    stage's, and the MTP stage's copy where it has one (in its last model chunk)."""
-    from megatron_async_rl.models import name_map
-
-    own = next((c for c in map(name_map.mtp_embedding_copy, role.chunks) if c is not None), None)
-    if own is None and role.chunks[0].pre_process:
-        own = role.chunks[0].embedding.word_embeddings.weight
-    copies = [None] * torch.distributed.get_world_size(role.pgc.pp)
-    torch.distributed.all_gather_object(
-        copies, None if own is None else own.detach().clone(), group=role.pgc.pp
-    )
-    return [c for c in copies if c is not None]
 
 
 def test_layouts_agree(tiny_model, tmp_path):
@@ -405,9 +302,9 @@ def _logp_beside_worker(rank, world_size, tmp_dir, path, parallel):
     """The train role and a logp role with the same flags (MTP and its layout), side by side:
     their forward log-probs."""
     extra = {"lr": 1e-3, "mtp_num_layers": NUM_MTP, "mtp_loss_scaling_factor": FACTOR}
-    roles, _ = _one_window_role("train", world_size, path, None, extra=extra,
+    roles, _ = one_window_roles("train", world_size, path, None, extra=extra,
                                 windows={"train": parallel, "logp": parallel})  # fmt: skip
-    tokens = torch.cat([mb["tokens"] for mb in _micro_batches()])
+    tokens = torch.cat([mb["tokens"] for mb in mtp_micro_batches()])
     return {name: roles[name].logprobs(tokens, 2) for name in ("train", "logp")}
 
 

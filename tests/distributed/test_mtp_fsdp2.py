@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.harness import spawn
-from tests.distributed.test_mtp import FACTOR, NUM_MTP, _micro_batches
-from tests.distributed.test_torch_fsdp2 import FSDP2
-from tests.distributed.test_virtual_pipeline import _role as _one_window_role
+from tests.harness.mtp import FACTOR, NUM_MTP, mtp_micro_batches
+from tests.harness.ranks import spawn
+from tests.harness.roles import one_window_roles
+from tests.harness.train_steps import FSDP2
 
 
 def _loss(logp, entropy, batch):
@@ -34,9 +34,9 @@ def _worker(rank, world_size, tmp_dir, path, extra):
              "mtp_loss_scaling_factor": FACTOR}  # fmt: skip
 
     def role(seed):
-        return _one_window_role("train", world_size, path, {}, extra=extra, seed=seed)[0]["train"]
+        return one_window_roles("train", world_size, path, {}, extra=extra, seed=seed)[0]["train"]
 
-    micro = _micro_batches()
+    micro = mtp_micro_batches()
     train = role(5)
     steps = [train.train_step(micro, _loss) for _ in range(2)]
     save_train_state(train, Path(tmp_dir) / "ckpt")

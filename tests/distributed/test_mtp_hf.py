@@ -1,4 +1,4 @@
-"""Multi-token-prediction layers to and from HF, in DeepSeek-V3's format (`models.name_map`).
+"""Multi-token-prediction layers to and from HF, in DeepSeek-V3's format (`models.names`).
 
 Contract, with real megatron-core on gloo ranks (nothing faked but the export's checkpoint
 manager, given a stand-in role), on a tiny DeepSeek-V3 written with one MTP layer
@@ -32,8 +32,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.distributed.harness import spawn
-from tests.distributed.test_virtual_pipeline import _role as _one_window_role
+from tests.harness.mtp import embedding_copies, mtp_micro_batches, mtp_step
+from tests.harness.ranks import spawn
+from tests.harness.roles import one_window_roles
 
 MTP = {"mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.1}
 
@@ -47,7 +48,7 @@ def _role(path: str, world_size: int, parallel: dict, mtp: dict):
     role_logger = logging.getLogger("megatron_async_rl.roles.megatron_role")
     role_logger.addHandler(handler)
     try:
-        roles, groups = _one_window_role("train", world_size, path, parallel,
+        roles, groups = one_window_roles("train", world_size, path, parallel,
                                          extra={"clip_grad": 0.0, **mtp})  # fmt: skip
     finally:
         role_logger.removeHandler(handler)
@@ -82,7 +83,8 @@ def _mtp_logits(model, tokens):
 
 
 def _one_rank_worker(rank, world_size, tmp_dir, path, llama_path, tokens):
-    from megatron_async_rl.models import name_map, weights
+    from megatron_async_rl.models import weights
+    from megatron_async_rl.models.shards import rank_state_dict
     from megatron_async_rl.weight_sync import broadcast, plan
     from megatron_async_rl.weight_sync.config import WeightSyncConfig
 
@@ -103,7 +105,7 @@ def _one_rank_worker(rank, world_size, tmp_dir, path, llama_path, tokens):
         "dims_mtp": weights.model_dims(role.args, role.spec).hf_mtp_layers,
         "sync_mtp": key.dims.mtp_num_layers, "sync_params": sorted(reshard.params_of(0)),
         "sync_local": sorted(local), "sync_hf": sorted(synced_hf),
-        "all_names": sorted(name_map.rank_state_dict(role.chunks, 1)),
+        "all_names": sorted(rank_state_dict(role.chunks, 1)),
         "two_exported": two.gather_hf_state_dict(), "warned_two": warned_two,
         "two_mtp1": {n: p.detach().clone() for n, p in two_params.items()
                      if n.startswith("mtp.layers.1.")},
@@ -261,19 +263,17 @@ def test_llama_mtp_layers_have_no_hf_names(one_rank):
 
 def _train_worker(rank, world_size, tmp_dir, path, parallel):
     """Two train steps from the HF checkpoint: each step's metrics, then the HF export and
-    every stage's word embedding (the MTP stage's copy included, `test_mtp._embedding_copies`)
+    every stage's word embedding (the MTP stage's copy included, `harness.mtp.embedding_copies`)
     after them, and after loading."""
-    from tests.distributed.test_mtp import _embedding_copies, _micro_batches, _step
-
     role, _, _ = _role(path, world_size, parallel, {**MTP, "lr": 1e-3})
-    loaded = _embedding_copies(role)
-    micro = _micro_batches()
+    loaded = embedding_copies(role)
+    micro = mtp_micro_batches()
     steps = [
-        _step(role, micro)[0],
-        _step(role, [{**mb, "tokens": mb["tokens"].roll(1, dims=1)} for mb in micro])[0],
+        mtp_step(role, micro)[0],
+        mtp_step(role, [{**mb, "tokens": mb["tokens"].roll(1, dims=1)} for mb in micro])[0],
     ]
     return {"steps": steps, "weights": role.gather_hf_state_dict(), "loaded": loaded,
-            "embeddings": _embedding_copies(role)}  # fmt: skip
+            "embeddings": embedding_copies(role)}  # fmt: skip
 
 
 def test_pipeline_stages_train_as_one_stage(deepseek, tmp_path):

@@ -19,7 +19,7 @@ files read back with torch's own converter.
 import pytest
 import torch
 
-from tests.distributed.harness import spawn
+from tests.harness.ranks import spawn
 
 LR, DECOUPLED_LR = 1e-5, 3e-5
 
@@ -29,16 +29,16 @@ def _worker(rank, world_size, tmp_dir, path):
     from megatron.core import parallel_state
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_async_rl.config import megatron_flags
-    from megatron_async_rl.config.schema import RoleGroupSpec
+    from megatron_async_rl.config.megatron import core_kwargs
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
     from megatron_async_rl.distributed.platform import detect_platform
+    from megatron_async_rl.recipe.schema import RoleGroupSpec
     from megatron_async_rl.roles.megatron_role import MegatronRole
     from megatron_async_rl.roles.param_groups import global_param_names
-    from tests.distributed.test_hf_parity import _role_args
+    from tests.harness.roles import role_args
 
-    args = _role_args(path, pipeline_model_parallel_size=2, expert_model_parallel_size=2)
+    args = role_args(path, pipeline_model_parallel_size=2, expert_model_parallel_size=2)
     args.update(lr=LR, decoupled_lr=DECOUPLED_LR, use_distributed_optimizer=True,
                 dump_param_to_param_group_map=f"{tmp_dir}/ours")  # fmt: skip
     par = Parallelism.from_megatron_args(args)
@@ -54,7 +54,7 @@ def _worker(rank, world_size, tmp_dir, path):
     parallel_state.initialize_model_parallel(
         pipeline_model_parallel_size=2, expert_model_parallel_size=2
     )
-    kwargs = megatron_flags.optimizer_config_kwargs(args)
+    kwargs = core_kwargs.optimizer_config_kwargs(args)
     kwargs.update(use_distributed_optimizer=False, bf16=False)  # the groups do not depend on it
     get_megatron_optimizer(
         OptimizerConfig(**kwargs), role.models, use_gloo_process_groups=False,
@@ -86,14 +86,14 @@ def _offset_worker(rank, world_size, tmp_dir, path, extra):
     `extra`."""
     import torch.distributed as dist
 
-    from megatron_async_rl.config.schema import RoleGroupSpec
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
     from megatron_async_rl.distributed.platform import detect_platform
+    from megatron_async_rl.recipe.schema import RoleGroupSpec
     from megatron_async_rl.roles.megatron_role import MegatronRole
-    from tests.distributed.test_hf_parity import _role_args
+    from tests.harness.roles import role_args
 
-    args = _role_args(path)
+    args = role_args(path)
     args.update(lr=LR, decoupled_lr=DECOUPLED_LR, dump_param_to_param_group_map=f"{tmp_dir}/map")
     args.update(extra)
     specs = [RoleGroupSpec(["generate"], num_ranks=1), RoleGroupSpec(["train"], num_ranks=1)]

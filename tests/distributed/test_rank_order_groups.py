@@ -14,7 +14,8 @@ into PP=2 x DP=2 with the flag bit for bit, and the next step equals the default
 
 import torch
 
-from tests.distributed.harness import spawn
+from tests.harness.checkpoints import load_worker, save_worker
+from tests.harness.ranks import spawn
 
 TOLERANCE = 1e-4
 
@@ -26,16 +27,16 @@ def _tokens(vocab_size: int) -> torch.Tensor:
 def _worker(rank, world_size, tmp_dir, path):
     import torch.distributed as dist
 
-    from megatron_async_rl.config import megatron_parse
-    from megatron_async_rl.config.schema import RoleGroupSpec
+    from megatron_async_rl.config.megatron import parse
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
     from megatron_async_rl.distributed.platform import detect_platform
+    from megatron_async_rl.recipe.schema import RoleGroupSpec
     from megatron_async_rl.roles.megatron_role import MegatronRole
-    from tests.distributed.test_hf_parity import _role_args
+    from tests.harness.roles import role_args
 
     flags = ["--use-tp-pp-dp-mapping", "--pipeline-model-parallel-size", "2"]
-    args = {**_role_args(path), **megatron_parse.parse_megatron_flags(flags)}
+    args = {**role_args(path), **parse.parse_megatron_flags(flags)}
     par = Parallelism.from_megatron_args(args)
     layout = plan_layout(world_size, [RoleGroupSpec(["train"], num_ranks=world_size)],
                          {"train": par})  # fmt: skip
@@ -106,17 +107,15 @@ def test_checkpoint_resumes_into_the_tp_pp_dp_order(tiny_model, tmp_path):
     in the default order: the loaded weights are the saved ones bit for bit, and the next step
     gives what it gives in the default order (both replicas train on the same batch here, so
     not the uninterrupted 2-rank run's step)."""
-    from tests.distributed.test_checkpoint_megatron import _load_worker, _save_worker
-
     path, ckpt = str(tiny_model("llama")), str(tmp_path / "ckpt")
     for name in ("save", "default", "flag"):
         (tmp_path / name).mkdir()
-    saved = spawn(_save_worker, 2, tmp_path / "save", path, ckpt)
+    saved = spawn(save_worker, 2, tmp_path / "save", path, ckpt)
     at_save = next(r for r in saved if r[0] is not None)[0]
     after = {}
     for name, flag in (("default", False), ("flag", True)):
         parallel = {"pipeline_model_parallel_size": 2, "use_tp_pp_dp_mapping": flag}
-        loaded = spawn(_load_worker, 4, tmp_path / name, path, ckpt, parallel)
+        loaded = spawn(load_worker, 4, tmp_path / name, path, ckpt, parallel)
         weights, after[name], _ = next(r for r in loaded if r[0] is not None)
         for key, tensor in at_save.items():
             assert torch.equal(weights[key], tensor), (name, key)

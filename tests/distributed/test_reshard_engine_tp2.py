@@ -7,7 +7,7 @@ generate rank; ranks a layout leaves idle hold `ref`):
 - dense llama, train TP=2 and PP=2 (2 train ranks) and TP=2 x PP=2 (4 train ranks), plus one
   generate rank: after one real optimizer step, `sync_weights` streams the model in small
   buckets into the engine; every HF tensor read back through the engine (each TP rank's
-  parameters, reassembled: see `engines/sglang_host.py`) is bit-identical to the trainer's
+  parameters, reassembled: see `engines/sglang/host.py`) is bit-identical to the trainer's
   gathered tensor, and the tokens the engine generates next carry the new version.
 - MoE (qwen3_moe) train EP=2 and TP=2 x EP=2: the host's read-back reassembles Llama-family
   layouts only, not SGLang's fused expert tensors, so the check is behavioural and exact, as
@@ -32,6 +32,9 @@ import importlib.util
 import pytest
 
 from tests.distributed.reshard_world import (
+    MOE,
+    PP2,
+    TP2,
     Layout,
     check_changed,
     check_moe,
@@ -40,7 +43,6 @@ from tests.distributed.reshard_world import (
     layout_results,
     run_world,
 )
-from tests.distributed.test_reshard_sglang import MOE, PP2, TP2
 
 pytestmark = [
     pytest.mark.slow,

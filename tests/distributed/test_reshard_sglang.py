@@ -53,7 +53,10 @@ import torch
 
 from tests.distributed.reshard_world import (
     CONSUME_MB,
+    MOE,
+    PP2,
     PRODUCE_MB,
+    TP2,
     Layout,
     check_changed,
     check_moe,
@@ -67,11 +70,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang not installed"),
 ]
-TP2, PP2, EP2 = (
-    {"tensor_model_parallel_size": 2},
-    {"pipeline_model_parallel_size": 2},
-    {"expert_model_parallel_size": 2},
-)
 FAULTS = [
     Layout("train_tp2_pp2_shared_memory", TP2 | PP2, 4, "dense", faults=True),
     Layout("train_pp2_dp2_broadcast", PP2, 4, "dense", transport="broadcast", faults=True),
@@ -79,11 +77,6 @@ FAULTS = [
 TWO_RANKS = [  # (layout, shared-memory senders seen by every participant)
     (Layout("train_tp2_broadcast", TP2, 2, "dense", transport="broadcast", small_buckets=False), 0),
     (Layout("train_pp2_shared_memory", PP2, 2, "dense", small_buckets=False), 2),
-]
-# (train layout, number of train ranks) of the MoE tests, here and with engine TP=2.
-MOE = [
-    Layout("train_ep2", EP2, 2, "moe"),
-    Layout("train_tp2_ep2", TP2 | EP2, 4, "moe", perturb=True),
 ]
 
 

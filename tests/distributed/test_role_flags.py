@@ -9,22 +9,22 @@ carved as in a run):
 
 import torch
 
-from tests.distributed.harness import spawn
+from tests.harness.ranks import spawn
 
 
 def _worker(rank, world_size, tmp_dir, path):
     import torch._dynamo
 
-    from megatron_async_rl.config.schema import RoleGroupSpec
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
     from megatron_async_rl.distributed.platform import detect_platform
+    from megatron_async_rl.recipe.schema import RoleGroupSpec
     from megatron_async_rl.roles.megatron_role import MegatronRole
-    from tests.distributed.test_hf_parity import _role_args
+    from tests.harness.roles import role_args
 
     args = {
-        "train": {**_role_args(path), "disable_jit_fuser": True},
-        "logp": {**_role_args(path), "bf16": True, "fp16_lm_cross_entropy": True},
+        "train": {**role_args(path), "disable_jit_fuser": True},
+        "logp": {**role_args(path), "bf16": True, "fp16_lm_cross_entropy": True},
     }  # fmt: skip
     specs = [RoleGroupSpec(["train"], num_ranks=1), RoleGroupSpec(["logp"], num_ranks=1)]
     layout = plan_layout(2, specs, {r: Parallelism(1, 1) for r in args})

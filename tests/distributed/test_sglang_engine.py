@@ -42,8 +42,8 @@ from megatron_async_rl.engines.protocol import (
     GenerateRequest,
     SamplingParams,
 )
-from megatron_async_rl.engines.sglang_engine import SGLangEngine, SGLangEngineConfig
-from megatron_async_rl.engines.sglang_host import CPU_ATTENTION_BACKEND, CPU_SHIMS_DIR
+from megatron_async_rl.engines.sglang.engine import SGLangEngine, SGLangEngineConfig
+from megatron_async_rl.engines.sglang.host import CPU_ATTENTION_BACKEND, CPU_SHIMS_DIR
 
 pytestmark = [
     pytest.mark.slow,
@@ -196,7 +196,7 @@ def test_weight_update_is_bit_exact_and_versioned(served):
 def test_weight_update_from_one_shared_buffer_is_bit_exact(served):
     """Views of one shared buffer (a weight-sync message) cross as one flat span: SGLang's
     `flattened_bucket` load format rebuilds them in the scheduler."""
-    from megatron_async_rl.engines import handover
+    from megatron_async_rl.engines.sglang import handover
     from megatron_async_rl.weight_sync import buffers
 
     specs = [(name, tuple(t.shape), t.dtype) for name, t in served.state.items()]
@@ -353,7 +353,7 @@ def test_multiturn_on_the_real_engine(served):
     from megatron_async_rl.models.tiny import build_tokenizer
     from megatron_async_rl.rollout.environment import EpisodeSample
     from megatron_async_rl.rollout.multiturn import MultiTurnLimits, generate_trajectories
-    from tests.unit.test_multiturn import ToolTurns
+    from tests.harness.environments import ToolTurns
 
     _update(served, "v7")  # a policy-version label (earlier tests here use free-form ones)
     tok = build_tokenizer()
@@ -455,7 +455,7 @@ from unittest import mock
 import sglang.srt.utils.common as common
 from sglang.srt.server_args import ServerArgs
 from megatron_async_rl.engines.config import SGLangEngineConfig
-from megatron_async_rl.engines.sglang_host import engine_kwargs
+from megatron_async_rl.engines.sglang.host import engine_kwargs
 
 model = sys.argv[1]
 out = {}

@@ -22,11 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.harness import spawn
-from tests.distributed.test_virtual_pipeline import _role, _step
-
-FSDP2 = {"use_torch_fsdp2": True, "gradient_accumulation_fusion": False}
-TRAIN = {"lr": 1e-3, "clip_grad": 0.5}
+from tests.harness.ranks import spawn
+from tests.harness.roles import one_window_roles
+from tests.harness.train_steps import FSDP2, TRAIN, seeded_step
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +33,9 @@ def tiny_path(tiny_model):
 
 
 def _steps_worker(rank, world_size, tmp_dir, path, extra):
-    role = _role("train", world_size, path, {}, extra={**TRAIN, **extra})[0]["train"]
+    role = one_window_roles("train", world_size, path, {}, extra={**TRAIN, **extra})[0]["train"]
     loaded = role.gather_hf_state_dict()
-    norms = [_step(role, seed)["actor/grad_norm"] for seed in (0, 1)]
+    norms = [seeded_step(role, seed)["actor/grad_norm"] for seed in (0, 1)]
     sharded = all(type(p).__name__ == "DTensor" for c in role.chunks for p in c.parameters())
     reshard = getattr(role.models[0].ddp_config, "reshard_after_forward", None)
     return {"loaded": loaded, "trained": role.gather_hf_state_dict(), "norms": norms,
@@ -77,21 +75,21 @@ def test_two_steps_equal_ddp(tiny_path, tmp_path):
 def _save_worker(rank, world_size, tmp_dir, path, ckpt, extra):
     from megatron_async_rl.checkpoint.megatron_state import save_train_state
 
-    role = _role("train", world_size, path, {}, extra={**TRAIN, **extra})[0]["train"]
-    _step(role, 0)
+    role = one_window_roles("train", world_size, path, {}, extra={**TRAIN, **extra})[0]["train"]
+    seeded_step(role, 0)
     save_train_state(role, Path(ckpt))
     saved = role.gather_hf_state_dict()
-    _step(role, 1)
+    seeded_step(role, 1)
     return saved, role.gather_hf_state_dict()
 
 
 def _load_worker(rank, world_size, tmp_dir, path, ckpt, extra):
     from megatron_async_rl.checkpoint.megatron_state import load_train_state
 
-    role = _role("train", world_size, path, {}, extra={**TRAIN, **extra})[0]["train"]
+    role = one_window_roles("train", world_size, path, {}, extra={**TRAIN, **extra})[0]["train"]
     load_train_state(role, Path(ckpt))
     loaded = role.gather_hf_state_dict()
-    _step(role, 1)
+    seeded_step(role, 1)
     return loaded, role.gather_hf_state_dict()
 
 
@@ -123,8 +121,8 @@ def _sync_worker(rank, world_size, tmp_dir, path):
     from megatron_async_rl.weight_sync.broadcast import sync_weights
 
     windows = {"train": FSDP2, "logp": {}}
-    roles, groups = _role("train", world_size, path, None, windows=windows, extra=TRAIN)
-    _step(roles["train"], 0)
+    roles, groups = one_window_roles("train", world_size, path, None, windows=windows, extra=TRAIN)
+    seeded_step(roles["train"], 0)
     sync_weights(groups, roles, None, version=1)
     return roles["train"].gather_hf_state_dict(), roles["logp"].gather_hf_state_dict()
 
@@ -141,14 +139,14 @@ def test_weight_sync_into_logp(tiny_path, tmp_path):
 
 def _critic_worker(rank, world_size, tmp_dir, path, extra):
     """A critic (value head) on both ranks: one step of a squared error on its values."""
-    from megatron_async_rl.config.schema import RoleGroupSpec
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
     from megatron_async_rl.distributed.platform import detect_platform
+    from megatron_async_rl.recipe.schema import RoleGroupSpec
     from megatron_async_rl.roles.megatron_role import MegatronRole
-    from tests.distributed.test_hf_parity import _role_args
+    from tests.harness.roles import role_args
 
-    args = {**_role_args(path), **TRAIN, **extra}
+    args = {**role_args(path), **TRAIN, **extra}
     par = Parallelism.from_megatron_args(args)
     spec = [RoleGroupSpec(roles=["critic"], num_ranks=world_size)]
     groups = build_world_groups(plan_layout(world_size, spec, {"critic": par}), "gloo")

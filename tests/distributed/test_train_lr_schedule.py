@@ -14,8 +14,8 @@ optimizer is a plain `torch.optim.SGD`.
 
 import pytest
 
-from tests.distributed.harness import spawn
-from tests.distributed.test_train_step import _batch
+from tests.harness.ranks import spawn
+from tests.harness.train_steps import batch
 
 SCHEDULE = {"lr_warmup_iters": 4, "lr_decay_style": "cosine", "train_iters": 10}
 
@@ -23,14 +23,14 @@ SCHEDULE = {"lr_warmup_iters": 4, "lr_decay_style": "cosine", "train_iters": 10}
 def _worker(rank, world_size, tmp_dir, path):
     import torch
 
-    from megatron_async_rl.config.schema import RoleGroupSpec
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
     from megatron_async_rl.distributed.platform import detect_platform
+    from megatron_async_rl.recipe.schema import RoleGroupSpec
     from megatron_async_rl.roles.megatron_role import MegatronRole
-    from tests.distributed.test_hf_parity import _role_args
+    from tests.harness.roles import role_args
 
-    args = _role_args(path)
+    args = role_args(path)
     args.update(lr=1e-3, clip_grad=0.0, use_distributed_optimizer=True, weight_decay=0.1)
     args.update(SCHEDULE)
     # Megatron-LM's bucket count: bucket_size = params / 3 (DDP keeps it with overlap only)
@@ -42,7 +42,7 @@ def _worker(rank, world_size, tmp_dir, path):
     groups = build_world_groups(layout, platform.backend)
     role = MegatronRole("train", args, par, groups.roles["train"], platform, seed=5)
     role.load_hf_checkpoint(path)
-    tokens, mask = _batch()
+    tokens, mask = batch()
     rows = torch.arange(4).chunk(world_size)[rank].tolist()
     micro = [{"tokens": tokens[r : r + 1], "mask": mask[r : r + 1]} for r in rows]
 

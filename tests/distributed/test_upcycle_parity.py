@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.distributed.harness import spawn
+from tests.harness.ranks import spawn
 
 RECIPE = """\
 run_dir: {run_dir}
@@ -38,10 +38,10 @@ def _worker(rank, world_size, tmp_dir, model, granularities):
 
     import torch.distributed as dist
 
-    from megatron_async_rl.config.recipe import resolve
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.platform import detect_platform
     from megatron_async_rl.models import hf_checkpoint, upcycle
+    from megatron_async_rl.recipe.load import resolve
     from megatron_async_rl.roles.megatron_role import MegatronRole
 
     platform = detect_platform("cpu", "gloo")

@@ -22,7 +22,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.harness import spawn
+from tests.harness import heads
+from tests.harness.ranks import spawn
+from tests.harness.roles import one_window_roles, role_args
+from tests.harness.routing import check_results, replay_worker
+from tests.harness.train_steps import seeded_step, train_step_worker
 
 VP = {"pipeline_model_parallel_size": 2, "num_virtual_stages_per_pipeline_rank": 2}
 PP = {"pipeline_model_parallel_size": 2}
@@ -32,37 +36,11 @@ def _tokens(vocab_size: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (4, 16), generator=torch.Generator().manual_seed(3))
 
 
-def _role(name, world_size, path, parallel, *, windows=None, extra=None, seed=5):
-    """A `MegatronRole` named `name` (with `parallel`) over a fresh layout of `windows` (role
-    -> its parallel sizes; default one window with `name` only), built with `seed`."""
-    from megatron_async_rl.config.schema import RoleGroupSpec
-    from megatron_async_rl.distributed.groups import build_world_groups
-    from megatron_async_rl.distributed.layout import Parallelism, plan_layout
-    from megatron_async_rl.distributed.platform import detect_platform
-    from megatron_async_rl.roles.megatron_role import MegatronRole
-    from tests.distributed.test_hf_parity import _role_args
-
-    windows = windows or {name: parallel}
-    args = {role: {**_role_args(path, **par), **(extra or {})} for role, par in windows.items()}
-    pars = {role: Parallelism.from_megatron_args(a) for role, a in args.items()}
-    spec = [RoleGroupSpec(roles=list(windows), num_ranks=world_size)]
-    layout = plan_layout(world_size, spec, pars)
-    platform = detect_platform("cpu", "gloo")
-    groups = build_world_groups(layout, platform.backend)
-    roles = {
-        role: MegatronRole(role, args[role], pars[role], groups.roles[role], platform, seed=seed)
-        for role in windows
-    }
-    for role in roles.values():
-        role.load_hf_checkpoint(path)
-    return roles, groups
-
-
 def _forward_and_sync_worker(rank, world_size, tmp_dir, path):
     """train (V = 2), logp (V = 1) and ref (V = 2) on both ranks: log-probs, exports, a sync."""
     from megatron_async_rl.weight_sync.broadcast import sync_weights
 
-    roles, groups = _role("train", world_size, path, None,
+    roles, groups = one_window_roles("train", world_size, path, None,
                           windows={"train": VP, "logp": PP, "ref": VP})  # fmt: skip
     tokens = _tokens(roles["ref"].spec.vocab_size)
     out = {
@@ -118,12 +96,10 @@ def test_logprobs_exports_and_weight_sync_with_two_chunks_per_rank(llama4, tmp_p
 
 
 def _train_worker(rank, world_size, tmp_dir, path, parallel):
-    from megatron_async_rl.config.megatron_flags import virtual_stages
-    from tests.distributed.test_hf_parity import _role_args
-    from tests.distributed.test_train_step import _worker
+    from megatron_async_rl.config.megatron.core_kwargs import virtual_stages
 
-    return {**_worker(rank, world_size, tmp_dir, path, parallel),
-            "vp": virtual_stages(_role_args(path, **parallel))}  # fmt: skip
+    return {**train_step_worker(rank, world_size, tmp_dir, path, parallel),
+            "vp": virtual_stages(role_args(path, **parallel))}  # fmt: skip
 
 
 def test_one_step_with_two_chunks_per_rank_equals_one_rank(tiny_model, tmp_path):
@@ -150,20 +126,6 @@ def test_one_step_with_two_chunks_per_rank_equals_one_rank(tiny_model, tmp_path)
             assert diff <= 1e-6, f"{name} {key}: max abs diff {diff} vs pp1"
 
 
-def _step(role, seed):
-    from tests.distributed.test_train_step import _batch
-
-    tokens, mask = _batch()
-    tokens, total = tokens.roll(seed, dims=1), mask.sum()
-
-    def loss_fn(logp, entropy, batch):
-        loss = -(logp * batch["mask"]).sum() / total
-        return loss, {"loss": loss.detach()}
-
-    micro = [{"tokens": tokens[r : r + 2], "mask": mask[r : r + 2]} for r in (0, 2)]
-    return role.train_step(micro, loss_fn)
-
-
 _CKPT = {"lr": 1e-3, "clip_grad": 0.0, "use_distributed_optimizer": True}
 
 
@@ -172,11 +134,11 @@ def _save_worker(rank, world_size, tmp_dir, path, ckpt):
 
     from megatron_async_rl.checkpoint.megatron_state import save_train_state
 
-    role = _role("train", world_size, path, VP, extra=_CKPT)[0]["train"]
-    _step(role, 0)
+    role = one_window_roles("train", world_size, path, VP, extra=_CKPT)[0]["train"]
+    seeded_step(role, 0)
     save_train_state(role, Path(ckpt))
     saved = role.gather_hf_state_dict()
-    _step(role, 1)
+    seeded_step(role, 1)
     return saved, role.gather_hf_state_dict()
 
 
@@ -187,11 +149,11 @@ def _load_worker(rank, world_size, tmp_dir, path, ckpt):
 
     out = {}
     for name, parallel in (("vp2", VP), ("pp2", PP)):
-        role = _role("train", world_size, path, parallel, extra=_CKPT)[0]["train"]
+        role = one_window_roles("train", world_size, path, parallel, extra=_CKPT)[0]["train"]
         load_train_state(role, Path(ckpt))
         out[name] = role.gather_hf_state_dict()
         if name == "vp2":
-            _step(role, 1)
+            seeded_step(role, 1)
             out["vp2_after"] = role.gather_hf_state_dict()
     return out
 
@@ -213,40 +175,34 @@ def test_moe_routing_replay_with_two_chunks_per_rank(tiny_model, tmp_path):
     """`tests/distributed/test_routing_replay.py`'s contracts (record, replay token by token,
     the agreement counts, an optimizer step replaying with full recompute) with both the train
     and the logp role at pp = 2, V = 2: every chunk's routers take part."""
-    from tests.distributed import test_routing_replay as replay
-
     path = str(tiny_model("qwen3_moe", num_hidden_layers=4))
-    results = spawn(replay._worker, 4, tmp_path, path, {"train": VP, "logp": VP})
-    assert replay.check_results(results, "vp2", moe_layers=4) == {"train", "logp"}
+    results = spawn(replay_worker, 4, tmp_path, path, {"train": VP, "logp": VP})
+    assert check_results(results, "vp2", moe_layers=4) == {"train", "logp"}
 
 
 def _heads_worker(rank, world_size, tmp_dir, paths):
-    from megatron_async_rl.config.schema import RoleGroupSpec
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
     from megatron_async_rl.distributed.platform import detect_platform
-    from tests.distributed.test_head_parity import _head_outputs
-    from tests.distributed.test_hf_parity import _role_args
+    from megatron_async_rl.recipe.schema import RoleGroupSpec
 
-    args = _role_args(paths["value"], **VP)
+    args = role_args(paths["value"], **VP)
     par = Parallelism.from_megatron_args(args)
     layout = plan_layout(world_size, [RoleGroupSpec(roles=["logp"], num_ranks=2)], {"logp": par})
     platform = detect_platform("cpu", "gloo")
     groups = build_world_groups(layout, platform.backend)
-    return _head_outputs("logp", args, par, groups.roles["logp"], platform, paths)
+    return heads.head_outputs("logp", args, par, groups.roles["logp"], platform, paths)
 
 
 def test_value_and_score_heads_with_two_chunks_per_rank(tiny_model, tmp_path):
     """A critic's values and a reward model's scores (the scalar head on the last chunk of the
     last rank) equal `transformers`' within 1e-4; their exports are the checkpoints."""
-    from tests.distributed import test_head_parity as heads
-
     paths = {kind: str(tiny_model("llama", num_hidden_layers=4, task=task))
              for kind, task in (("value", "token_classification"),
                                 ("score", "sequence_classification"))}  # fmt: skip
-    values, scores = heads._hf_values(paths["value"]), heads._hf_scores(paths["score"])
+    values, scores = heads.hf_values(paths["value"]), heads.hf_scores(paths["score"])
     first, last = spawn(_heads_worker, 2, tmp_path, paths)
     assert first["values"] is None and first["scores"] is None
-    heads._check(last, values, scores, "pp=2 V=2")
-    heads._check_export(first["value_export"], paths["value"])
-    heads._check_export(first["score_export"], paths["score"])
+    heads.check_heads(last, values, scores, "pp=2 V=2")
+    heads.check_export(first["value_export"], paths["value"])
+    heads.check_export(first["score_export"], paths["score"])

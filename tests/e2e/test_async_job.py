@@ -25,7 +25,7 @@ import subprocess
 
 import pytest
 
-from tests.e2e.recipe_runs import REPO, SYNC_SETS, launch_command, launch_env, run_recipe
+from tests.harness.recipes import REPO, SYNC_SETS, launch_command, launch_env, run_recipe
 
 pytestmark = [
     pytest.mark.e2e,
@@ -48,7 +48,7 @@ def _stable(row):
 
 def test_zero_steps_ahead_is_the_synchronous_loop_exactly(task, sync_run, tmp_path):
     sets = (*SYNC_SETS, f"validation.data.path={task.val}", "scheduler.loop=async")
-    sync, async_ = sync_run.rows, run_recipe(task, tmp_path / "async", 29642, *sets).rows
+    sync, async_ = sync_run.rows, run_recipe(task, tmp_path / "async", *sets).rows
     assert len(sync) == len(async_) == 4
     # validation of versions 0 and 2 (every 2), reported with the step that follows it
     assert [r.get("val/version") for r in sync] == [0.0, None, 2.0, None]
@@ -77,7 +77,7 @@ def test_one_step_ahead_in_flight_on_four_windows_mixes_versions_within_the_boun
     )
     cmd = launch_command(recipe, tmp_path / "n1", "trainer.num_steps=10",
                          "scheduler.weight_update_mode=in_flight", "rollout.max_new_tokens=48")
-    proc = subprocess.run(cmd, env=launch_env(29643, nproc=4), capture_output=True, text=True,
+    proc = subprocess.run(cmd, env=launch_env(nproc=4), capture_output=True, text=True,
                           timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-5000:]
     lines = (tmp_path / "n1" / "metrics.jsonl").read_text().splitlines()

@@ -29,47 +29,29 @@ import time
 import psutil
 import pytest
 
-from tests.e2e.recipe_runs import RECIPE, launch_command, launch_env
+from tests.harness.recipes import (
+    RECIPE,
+    end_of_run,
+    launch_command,
+    launch_env,
+    logged_steps,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # crash-and-restart runs of the entry point
 
 SETS = ("trainer.num_steps=6", "checkpoint.every_steps=2", "checkpoint.hf_export_every=3")
 
 
-def _start(task, run_dir, port, log):
+def _start(task, run_dir, log):
     """The launcher, its output in `log` (a file: a pipe nobody reads would fill and block)."""
     sets = (f"model.hf_path={task.model}", f"data.path={task.data}", *SETS)
     proc = subprocess.Popen(
-        launch_command(RECIPE, run_dir, *sets), env=launch_env(port),
+        launch_command(RECIPE, run_dir, *sets), env=launch_env(),
         stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     proc.log = log
     return proc
-
-
-def _end(proc, timeout: float = 600) -> str:
-    proc.wait(timeout=timeout)
-    return proc.log.read_text()[-3000:]
-
-
-def _wait_for(condition, proc, what: str, timeout: float = 600):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if condition():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended ({proc.returncode}) before {what}:\n"
-                                 + proc.log.read_text()[-4000:])  # fmt: skip
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _steps(run_dir):
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _cmdline(p) -> str:
@@ -92,15 +74,16 @@ def _ranks(proc):
     ]  # fmt: skip
 
 
+@pytest.mark.fault_soak  # minutes: scripts/fault_checks.sh runs it
 def test_a_crash_and_a_preemption_resume_to_the_end(task, tmp_path):
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
     # 1. SIGKILL one rank once version 2 is published.
-    proc = _start(task, run_dir, 29661, tmp_path / "crash.log")
-    _wait_for(lambda: (ckpts / "step_00000002" / "manifest.json").exists(), proc, "checkpoint v2")
+    proc = _start(task, run_dir, tmp_path / "crash.log")
+    wait_for(lambda: (ckpts / "step_00000002" / "manifest.json").exists(), proc, "checkpoint v2")
     victim = random.choice(_ranks(proc))
     victim.send_signal(signal.SIGKILL)
-    out = _end(proc)
+    out = end_of_run(proc)
     assert proc.returncode != 0, out
     published = sorted(p.name for p in ckpts.glob("step_*"))
     assert published and published[0] == "step_00000002", published
@@ -108,12 +91,13 @@ def test_a_crash_and_a_preemption_resume_to_the_end(task, tmp_path):
     # 2. Resume by itself; SIGTERM to the launcher while its own next save is being written
     #    (its writer's processes exist: they must outlive the signal, which torchrun sends to
     #    each rank's whole process group).
-    before = {r["step"] for r in _steps(run_dir)}
+    before = {r["step"] for r in logged_steps(run_dir)}
     started = time.time()
-    proc = _start(task, run_dir, 29662, tmp_path / "preempted.log")
-    _wait_for(lambda: any("resume/from_step" in r for r in _steps(run_dir)), proc, "a resumed step")
+    proc = _start(task, run_dir, tmp_path / "preempted.log")
+    wait_for(lambda: any("resume/from_step" in r for r in logged_steps(run_dir)), proc,
+             "a resumed step")  # fmt: skip
     resumed_from = int(
-        next(r for r in _steps(run_dir) if "resume/from_step" in r)["resume/from_step"]
+        next(r for r in logged_steps(run_dir) if "resume/from_step" in r)["resume/from_step"]
     )
     assert resumed_from >= 2 and resumed_from <= max(before) + 1
     own = resumed_from + 2 - resumed_from % 2
@@ -126,18 +110,18 @@ def test_a_crash_and_a_preemption_resume_to_the_end(task, tmp_path):
             except FileNotFoundError:
                 return False
 
-        _wait_for(writing, proc, f"the resumed run's save of v{own}")
+        wait_for(writing, proc, f"the resumed run's save of v{own}")
     proc.send_signal(signal.SIGTERM)
-    out = _end(proc)
+    out = end_of_run(proc)
     assert proc.returncode == 83, out
     newest = max(int(p.name.split("_")[1]) for p in ckpts.glob("step_*"))
     assert newest > resumed_from
 
     # 3. Resume again and finish.
-    proc = _start(task, run_dir, 29663, tmp_path / "end.log")
-    out = _end(proc)
+    proc = _start(task, run_dir, tmp_path / "end.log")
+    out = end_of_run(proc)
     assert proc.returncode == 0, out
-    rows = _steps(run_dir)
+    rows = logged_steps(run_dir)
     assert [r["step"] for r in rows] == list(range(6))
     resumes = [r["step"] for r in rows if "resume/from_step" in r]
     assert resumes == [resumed_from, newest], resumes
@@ -154,7 +138,7 @@ def test_a_crash_and_a_preemption_resume_to_the_end(task, tmp_path):
     #    exit 2 and one line, before any rank starts.
     sets = (f"model.hf_path={task.model}", f"data.path={task.data}", *SETS,
             "algorithm.clip_ratio_low=0.3")  # fmt: skip
-    proc = subprocess.run(launch_command(RECIPE, run_dir, *sets), env=launch_env(29664),
+    proc = subprocess.run(launch_command(RECIPE, run_dir, *sets), env=launch_env(),
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stdout)
     lines = proc.stderr.strip().splitlines()
@@ -181,15 +165,15 @@ def test_the_asynchronous_loop_loses_nothing_through_a_kill_during_a_save(task, 
             "checkpoint.every_steps=2", "scheduler.validation_every=0",
             "scheduler.weight_update_mode=in_flight", "rollout.max_new_tokens=16")  # fmt: skip
     proc = subprocess.Popen(launch_command(ASYNC_RECIPE, run_dir, *sets),
-                            env=dict(launch_env(29665), MAX_RESTARTS="1"),
+                            env=dict(launch_env(), MAX_RESTARTS="1"),
                             stdout=open(tmp_path / "run.log", "w"), stderr=subprocess.STDOUT,
                             text=True)  # fmt: skip
     proc.log = tmp_path / "run.log"
-    _wait_for(lambda: (ckpts / ".partial_step_00000004").exists(), proc, "the save of v4")
+    wait_for(lambda: (ckpts / ".partial_step_00000004").exists(), proc, "the save of v4")
     random.choice(_ranks(proc)).send_signal(signal.SIGKILL)
-    out = _end(proc)
+    out = end_of_run(proc)
     assert proc.returncode == 0, out
-    rows = _steps(run_dir)
+    rows = logged_steps(run_dir)
     assert [r["step"] for r in rows] == list(range(8)), out
     resumed = [r for r in rows if "resume/from_step" in r]
     assert len(resumed) == 1 and resumed[0]["step"] == 2, resumed

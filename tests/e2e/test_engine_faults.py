@@ -10,7 +10,7 @@ checkpoint every 2 steps and `MAX_RESTARTS=1`, 8 steps:
   `weight_sync.max_attempts=1`: no second attempt), makes the
   first reward call of step 1 raise and that of step 4 hang (`reward.call_timeout_s` 5), and
   SIGKILLs global rank 0 (train) as its step 7 begins.
-Each engine death is recovered in place (`engines.restarting`: the newest complete version
+Each engine death is recovered in place (`engines.recovery.restarting`: the newest complete version
 loaded, the open weight-update session restored); the corrupted message fails its checksum on
 the only attempt and version 3 is skipped (`weight_sync.on_failure: keep_serving`: the engine
 keeps serving v2, `weight_sync/failed_versions` 1, the next version loads as usual; a resend
@@ -34,8 +34,14 @@ import subprocess
 import psutil
 import pytest
 
-from tests.e2e.recipe_runs import RECIPE, launch_command, launch_env
-from tests.e2e.test_checkpoint_resume import _end, _steps, _wait_for
+from tests.harness.recipes import (
+    RECIPE,
+    end_of_run,
+    launch_command,
+    launch_env,
+    logged_steps,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # crash-and-restart runs of the entry point
 
@@ -52,6 +58,7 @@ def _scheduler(proc) -> int | None:
     return None
 
 
+@pytest.mark.fault_soak  # minutes: scripts/fault_checks.sh runs it
 def test_killed_engines_are_restarted_and_the_asynchronous_run_finishes(task, tmp_path):
     run_dir = tmp_path / "run"
     sets = (f"model.hf_path={task.model}", f"data.path={task.data}", "trainer.num_steps=8",
@@ -62,17 +69,17 @@ def test_killed_engines_are_restarted_and_the_asynchronous_run_finishes(task, tm
             "faults.reward_raise_steps=[1]", "faults.reward_hang_steps=[4]",
             "reward.call_timeout_s=5", "faults.rank_kill_steps=[7]",
             "faults.rank_kill_rank=0")  # fmt: skip
-    env = dict(launch_env(29666), MAX_RESTARTS="1")
+    env = dict(launch_env(), MAX_RESTARTS="1")
     proc = subprocess.Popen(launch_command(ASYNC_RECIPE, run_dir, *sets), env=env,
                             stdout=open(tmp_path / "run.log", "w"), stderr=subprocess.STDOUT,
                             text=True)  # fmt: skip
     proc.log = tmp_path / "run.log"
     try:
-        _wait_for(lambda: len(_steps(run_dir)) >= 2, proc, "step 1")
+        wait_for(lambda: len(logged_steps(run_dir)) >= 2, proc, "step 1")
         killed = _scheduler(proc)
         assert killed is not None, proc.log.read_text()[-3000:]
         os.kill(killed, signal.SIGKILL)
-        out = _end(proc)
+        out = end_of_run(proc)
     finally:  # a failed check leaves no run behind
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -81,7 +88,7 @@ def test_killed_engines_are_restarted_and_the_asynchronous_run_finishes(task, tm
             except subprocess.TimeoutExpired:
                 proc.kill()
     assert proc.returncode == 0, out
-    rows = _steps(run_dir)
+    rows = logged_steps(run_dir)
     assert [r["step"] for r in rows] == list(range(8)), out
     assert sum(r.get("engines/restarts", 0) for r in rows) == 2, out
     for kind in ("engine_kill_in_load", "weight_corrupt", "reward_raise", "reward_hang"):

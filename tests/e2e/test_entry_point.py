@@ -26,27 +26,22 @@ script tests are unchanged but for the port and the session's tiny model (`tiny_
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.harness.ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "yaml_configs" / "tiny-cpu.yaml"
 pytestmark = pytest.mark.e2e
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _env():
     env = dict(os.environ)
-    env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
+    env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
@@ -101,7 +96,7 @@ def test_main_job_on_four_ranks(tiny_llama, tmp_path):
     }
     assert max(diffs.values()) <= 1e-5, diffs
 
-    from megatron_async_rl.config.recipe import resolve
+    from megatron_async_rl.recipe.load import resolve
 
     resolved = resolve(run_dir / "config.resolved.yaml", [], [])
     assert resolved.role_megatron_args["train"]["tensor_model_parallel_size"] == 2

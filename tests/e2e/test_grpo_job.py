@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from tests.e2e.recipe_runs import RECIPE, launch_command, launch_env
+from tests.harness.recipes import RECIPE, launch_command, launch_env
 
 pytestmark = [
     pytest.mark.e2e,
@@ -86,7 +86,7 @@ def test_engine_death_stops_the_run_naming_the_rank(task, tmp_path):
     sets = (f"model.hf_path={task.model}", f"data.path={task.data}", "trainer.num_steps=10000",
             "engine.max_restarts=0")  # fmt: skip
     proc = subprocess.Popen(
-        launch_command(RECIPE, run_dir, *sets), env=launch_env(29632), stdout=subprocess.PIPE,
+        launch_command(RECIPE, run_dir, *sets), env=launch_env(), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
@@ -120,7 +120,7 @@ def test_an_error_only_a_non_leader_rank_finds_is_printed_once(task, tmp_path):
         "--set", f"model.hf_path={task.model}", "--set", f"data.path={task.data}",
         "--set", "reward.name=no_such_reward_module_xyz:score",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=launch_env(29655), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=launch_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == [

@@ -24,7 +24,7 @@ import time
 import psutil
 import pytest
 
-from tests.e2e.recipe_runs import RECIPE, launch_command, launch_env
+from tests.harness.recipes import RECIPE, launch_command, launch_env
 from tests.processes import alive, cmdline
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -50,7 +50,7 @@ def test_ctrl_c_saves_stops_and_leaves_nothing(task, tmp_path):
             "scheduler.generate_ahead_steps=1")  # fmt: skip
     log = tmp_path / "launcher.log"
     proc = subprocess.Popen(
-        launch_command(RECIPE, run_dir, *sets), env=launch_env(29672),
+        launch_command(RECIPE, run_dir, *sets), env=launch_env(),
         stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
         preexec_fn=_default_sigint,
     )  # fmt: skip

@@ -23,7 +23,7 @@ import subprocess
 
 import pytest
 
-from tests.e2e.recipe_runs import REPO, launch_command, launch_env
+from tests.harness.recipes import REPO, launch_command, launch_env
 
 pytestmark = [
     pytest.mark.e2e,
@@ -35,9 +35,9 @@ NOISE = ("faults.allow=true", "faults.router_noise=1.0", "trainer.num_steps=2",
          "rollout.num_prompts_per_step=8", "megatron.global_batch_size=64")  # fmt: skip
 
 
-def _run(task, model, run_dir, port, *sets) -> list[dict]:
+def _run(task, model, run_dir, *sets) -> list[dict]:
     sets = (f"model.hf_path={model}", f"data.path={task.data}", *NOISE, *sets)
-    proc = subprocess.run(launch_command(RECIPE, run_dir, *sets), env=launch_env(port),
+    proc = subprocess.run(launch_command(RECIPE, run_dir, *sets), env=launch_env(),
                           capture_output=True, text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-5000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -49,7 +49,7 @@ def moe_model(tiny_model):
 
 
 def test_r3_replays_the_engines_routing_in_logp_and_train(task, moe_model, tmp_path):
-    rows = _run(task, moe_model, tmp_path / "r3", 29691, "moe.routing_replay=r3",
+    rows = _run(task, moe_model, tmp_path / "r3", "moe.routing_replay=r3",
                 "scheduler.generate_ahead_steps=1")  # fmt: skip
     assert len(rows) == 2
     for row in rows:
@@ -60,7 +60,7 @@ def test_r3_replays_the_engines_routing_in_logp_and_train(task, moe_model, tmp_p
 
 
 def test_r2_replays_the_logp_pass_routing_in_train(task, moe_model, tmp_path):
-    rows = _run(task, moe_model, tmp_path / "r2", 29692, "moe.routing_replay=r2",
+    rows = _run(task, moe_model, tmp_path / "r2", "moe.routing_replay=r2",
                 "scheduler.generate_ahead_steps=0")  # fmt: skip
     for row in rows:
         assert abs(row["actor/ratio_max"] - 1.0) < 1e-5, row["actor/ratio_max"]

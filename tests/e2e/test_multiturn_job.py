@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from tests.e2e.recipe_runs import REPO, launch_command, launch_env
+from tests.harness.recipes import REPO, launch_command, launch_env
 
 pytestmark = [
     pytest.mark.e2e,
@@ -26,7 +26,7 @@ pytestmark = [
 def test_tool_use_trajectories_train_async_within_the_bound(task, tmp_path):
     import subprocess
 
-    from megatron_async_rl.rollout.calculator import sum_rows, write_rows
+    from megatron_async_rl.tasks.calculator import sum_rows, write_rows
 
     data = write_rows(tmp_path / "calc.jsonl", sum_rows(64, seed=0))
     run_dir = tmp_path / "run"
@@ -41,7 +41,7 @@ def test_tool_use_trajectories_train_async_within_the_bound(task, tmp_path):
     )  # fmt: skip
     proc = subprocess.run(
         launch_command(REPO / "yaml_configs" / "tiny-tools-cpu.yaml", run_dir, *sets),
-        env=launch_env(29671), capture_output=True, text=True, timeout=900,
+        env=launch_env(), capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-5000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

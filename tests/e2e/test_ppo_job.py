@@ -23,7 +23,7 @@ import subprocess
 
 import pytest
 
-from tests.e2e.recipe_runs import REPO, launch_command, launch_env
+from tests.harness.recipes import REPO, launch_command, launch_env
 
 pytestmark = [
     pytest.mark.e2e,
@@ -61,9 +61,9 @@ def reward_model(tmp_path_factory):
     return write_tiny_model(out, "llama", seed=1, task="sequence_classification")
 
 
-def _run(task, run_dir, port, *sets, nproc=2) -> list[dict]:
+def _run(task, run_dir, *sets, nproc=2) -> list[dict]:
     sets = (f"model.hf_path={task.model}", f"data.path={task.data}", *SETS, *sets)
-    proc = subprocess.run(launch_command(RECIPE, run_dir, *sets), env=launch_env(port, nproc),
+    proc = subprocess.run(launch_command(RECIPE, run_dir, *sets), env=launch_env(nproc),
                           capture_output=True, text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-5000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -102,8 +102,8 @@ def test_ppo_with_a_reward_model_async_on_five_windows_is_the_synchronous_loop(
     task, reward_model, tmp_path
 ):
     rm = (f"reward_model.hf_path={reward_model}", "reward_model.weight=0.5")
-    sync = _run(task, tmp_path / "sync", 29694, ONE_WINDOW, *rm, "checkpoint.hf_export_every=2")
-    async_ = _run(task, tmp_path / "async", 29695, FIVE_WINDOWS, *rm, "scheduler.loop=async",
+    sync = _run(task, tmp_path / "sync", ONE_WINDOW, *rm, "checkpoint.hf_export_every=2")
+    async_ = _run(task, tmp_path / "async", FIVE_WINDOWS, *rm, "scheduler.loop=async",
                   nproc=5)  # fmt: skip
     assert len(sync) == len(async_) == 2
     for a, b in zip(sync, async_, strict=True):

@@ -25,7 +25,7 @@ import json
 import pytest
 
 from megatron_async_rl.observability.ledger import read_ledger
-from tests.e2e.recipe_runs import run_recipe
+from tests.harness.recipes import run_recipe
 
 pytestmark = [
     pytest.mark.e2e,
@@ -73,8 +73,8 @@ LOSS_SIDE_SETS = (
 
 def test_refill_batches_hold_exactly_the_informative_groups_and_zero_ahead_is_sync(task, tmp_path):
     sets = (*REFILL_SETS, *LOSS_SIDE_SETS)
-    sync = run_recipe(task, tmp_path / "sync", 29681, *sets)
-    async_ = run_recipe(task, tmp_path / "async", 29682, *sets, "scheduler.loop=async")
+    sync = run_recipe(task, tmp_path / "sync", *sets)
+    async_ = run_recipe(task, tmp_path / "async", *sets, "scheduler.loop=async")
     answers = {}
     for line_number, line in enumerate(task.data.read_text().splitlines(), start=1):
         try:

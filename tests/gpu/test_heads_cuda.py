@@ -1,6 +1,6 @@
 """On a CUDA device, one rank: the value and score heads (`models.heads`) on the GPU.
 
-Contracts: `tests/distributed/test_head_parity.py`'s `_head_outputs` with a train role on the
+Contracts: `tests/harness/heads.py`'s `head_outputs` with a train role on the
 GPU and NCCL, fp32 with TF32 off: per-token values match `AutoModelForTokenClassification` and
 sequence scores `AutoModelForSequenceClassification` (references on the CPU, before any Megatron
 state) within 1e-4; a value train step on the GPU gives a finite loss and head gradients.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_head_parity import TOLERANCE, _head_outputs, _hf_scores, _hf_values
-from tests.distributed.test_hf_parity import _role_args
+from tests.harness.heads import TOLERANCE, head_outputs, hf_scores, hf_values
+from tests.harness.roles import role_args
 
 pytestmark = pytest.mark.gpu
 
@@ -22,7 +22,6 @@ pytestmark = pytest.mark.gpu
 def test_heads_on_cuda(tiny_model, tmp_path, family):
     import torch.distributed as dist
 
-    from megatron_async_rl.config.schema import RoleGroupSpec
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
     from megatron_async_rl.distributed.platform import (
@@ -30,18 +29,19 @@ def test_heads_on_cuda(tiny_model, tmp_path, family):
         exact_fp32_matmuls,
         init_distributed,
     )
+    from megatron_async_rl.recipe.schema import RoleGroupSpec
 
     exact_fp32_matmuls()
     paths = {"value": str(tiny_model(family, task="token_classification")),
              "score": str(tiny_model(family, task="sequence_classification"))}  # fmt: skip
-    values_ref, scores_ref = _hf_values(paths["value"]), _hf_scores(paths["score"])
+    values_ref, scores_ref = hf_values(paths["value"]), hf_scores(paths["score"])
     platform = detect_platform("cuda", "nccl")
     init_distributed(platform, init_method=f"file://{tmp_path}/rdv", rank=0, world_size=1)
     try:
         layout = plan_layout(1, [RoleGroupSpec(["train"], num_ranks=1)],
                              {"train": Parallelism(1, 1)})  # fmt: skip
         groups = build_world_groups(layout, platform.backend)
-        out = _head_outputs("train", _role_args(paths["value"]), Parallelism(1, 1),
+        out = head_outputs("train", role_args(paths["value"]), Parallelism(1, 1),
                             groups.roles["train"], platform, paths)  # fmt: skip
         values_diff = (out["values"].cpu() - values_ref).abs().max().item()
         scores_diff = (out["scores"].cpu() - scores_ref).abs().max().item()

@@ -1,7 +1,8 @@
 """On a CUDA device, one rank: an RL step's PPO mini-batch steps on the GPU, dense and MoE.
 
-Contracts: `tests/distributed/test_minibatch_step.py`'s worker with its role on the GPU and NCCL
-(`roles.learn.train_on_batch`, B = 8 samples, --global-batch-size 4: two optimizer steps):
+Contracts: `tests/distributed/test_minibatch_step.py`'s worker (`tests/harness/minibatch.py`)
+with its role on the GPU and NCCL (`roles.learn.train_on_batch`, B = 8 samples,
+--global-batch-size 4: two optimizer steps):
 - fp32 with TF32 off (`platform.exact_fp32_matmuls`): the weights match the hand-written
   reference (`transformers` + torch Adam, on the CPU) within 1e-5 and the loss within 1e-5;
 - bf16 (`--bf16`, the mixed-precision optimizer): both steps run, the loss is within 0.02 of the
@@ -19,7 +20,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_minibatch_step import MODES, _batch, _reference, _worker
+from tests.harness.minibatch import (
+    MODES,
+    minibatch_data,
+    minibatch_reference,
+    minibatch_worker,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -53,17 +59,17 @@ def test_minibatch_steps_on_cuda(tiny_model, tmp_path, family, precision, extra)
 
     exact_fp32_matmuls()
     path = str(tiny_model(family))
-    data = _batch(path)
+    data = minibatch_data(path)
     start = load_hf_state_dict(path)
     init_distributed(detect_platform("cuda", "nccl"), init_method=f"file://{tmp_path}/rdv",
                      rank=0, world_size=1)  # fmt: skip
     try:
-        got = _worker(0, 1, str(tmp_path), path, data, 2, device="cuda",
+        got = minibatch_worker(0, 1, str(tmp_path), path, data, 2, device="cuda",
                       bf16=precision == "bf16", extra=extra)  # fmt: skip
     finally:
         dist.destroy_process_group()
     for mode in MODES:
-        weights, loss, _ = _reference(path, data, mode)
+        weights, loss, _ = minibatch_reference(path, data, mode)
         result = got[mode]
         assert result["metrics"]["actor/optimizer_steps"] == 2.0
         new = {k: v.float().cpu() for k, v in result["weights"].items()}

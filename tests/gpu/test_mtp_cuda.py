@@ -16,21 +16,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.harness import spawn
-from tests.distributed.test_mtp import FACTOR, NUM_MTP, _micro_batches, _reference_worker, _step
+from tests.harness.mtp import FACTOR, NUM_MTP, mtp_micro_batches, mtp_step, reference_worker
+from tests.harness.ranks import spawn
 
 pytestmark = pytest.mark.gpu
 
 
 def _cuda_role(path: str, extra: dict):
-    from megatron_async_rl.config.schema import RoleGroupSpec
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
     from megatron_async_rl.distributed.platform import detect_platform
+    from megatron_async_rl.recipe.schema import RoleGroupSpec
     from megatron_async_rl.roles.megatron_role import MegatronRole
-    from tests.distributed.test_hf_parity import _role_args
+    from tests.harness.roles import role_args
 
-    args = {**_role_args(path), "lr": 1e-3, "clip_grad": 0.0, **extra}
+    args = {**role_args(path), "lr": 1e-3, "clip_grad": 0.0, **extra}
     args.update(mtp_num_layers=NUM_MTP, mtp_loss_scaling_factor=FACTOR)
     par = Parallelism.from_megatron_args(args)
     layout = plan_layout(1, [RoleGroupSpec(["train"], num_ranks=1)], {"train": par})
@@ -54,14 +54,14 @@ def test_mtp_step_on_cuda(tiny_model, tmp_path, precision):
     family = "deepseek_v3"
     path = str(tiny_model(family, num_mtp_layers=NUM_MTP))
     (tmp_path / "cpu").mkdir()
-    cpu = spawn(_reference_worker, 1, tmp_path / "cpu", path)[0]
+    cpu = spawn(reference_worker, 1, tmp_path / "cpu", path)[0]
     exact_fp32_matmuls()
     init_distributed(detect_platform("cuda", "nccl"), init_method=f"file://{tmp_path}/rdv",
                      rank=0, world_size=1)  # fmt: skip
     try:
         role = _cuda_role(path, {"bf16": True} if precision == "bf16" else {})
         assert next(role.chunks[0].mtp.parameters()).is_cuda
-        metrics, _, grads = _step(role, _micro_batches())
+        metrics, _, grads = mtp_step(role, mtp_micro_batches())
     finally:
         dist.destroy_process_group()
     got, want = metrics["actor/mtp_loss"], cpu["metrics"]["actor/mtp_loss"]

@@ -10,7 +10,9 @@ reference. Skipped without a GPU (marker `gpu`). Nothing is faked.
 import pytest
 import torch
 
-from tests.distributed.test_hf_parity import FAMILIES, TOLERANCE, _role_args, _tokens
+from tests.harness.parity import FAMILIES, TOLERANCE, parity_tokens
+from tests.harness.ports import free_port
+from tests.harness.roles import role_args
 
 pytestmark = pytest.mark.gpu
 BF16_TOLERANCE = 0.15
@@ -27,7 +29,6 @@ def test_single_rank_cuda_parity(tmp_path, precision):
     import torch.distributed as dist
     import transformers
 
-    from megatron_async_rl.config.schema import RoleGroupSpec
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
     from megatron_async_rl.distributed.platform import (
@@ -36,6 +37,7 @@ def test_single_rank_cuda_parity(tmp_path, precision):
         init_distributed,
     )
     from megatron_async_rl.models.tiny import write_tiny_model
+    from megatron_async_rl.recipe.schema import RoleGroupSpec
     from megatron_async_rl.roles.megatron_role import MegatronRole
 
     exact_fp32_matmuls()  # before the first GEMM of this process
@@ -44,9 +46,8 @@ def test_single_rank_cuda_parity(tmp_path, precision):
     for family, path in paths.items():  # before any Megatron state exists in this process
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         with torch.no_grad():
-            references[family] = model.cuda()(_tokens(96).cuda()).logits.cpu()
-    port = {"fp32": 29655, "bf16": 29656}[precision]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            references[family] = model.cuda()(parity_tokens(96).cuda()).logits.cpu()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     platform = detect_platform("cuda", "nccl")
     init_distributed(platform, init_method="env://", rank=0, world_size=1)
     tolerance = TOLERANCE if precision == "fp32" else BF16_TOLERANCE
@@ -54,12 +55,12 @@ def test_single_rank_cuda_parity(tmp_path, precision):
         layout = plan_layout(1, [RoleGroupSpec(["ref"], num_ranks=1)], {"ref": Parallelism(1, 1)})
         groups = build_world_groups(layout, platform.backend)
         for family, path in paths.items():
-            args = _role_args(path, bf16=precision == "bf16")
+            args = role_args(path, bf16=precision == "bf16")
             role = MegatronRole("ref", args, Parallelism(1, 1), groups.roles["ref"], platform,
                                 seed=5)  # fmt: skip
             assert all(p.device == platform.device() for p in role.module.parameters())
             role.load_hf_checkpoint(path)
-            logits = role.full_logits(_tokens(role.spec.vocab_size), micro_batch_size=4)
+            logits = role.full_logits(parity_tokens(role.spec.vocab_size), micro_batch_size=4)
             diff = (logits.float().cpu() - references[family]).abs().max().item()
             print(f"{family} {precision}: max abs logit diff {diff:.2e}")
             assert diff <= tolerance, f"{family} {precision} on CUDA: max abs diff {diff}"

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.test_hf_parity import _role_args
-from tests.distributed.test_routing_replay import RECOMPUTE, check_results, replay_checks
+from tests.harness.roles import role_args
+from tests.harness.routing import RECOMPUTE, check_results, replay_checks
 
 pytestmark = pytest.mark.gpu
 
@@ -24,7 +24,6 @@ pytestmark = pytest.mark.gpu
 def test_routing_replay_on_cuda(tiny_model, tmp_path, precision):
     import torch.distributed as dist
 
-    from megatron_async_rl.config.schema import RoleGroupSpec
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
     from megatron_async_rl.distributed.platform import (
@@ -32,6 +31,7 @@ def test_routing_replay_on_cuda(tiny_model, tmp_path, precision):
         exact_fp32_matmuls,
         init_distributed,
     )
+    from megatron_async_rl.recipe.schema import RoleGroupSpec
     from megatron_async_rl.roles.megatron_role import MegatronRole
 
     exact_fp32_matmuls()
@@ -39,7 +39,7 @@ def test_routing_replay_on_cuda(tiny_model, tmp_path, precision):
     platform = detect_platform("cuda", "nccl")
     init_distributed(platform, init_method=f"file://{tmp_path}/rdv", rank=0, world_size=1)
     try:
-        args = {**_role_args(path, bf16=precision == "bf16"), **RECOMPUTE}
+        args = {**role_args(path, bf16=precision == "bf16"), **RECOMPUTE}
         layout = plan_layout(1, [RoleGroupSpec(["train"], num_ranks=1)],
                              {"train": Parallelism(1, 1)})  # fmt: skip
         groups = build_world_groups(layout, platform.backend)

@@ -12,9 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_hf_parity import _role_args
-from tests.distributed.test_torch_fsdp2 import FSDP2, TRAIN
-from tests.distributed.test_virtual_pipeline import _step
+from tests.harness.roles import role_args
+from tests.harness.train_steps import FSDP2, TRAIN, seeded_step
 
 pytestmark = pytest.mark.gpu
 
@@ -23,7 +22,6 @@ def test_fsdp2_on_cuda(tiny_model, tmp_path):
     import torch.distributed as dist
 
     from megatron_async_rl.checkpoint.megatron_state import load_train_state, save_train_state
-    from megatron_async_rl.config.schema import RoleGroupSpec
     from megatron_async_rl.distributed.groups import build_world_groups
     from megatron_async_rl.distributed.layout import Parallelism, plan_layout
     from megatron_async_rl.distributed.platform import (
@@ -32,6 +30,7 @@ def test_fsdp2_on_cuda(tiny_model, tmp_path):
         init_distributed,
     )
     from megatron_async_rl.models.hf_checkpoint import load_hf_state_dict
+    from megatron_async_rl.recipe.schema import RoleGroupSpec
     from megatron_async_rl.roles.megatron_role import MegatronRole
 
     exact_fp32_matmuls()
@@ -45,21 +44,21 @@ def test_fsdp2_on_cuda(tiny_model, tmp_path):
         groups = build_world_groups(layout, platform.backend)
 
         def role(extra):
-            args = {**_role_args(path), **TRAIN, **extra}
+            args = {**role_args(path), **TRAIN, **extra}
             built = MegatronRole("train", args, Parallelism(1, 1), groups.roles["train"],
                                  platform, seed=5)  # fmt: skip
             built.load_hf_checkpoint(path)
             return built
 
         ddp = role({})
-        ddp_norms = [_step(ddp, seed)["actor/grad_norm"] for seed in (0, 1)]
+        ddp_norms = [seeded_step(ddp, seed)["actor/grad_norm"] for seed in (0, 1)]
         ddp_weights = ddp.gather_hf_state_dict()
         fsdp = role(FSDP2)
         assert type(fsdp.models[0]).__name__ == "TorchFullyShardedDataParallel"
         assert next(fsdp.chunks[0].parameters()).is_cuda
         loaded = fsdp.gather_hf_state_dict()
         assert all(torch.equal(loaded[k].cpu(), t) for k, t in original.items())
-        norms = [_step(fsdp, seed)["actor/grad_norm"] for seed in (0, 1)]
+        norms = [seeded_step(fsdp, seed)["actor/grad_norm"] for seed in (0, 1)]
         assert norms == pytest.approx(ddp_norms, rel=1e-5)
         trained = fsdp.gather_hf_state_dict()
         diff = max((trained[k] - t).abs().max().item() for k, t in ddp_weights.items())

@@ -1,9 +1,9 @@
 """The device bridge of weight sync on one CUDA rank: slots, packing, checksum and staging.
 
-Contract: `tests/distributed/test_weight_sync_one_rank.py`'s body with its slots on the GPU and
-NCCL: every staged HF tensor equals the trainer's; the checksum is `buffers.device_checksum`,
-computed on the GPU, and equals the CPU value of the same bytes. Marked `gpu`, skipped without
-one. Nothing is faked.
+Contract: `tests/distributed/test_weight_sync_one_rank.py`'s body (`tests/harness/weight_sync.py`)
+with its slots on the GPU and NCCL: every staged HF tensor equals the trainer's; the checksum is
+`buffers.device_checksum`, computed on the GPU, and equals the CPU value of the same bytes.
+Marked `gpu`, skipped without one. Nothing is faked.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_async_rl.weight_sync import buffers
-from tests.distributed.test_weight_sync_one_rank import _one_rank_sync
+from tests.harness.weight_sync import one_rank_sync
 
 
 @pytest.mark.gpu
@@ -32,7 +32,7 @@ def test_one_rank_sync_on_cuda_is_exact(tmp_path):
     platform = detect_platform("cuda", "nccl")
     init_distributed(platform, init_method=f"file://{tmp_path}/rdv", rank=0, world_size=1)
     try:
-        assert _one_rank_sync("cuda") == []
+        assert one_rank_sync("cuda") == []
     finally:
         dist.destroy_process_group()
 

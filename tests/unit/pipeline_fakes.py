@@ -1,4 +1,4 @@
-"""Stand-ins for the in-process pipeline tests (`test_async_pipeline.py`).
+"""Stand-ins for the in-process pipeline tests (`test_async_pipeline.py` and its kin).
 
 - `TimedEngine`: `FakeEngine` whose generation takes time, token by token, so a weight update
   can land mid-sequence (tokens after it carry the new version), a pause holds generation and
@@ -13,10 +13,17 @@
   merged metrics.
 - `CharTokenizer` and `make_generate_side`: a real `GenerateSide` with a real dataset (the
   arithmetic task written locally), the real reward and validator, over a `TimedEngine`.
+- `run_generate`: the engine host's side (`jobs/generate_pipeline.py:GeneratePipeline`) built
+  and run in the calling thread, a side thread's target beside `run_learn_pipeline`.
 - `ScriptedReward`: a reward whose values the test chooses by (prompt uid, sample index): the
   `FakeEngine` answers a prompt the same way for every sample, so no reward of the response
   could make a group informative (refill tests). Its twin, a reward of the real engine's
   sampled responses, runs in tests/e2e/test_refill_job.py.
+- `SyncCheckpoints` and `LedgerLearner`: a checkpoint manager that meets both sides at every
+  step boundary and keeps what each saved, and a `FakeLearner` that keeps each trained step's
+  prompt uids and token versions (`test_async_checkpoint.py`, `test_refill_pipeline.py`).
+- `run_async` and `stable`: both sides of the asynchronous loop in one process, and metrics
+  without their timing-dependent keys (`test_async_pipeline.py`, `test_refill_pipeline.py`).
 """
 
 from __future__ import annotations
@@ -28,18 +35,28 @@ from types import SimpleNamespace
 import torch
 
 from megatron_async_rl.algorithms.config import GRPOConfig
-from megatron_async_rl.config.schema import TrainerConfig
+from megatron_async_rl.checkpoint.config import Preempted
 from megatron_async_rl.engines.fake import FakeEngine
 from megatron_async_rl.engines.protocol import GenerateResult
+from megatron_async_rl.jobs.exchange import LocalExchange
+from megatron_async_rl.jobs.generate_pipeline import GeneratePipeline
+from megatron_async_rl.jobs.grpo_async import run_learn_pipeline
+from megatron_async_rl.observability.clock import RankClock
+from megatron_async_rl.recipe.schema import TrainerConfig
 from megatron_async_rl.rewards.registry import SafeReward, get_reward
 from megatron_async_rl.roles.generate import GenerateSide
 from megatron_async_rl.roles.work import StepReport, StepWork
-from megatron_async_rl.rollout.arithmetic import write_arithmetic_dataset
 from megatron_async_rl.rollout.dataset import DatasetConfig, PromptDataset
 from megatron_async_rl.rollout.generation import RolloutConfig
 from megatron_async_rl.rollout.refill import informative_groups
 from megatron_async_rl.rollout.validation import ValidationConfig, Validator
 from megatron_async_rl.scheduler.config import SchedulerConfig
+from megatron_async_rl.tasks.arithmetic import write_arithmetic_dataset
+
+
+def run_generate(*args) -> None:
+    """`GeneratePipeline(*args).run()`: built in the thread that runs it, as on a rank."""
+    GeneratePipeline(*args).run()
 
 
 class CharTokenizer:
@@ -273,3 +290,98 @@ def make_generate_side(cfg, engine, reward=None, engine_index=0, num_engines=1,
         )  # fmt: skip
     return GenerateSide(cfg, engine, tokenizer, dataset, reward, validator, engine_index,
                         num_engines, rounds=rounds)  # fmt: skip
+
+
+class SyncCheckpoints:
+    """Meets the learner and the engine host at every boundary (a barrier each), saves when
+    `due`, and at `stop_at` saves and stops both; keeps what each side saved."""
+
+    def __init__(self, steps: int, due=(), stop_at: int | None = None):
+        self.steps, self.due_at, self.stop_at = steps, set(due), stop_at
+        self.barrier = threading.Barrier(2, timeout=60)
+        self.saved: dict[int, dict] = {}
+
+    def boundary(self, version):
+        self.barrier.wait()
+        stop = version == self.stop_at
+        return stop or version in self.due_at or version == self.steps, stop
+
+    def save(self, version, gen, learn, pending=None, extra=None, wait=False):
+        self.barrier.wait()
+        entry = self.saved.setdefault(version, {})
+        if gen is not None:
+            entry["gen"] = {"pending": pending.state_dict(), **extra,
+                            "cursor": gen.dataset.state_dict()}  # fmt: skip
+        if learn is not None:
+            entry["learn"] = {"trained": learn.trained}
+        self.barrier.wait()
+        return {}
+
+    def export_due(self, version):
+        return False
+
+    def take_metrics(self):
+        return {}
+
+    def stop_error(self, version):  # `CheckpointManager.stop_error` on a save-and-exit signal
+        return Preempted(f"a save-and-exit signal at version {version}")
+
+
+class LedgerLearner(FakeLearner):
+    """Keeps each trained step's prompt uids and token versions."""
+
+    def __init__(self, trained: int = 0, durations=lambda stage, step: 0.0):
+        super().__init__(durations)
+        self.trained = self.logp_version = trained
+        self.pending_metrics: dict = {}
+        self.ledger: dict[int, tuple[list[str], list[int]]] = {}
+
+    def train(self, work):
+        uids = sorted({s.prompt_index: s.uid for s in work.samples}.items())
+        versions = [v for per in work.token_versions() for v in per]
+        self.ledger[work.step] = ([u for _, u in uids], versions)
+        return super().train(work)
+
+
+VOLATILE = ("timing/", "scheduler/", "utilization/", "weight_sync/stall_s")
+
+
+def run_async(cfg, engine, learner, clocks=None, errors=None, gen=None):
+    """Both sides of the asynchronous loop in one process: (generate clock, learn clock).
+    With `errors` (a dict), each side's error is kept there by side instead of raised. `gen`:
+    the generate side (default: `make_generate_side(cfg, engine)`)."""
+    gen = gen or make_generate_side(cfg, engine)
+    # A transfer waits for a whole step of the other side: its timeout is the transport's (gloo's
+    # on ranks), longer than any one stage's.
+    exchange = LocalExchange(learner.state, timeout_s=3 * cfg.scheduler.stage_timeout_s)
+    gen_clock, learn_clock = clocks or (RankClock(1, ("generate",)), RankClock(0, ("train",)))
+    raised = {} if errors is None else errors
+
+    def side(name, fn, *args):
+        try:
+            fn(*args)
+        except BaseException as err:  # noqa: BLE001 - re-raised by the test
+            raised[name] = err
+
+    threads = [
+        threading.Thread(
+            target=side, args=("generate", run_generate, gen, exchange, gen_clock, cfg, 1)
+        ),
+        threading.Thread(
+            target=side,
+            args=("learn", run_learn_pipeline, learner, exchange, learn_clock, cfg, 0, "train"),
+        ),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a side never finished"
+    if raised and errors is None:
+        raise next(iter(raised.values()))
+    return gen_clock, learn_clock
+
+
+def stable(metrics: dict) -> dict:
+    """`metrics` without the timing-dependent keys (`VOLATILE`)."""
+    return {k: v for k, v in metrics.items() if not k.startswith(VOLATILE)}

@@ -28,7 +28,6 @@ from megatron_async_rl.models.tiny import build_tokenizer
 from megatron_async_rl.rewards.registry import SafeReward, get_reward
 from megatron_async_rl.roles.generate import GenerateSide
 from megatron_async_rl.rollout.agentic import MultiTurnRollout, ratio_metrics
-from megatron_async_rl.rollout.arithmetic import write_arithmetic_dataset
 from megatron_async_rl.rollout.batch import build_batch
 from megatron_async_rl.rollout.config import DatasetConfig, EnvironmentConfig, RolloutConfig
 from megatron_async_rl.rollout.dataset import PromptDataset
@@ -36,6 +35,7 @@ from megatron_async_rl.rollout.environment import EpisodeSample, StepResult
 from megatron_async_rl.rollout.multiturn import Cut, MultiTurnLimits, generate_trajectories
 from megatron_async_rl.scheduler.config import SchedulerConfig
 from megatron_async_rl.scheduler.staleness import StalenessController
+from megatron_async_rl.tasks.arithmetic import write_arithmetic_dataset
 
 
 class EchoTwice:
@@ -187,7 +187,7 @@ def test_a_cut_generate_stage_drops_the_steps_trajectories(tmp_path):
 
 def test_environment_section_rules(tmp_path):
     from megatron_async_rl.config.errors import ConfigError
-    from megatron_async_rl.config.recipe import build_config
+    from megatron_async_rl.recipe.load import build_config
 
     data = write_arithmetic_dataset(tmp_path / "train.jsonl", num_rows=4, seed=0)
     tree = {"run_dir": str(tmp_path / "run"), "model": {"hf_path": None},

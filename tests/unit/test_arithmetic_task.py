@@ -1,4 +1,4 @@
-"""Contract of `rollout/arithmetic.py` with `rewards/arithmetic.py`: the quick start's task.
+"""Contract of `tasks/arithmetic.py` with `tasks/arithmetic_reward.py`: the quick start's task.
 
 - Written rows are `{"prompt": "a<op>b=", "answer": "<a op b>"}`, seeded (same seed, same
   bytes), read back by `PromptDataset` without a bad row.
@@ -18,14 +18,14 @@ import pytest
 
 from megatron_async_rl.models.tiny import build_tokenizer
 from megatron_async_rl.rewards.registry import get_reward
-from megatron_async_rl.rollout.arithmetic import (
+from megatron_async_rl.rollout.dataset import DatasetConfig, PromptDataset
+from megatron_async_rl.tasks.arithmetic import (
     all_problems,
     main,
     split_problems,
     write_arithmetic_dataset,
     write_heldout_split,
 )
-from megatron_async_rl.rollout.dataset import DatasetConfig, PromptDataset
 
 PY_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 

@@ -25,11 +25,18 @@ from megatron_async_rl.checkpoint.config import Preempted
 from megatron_async_rl.checkpoint.pending import GENERATED, LOADED, PARTIAL, SCORED, PendingSteps
 from megatron_async_rl.jobs.async_checkpoint import Resumed
 from megatron_async_rl.jobs.exchange import LocalExchange
-from megatron_async_rl.jobs.grpo_async import run_generate_pipeline, run_learn_pipeline
+from megatron_async_rl.jobs.grpo_async import run_learn_pipeline
 from megatron_async_rl.observability.clock import RankClock
 from megatron_async_rl.roles.work import StepWork
 from megatron_async_rl.rollout.generation import Sample
-from tests.unit.pipeline_fakes import FakeLearner, TimedEngine, make_cfg, make_generate_side
+from tests.unit.pipeline_fakes import (
+    LedgerLearner,
+    SyncCheckpoints,
+    TimedEngine,
+    make_cfg,
+    make_generate_side,
+    run_generate,
+)
 
 
 def _work(step: int, tokens: int = 0) -> StepWork:
@@ -62,57 +69,6 @@ def test_pending_steps_keep_what_is_untrained_with_its_stage():
         pending.record(_work(7), "sent")
 
 
-class SyncCheckpoints:
-    """Meets the learner and the engine host at every boundary (a barrier each), saves when
-    `due`, and at `stop_at` saves and stops both; keeps what each side saved."""
-
-    def __init__(self, steps: int, due=(), stop_at: int | None = None):
-        self.steps, self.due_at, self.stop_at = steps, set(due), stop_at
-        self.barrier = threading.Barrier(2, timeout=60)
-        self.saved: dict[int, dict] = {}
-
-    def boundary(self, version):
-        self.barrier.wait()
-        stop = version == self.stop_at
-        return stop or version in self.due_at or version == self.steps, stop
-
-    def save(self, version, gen, learn, pending=None, extra=None, wait=False):
-        self.barrier.wait()
-        entry = self.saved.setdefault(version, {})
-        if gen is not None:
-            entry["gen"] = {"pending": pending.state_dict(), **extra,
-                            "cursor": gen.dataset.state_dict()}  # fmt: skip
-        if learn is not None:
-            entry["learn"] = {"trained": learn.trained}
-        self.barrier.wait()
-        return {}
-
-    def export_due(self, version):
-        return False
-
-    def take_metrics(self):
-        return {}
-
-    def stop_error(self, version):  # `CheckpointManager.stop_error` on a save-and-exit signal
-        return Preempted(f"a save-and-exit signal at version {version}")
-
-
-class LedgerLearner(FakeLearner):
-    """Keeps each trained step's prompt uids and token versions."""
-
-    def __init__(self, trained: int = 0, durations=lambda stage, step: 0.0):
-        super().__init__(durations)
-        self.trained = self.logp_version = trained
-        self.pending_metrics: dict = {}
-        self.ledger: dict[int, tuple[list[str], list[int]]] = {}
-
-    def train(self, work):
-        uids = sorted({s.prompt_index: s.uid for s in work.samples}.items())
-        versions = [v for per in work.token_versions() for v in per]
-        self.ledger[work.step] = ([u for _, u in uids], versions)
-        return super().train(work)
-
-
 def _run(cfg, learner, engine, checkpoints, start=0, resumed=None, cursor=None):
     """Both sides from `start`; returns {side: error} (Preempted where a signal stopped it)."""
     gen = make_generate_side(cfg, engine)
@@ -129,7 +85,7 @@ def _run(cfg, learner, engine, checkpoints, start=0, resumed=None, cursor=None):
 
     threads = [
         threading.Thread(target=side, args=(
-            "generate", run_generate_pipeline, gen, exchange, RankClock(1, ("generate",)), cfg,
+            "generate", run_generate, gen, exchange, RankClock(1, ("generate",)), cfg,
             1, checkpoints, start, resumed,
         )),
         threading.Thread(target=side, args=(

@@ -29,55 +29,19 @@ import threading
 import pytest
 
 from megatron_async_rl.jobs.exchange import LocalExchange
-from megatron_async_rl.jobs.grpo_async import run_generate_pipeline, run_learn_pipeline
 from megatron_async_rl.jobs.grpo_sync import run_steps
 from megatron_async_rl.observability.clock import RankClock
 from megatron_async_rl.observability.utilization import busy_idle
 from megatron_async_rl.rollout.validation import SEED_STEP_OFFSET
 from megatron_async_rl.scheduler.states import StageTimeout
-from tests.unit.pipeline_fakes import FakeLearner, TimedEngine, make_cfg, make_generate_side
-
-VOLATILE = ("timing/", "scheduler/", "utilization/", "weight_sync/stall_s")
-
-
-def run_async(cfg, engine, learner, clocks=None, errors=None, gen=None):
-    """Both sides of the asynchronous loop in one process: (generate clock, learn clock).
-    With `errors` (a dict), each side's error is kept there by side instead of raised. `gen`:
-    the generate side (default: `make_generate_side(cfg, engine)`)."""
-    gen = gen or make_generate_side(cfg, engine)
-    # A transfer waits for a whole step of the other side: its timeout is the transport's (gloo's
-    # on ranks), longer than any one stage's.
-    exchange = LocalExchange(learner.state, timeout_s=3 * cfg.scheduler.stage_timeout_s)
-    gen_clock, learn_clock = clocks or (RankClock(1, ("generate",)), RankClock(0, ("train",)))
-    raised = {} if errors is None else errors
-
-    def side(name, fn, *args):
-        try:
-            fn(*args)
-        except BaseException as err:  # noqa: BLE001 - re-raised by the test
-            raised[name] = err
-
-    threads = [
-        threading.Thread(
-            target=side, args=("generate", run_generate_pipeline, gen, exchange, gen_clock, cfg, 1)
-        ),
-        threading.Thread(
-            target=side,
-            args=("learn", run_learn_pipeline, learner, exchange, learn_clock, cfg, 0, "train"),
-        ),
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a side never finished"
-    if raised and errors is None:
-        raise next(iter(raised.values()))
-    return gen_clock, learn_clock
-
-
-def stable(metrics: dict) -> dict:
-    return {k: v for k, v in metrics.items() if not k.startswith(VOLATILE)}
+from tests.unit.pipeline_fakes import (
+    FakeLearner,
+    TimedEngine,
+    make_cfg,
+    make_generate_side,
+    run_async,
+    stable,
+)
 
 
 def test_zero_steps_ahead_is_the_synchronous_loop_exactly(tmp_path):

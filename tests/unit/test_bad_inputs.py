@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_async_rl.config import megatron_flags
 from megatron_async_rl.config.errors import ConfigError
-from megatron_async_rl.config.recipe import resolve
+from megatron_async_rl.config.megatron import table
+from megatron_async_rl.recipe.load import resolve
 
 CORPUS = Path(__file__).parent / "bad_inputs"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -67,15 +67,15 @@ def flag_cache_env(tmp_path_factory):
     """An environment whose flag cache is warm, so the child need not import megatron-core."""
     cache_dir = tmp_path_factory.mktemp("flag_cache")
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), MEGATRON_ASYNC_RL_CACHE_DIR=str(cache_dir))
-    previous = os.environ.get(megatron_flags.CACHE_DIR_ENV)
-    os.environ[megatron_flags.CACHE_DIR_ENV] = str(cache_dir)
+    previous = os.environ.get(table.CACHE_DIR_ENV)
+    os.environ[table.CACHE_DIR_ENV] = str(cache_dir)
     try:
-        assert megatron_flags.warm_flag_cache() is not None
+        assert table.warm_flag_cache() is not None
     finally:
         if previous is None:
-            del os.environ[megatron_flags.CACHE_DIR_ENV]
+            del os.environ[table.CACHE_DIR_ENV]
         else:
-            os.environ[megatron_flags.CACHE_DIR_ENV] = previous
+            os.environ[table.CACHE_DIR_ENV] = previous
     return env
 
 
@@ -85,7 +85,7 @@ def test_cli_reports_one_line_and_exit_code_2(case_id, flag_cache_env):
     code = (
         "import sys\n"
         "from megatron_async_rl.config.errors import exit_on_config_error\n"
-        "from megatron_async_rl.config.recipe import resolve\n"
+        "from megatron_async_rl.recipe.load import resolve\n"
         f"exit_on_config_error(resolve, {case['recipe']!r}, {case.get('sets', [])!r}, "
         f"{case.get('flags', [])!r})\n"
         "sys.exit(0)\n"

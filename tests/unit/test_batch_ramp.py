@@ -173,7 +173,7 @@ def _tree(**extra):
 
 @_NEEDS_RAMP
 def test_the_recipe_checks_the_ramp():
-    from megatron_async_rl.config.recipe import build_config
+    from megatron_async_rl.recipe.load import build_config
 
     # a grpo recipe, resolved as a dry run does (its checkpoint and data live elsewhere)
     tree = _tree(trainer={"job": "grpo"}, data={"path": "/elsewhere/prompts.jsonl"},

@@ -1,4 +1,4 @@
-"""Recipe loading and resolution (`config/recipe.py`, `config/schema.py`, `config/errors.py`).
+"""Recipe loading and resolution (`recipe/load.py`, `recipe/schema.py`, `config/errors.py`).
 
 Contract: `resolve(path, sets, megatron_argv)` = `load_recipe` -> `apply_overrides` (`--set`)
 -> `build_config`; each Megatron role's args resolve as defaults < the architecture in
@@ -17,21 +17,15 @@ from pathlib import Path
 import pytest
 
 from megatron_async_rl.config.errors import ConfigError, exit_on_config_error
-from megatron_async_rl.config.recipe import (
-    apply_overrides,
-    build_config,
-    load_recipe,
-    resolve,
-    to_tree,
-    write_resolved,
-)
-from megatron_async_rl.config.schema import (
+from megatron_async_rl.recipe.load import build_config, resolve
+from megatron_async_rl.recipe.schema import (
     ModelConfig,
     ResolvedConfig,
     RoleGroupSpec,
     RolesConfig,
     RunConfig,
 )
+from megatron_async_rl.recipe.tree import apply_overrides, load_recipe, to_tree, write_resolved
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LLAMA = {

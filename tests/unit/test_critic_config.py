@@ -3,8 +3,8 @@
 Contract: the defaults are gamma 1.0, lam 0.95, value_clip 0.2, loss_agg_mode token-mean,
 warmup_steps 0, whiten_advantages true, init policy and value_head_init_std 0.0; every value a
 user can get wrong raises one `ConfigError` line naming the key (relative here, `critic.gamma`
-through the recipe loader's `_build`), the value received and the rule. The section is built
-through the loader's generic dataclass builder directly (not yet a schema field). Nothing is
+through the recipe loader's `build_dataclass`), the value received and the rule. The section is
+built through the loader's generic dataclass builder directly (not yet a schema field). Nothing is
 faked.
 """
 
@@ -13,7 +13,7 @@ import pytest
 from megatron_async_rl.algorithms.config import LOSS_AGG_MODES
 from megatron_async_rl.algorithms.critic_config import CriticConfig
 from megatron_async_rl.config.errors import ConfigError
-from megatron_async_rl.config.recipe import _build
+from megatron_async_rl.recipe.tree import build_dataclass
 
 
 def test_defaults():
@@ -75,10 +75,11 @@ def test_errors_name_key_value_and_rule(key, value, rule):
 )
 def test_errors_through_the_recipe_loader_are_prefixed(section, message):
     with pytest.raises(ConfigError, match=message) as info:
-        _build(CriticConfig, section, "critic")
+        build_dataclass(CriticConfig, section, "critic")
     assert "\n" not in str(info.value)
 
 
 def test_recipe_loader_builds_the_section():
-    cfg = _build(CriticConfig, {"gamma": 0.99, "value_clip": None, "init": "policy"}, "critic")
+    section = {"gamma": 0.99, "value_clip": None, "init": "policy"}
+    cfg = build_dataclass(CriticConfig, section, "critic")
     assert (cfg.gamma, cfg.value_clip, cfg.lam) == (0.99, None, 0.95)

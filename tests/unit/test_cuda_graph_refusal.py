@@ -1,4 +1,4 @@
-"""Why the CUDA graph flags configure nothing here (config/megatron_lm.py `_GRAPHS`), checked
+"""Why the CUDA graph flags configure nothing here (config/megatron/inventory.py `_GRAPHS`), checked
 against the installed megatron-core rather than taken on trust; no GPU is needed, since each
 check stops before the first capture.
 

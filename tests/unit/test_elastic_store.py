@@ -9,23 +9,17 @@ the restart itself runs in tests/e2e/test_checkpoint_resume.py (`MAX_RESTARTS=1`
 from __future__ import annotations
 
 import datetime
-import socket
 
 import torch.distributed as dist
 
 from megatron_async_rl.distributed.platform import elastic_store
+from tests.harness.ports import free_port
 
 TIMEOUT = datetime.timedelta(seconds=10)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_each_restart_attempt_sees_only_its_own_keys(monkeypatch):
-    port = _free_port()
+    port = free_port()
     agent = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=TIMEOUT,
                           wait_for_workers=False)  # fmt: skip
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")

@@ -1,11 +1,11 @@
 """Tensors handed to an engine as one span of their shared storage, pickled by their owner
-(`engines.handover`)."""
+(`engines.sglang.handover`)."""
 
 from __future__ import annotations
 
 import torch
 
-from megatron_async_rl.engines import handover
+from megatron_async_rl.engines.sglang import handover
 from megatron_async_rl.weight_sync import buffers
 
 

@@ -1,4 +1,5 @@
-"""`engines.prefixes` and `engines.progress`: requests cut short go on from their prefix.
+"""`engines.recovery.prefixes` and `engines.recovery.progress`: requests cut short go on from
+their prefix.
 
 Contract checked, against hand-made results (nothing faked: the modules are pure): a prefix is
 kept whole when its first token is inside the step's window and thrown away (counted) when it
@@ -13,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_async_rl.engines import prefixes
-from megatron_async_rl.engines.progress import PartialResults, ProgressReporter, snapshot
 from megatron_async_rl.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
+from megatron_async_rl.engines.recovery import prefixes
+from megatron_async_rl.engines.recovery.progress import PartialResults, ProgressReporter, snapshot
 
 
 def _request(max_new_tokens=6):

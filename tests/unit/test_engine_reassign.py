@@ -1,5 +1,5 @@
-"""`engines.reassign.HelpBoard` and `RestartingEngine` with several engines: a dead engine's
-requests are taken over by another while it restarts.
+"""`engines.recovery.reassign.HelpBoard` and `RestartingEngine` with several engines: a dead
+engine's requests are taken over by another while it restarts.
 
 Contract checked, on real `torch.distributed` stores (`HashStore` in process, `TCPStore` over
 loopback; nothing of the store is faked) and fake engines (`FakeEngine`; the real twin is
@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from megatron_async_rl.engines.fake import FakeEngine
 from megatron_async_rl.engines.protocol import GenerateRequest, SamplingParams
-from megatron_async_rl.engines.reassign import HelpBoard
-from megatron_async_rl.engines.restarting import RestartingEngine
+from megatron_async_rl.engines.recovery.reassign import HelpBoard
+from megatron_async_rl.engines.recovery.restarting import RestartingEngine
 from megatron_async_rl.weight_sync.sinks import load_tensors
 
 

@@ -22,7 +22,6 @@ import time
 import pytest
 
 from megatron_async_rl.config.errors import ConfigError
-from megatron_async_rl.rewards.arithmetic import arithmetic_reward
 from megatron_async_rl.rollout.environment import (
     BudgetSpent,
     EpisodeLimits,
@@ -33,6 +32,7 @@ from megatron_async_rl.rollout.environment import (
     run_episode,
 )
 from megatron_async_rl.rollout.tools import ToolRunner, load_tools
+from megatron_async_rl.tasks.arithmetic_reward import arithmetic_reward
 
 SAMPLE = EpisodeSample(prompt="12345+67890=", answer="80235")
 

@@ -196,7 +196,7 @@ def test_sglang_engine_config_rejects_bad_values(kwargs, match, monkeypatch):
 
 
 def test_sglang_output_dict_becomes_a_result_with_per_token_versions():
-    from megatron_async_rl.engines.sglang_host import _to_result
+    from megatron_async_rl.engines.sglang.host import _to_result
 
     meta = {
         "finish_reason": {"type": "length", "length": 3},

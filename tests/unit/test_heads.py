@@ -1,4 +1,5 @@
-"""Contract of scalar heads on the HF side (`models.heads`, `models.name_map`, `models.tiny`).
+"""Contract of scalar heads on the HF side (`models.heads`, `models.dims`, `models.names`,
+`models.tiny`).
 
 Checks: a value head's Megatron `output_layer.weight` / `.bias` are HF `score.weight` /
 `score.bias` (a score head's only the weight), replicated over TP, on the last stage only; HF
@@ -19,49 +20,58 @@ import torch
 from safetensors.torch import save_file
 
 from megatron_async_rl.models import heads
-from megatron_async_rl.models import name_map as nm
+from megatron_async_rl.models.dims import ModelDims, hf_shape
 from megatron_async_rl.models.hf_checkpoint import (
     HFTensorReader,
     load_hf_state_dict,
     read_hf_config,
 )
 from megatron_async_rl.models.hf_config import megatron_args_from_hf
+from megatron_async_rl.models.names import (
+    check_hf_names,
+    hf_names_for,
+    hf_to_megatron,
+    megatron_to_hf,
+    shard_spec,
+    stage_param_names,
+)
+from megatron_async_rl.models.shards import stage_state_dict, stage_state_dict_from_hf
 from megatron_async_rl.models.tiny import write_tiny_model
 
 TASKS = {"value": "token_classification", "score": "sequence_classification"}
 
 
-def _dims(path, head: str | None) -> nm.ModelDims:
+def _dims(path, head: str | None) -> ModelDims:
     args = megatron_args_from_hf(read_hf_config(path))
     if head is None:
-        return nm.ModelDims.from_megatron_args(args)
+        return ModelDims.from_megatron_args(args)
     args["untie_embeddings_and_output_weights"] = True
-    return dataclasses.replace(nm.ModelDims.from_megatron_args(args), head=head)
+    return dataclasses.replace(ModelDims.from_megatron_args(args), head=head)
 
 
 def _load(path, dims, init_std=None, seed=0) -> dict:
     """What `weights.load_hf_into_megatron` gives one TP=1 rank, without a model."""
     reader = HFTensorReader(path)
     read, names = heads.head_reader(reader.read, reader.keys(), dims, init_std, seed, str(path))
-    nm.check_hf_names(names, dims)
-    return nm.stage_state_dict_from_hf(read, dims, reader.read_range)
+    check_hf_names(names, dims)
+    return stage_state_dict_from_hf(read, dims, reader.read_range)
 
 
 @pytest.mark.parametrize("head", ["value", "score"])
 def test_head_parameters_are_hf_score_replicated_on_the_last_stage(head, tiny_model):
     dims = _dims(tiny_model("llama", task=TASKS[head]), head)
     want = ["output_layer.weight"] + (["output_layer.bias"] if head == "value" else [])
-    assert [n for n in nm.stage_param_names(dims) if n.startswith("output_layer")] == want
-    first, last = (nm.stage_param_names(dims, pp_rank=r, pp_size=2) for r in (0, 1))
+    assert [n for n in stage_param_names(dims) if n.startswith("output_layer")] == want
+    first, last = (stage_param_names(dims, pp_rank=r, pp_size=2) for r in (0, 1))
     assert not any(n.startswith("output_layer") for n in first)
     assert [n for n in last if n.startswith("output_layer")] == want
     for name in want:
-        assert nm.hf_names_for(name, dims) == ("score." + name.split(".")[1],)
-        assert nm.shard_spec(name, dims).partition_dim is None
-    assert nm.hf_shape("score.weight", dims) == (1, 64)
+        assert hf_names_for(name, dims) == ("score." + name.split(".")[1],)
+        assert shard_spec(name, dims).partition_dim is None
+    assert hf_shape("score.weight", dims) == (1, 64)
     if head == "score":
         with pytest.raises(ValueError, match="output_layer.bias.*score head"):
-            nm.hf_names_for("output_layer.bias", dims)
+            hf_names_for("output_layer.bias", dims)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -70,14 +80,14 @@ def test_classification_checkpoint_round_trips_byte_identical(head, family, tiny
     path = tiny_model(family, task=TASKS[head])
     dims, hf_sd = _dims(path, head), load_hf_state_dict(path)
     assert "lm_head.weight" not in hf_sd
-    mc = nm.hf_to_megatron(hf_sd, dims)
+    mc = hf_to_megatron(hf_sd, dims)
     assert torch.equal(mc["output_layer.weight"], hf_sd["score.weight"])
     assert ("output_layer.bias" in mc) == (head == "value")
-    back = nm.megatron_to_hf(mc, dims)
+    back = megatron_to_hf(mc, dims)
     assert back.keys() == hf_sd.keys()
     assert all(torch.equal(back[k], t) for k, t in hf_sd.items())
     for tp_rank in (0, 1):  # TP=2: each rank holds the whole head
-        stage = nm.stage_state_dict(mc, dims, tp_rank=tp_rank, tp_size=2)
+        stage = stage_state_dict(mc, dims, tp_rank=tp_rank, tp_size=2)
         assert torch.equal(stage["output_layer.weight"], hf_sd["score.weight"])
 
 
@@ -87,7 +97,7 @@ def test_policy_checkpoint_starts_a_critic_with_a_zero_head(tiny_model):
     local = _load(policy, dims, init_std=0.0)
     assert torch.equal(local["output_layer.weight"], torch.zeros(1, 64))
     assert torch.equal(local["output_layer.bias"], torch.zeros(1))
-    body = nm.hf_to_megatron(load_hf_state_dict(policy), _dims(policy, None))
+    body = hf_to_megatron(load_hf_state_dict(policy), _dims(policy, None))
     assert local.keys() == (body.keys() - {"output_layer.weight"}) | {
         "output_layer.weight", "output_layer.bias",
     }  # fmt: skip
@@ -115,7 +125,7 @@ def test_head_loading_errors(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="head_init_std=-0.1: must be >= 0"):
         _load(policy, _dims(policy, "value"), init_std=-0.1)
     with pytest.raises(ValueError, match="has score.weight.*scalar head"):
-        nm.check_hf_names(HFTensorReader(reward).keys(), _dims(reward, None))
+        check_hf_names(HFTensorReader(reward).keys(), _dims(reward, None))
     two_labels = load_hf_state_dict(reward)
     two_labels["score.weight"] = torch.cat([two_labels["score.weight"]] * 2)
     save_file(two_labels, str(tmp_path / "model.safetensors"))

@@ -16,12 +16,12 @@ Layers (checked on the source): every import inside the package, at module level
 function or under `TYPE_CHECKING`, goes to a module of the same or a lower layer of `LAYERS`,
 bottom first:
 
-    config          config/errors, config/checks, config/roles, config/megatron_flags,
-                    config/megatron_rules (cross-field rules on a role's Megatron args),
-                    algorithms/critic_config (the recipe's critic: section), config/role_checks,
-                    config/megatron_lm (Megatron-LM's flag inventory and verdicts),
-                    config/megatron_parse (flags and megatron: sections read through them),
-                    config/plugins (module:attribute names a recipe gives),
+    config          config/errors (+ warn_once), config/checks, config/roles, config/plugins
+                    (module:attribute names a recipe gives), config/role_checks (the optional
+                    roles' checkpoints), config/megatron/ (the flag table and the megatron-core
+                    kwargs built from it, Megatron-LM's flag inventory and its verdicts, the
+                    parse of flags and megatron: sections, cross-field rules on a role's args),
+                    algorithms/critic_config (the recipe's critic: section),
                     algorithms/minibatch (batch arithmetic the recipe checks),
                     algorithms/batch_ramp (its G per RL step from megatron-core's calculator,
                     imported lazily) and
@@ -29,19 +29,22 @@ bottom first:
     layout          distributed/layout (pure rank arithmetic), distributed/collective_errors,
                     distributed/pg_options (the role groups' options, planned from flags)
     groups          distributed/groups, distributed/platform, compat (torch.distributed)
+    processes       processes/ (child processes with a time bound; imports nothing of ours)
     models          models/, moe/ (routed experts as data, their replay in Megatron routers)
     engines         engines/
     weight_sync     weight_sync/
     rollout, rewards, algorithms
+    tasks           tasks/ (the demo tasks and their warm starts: they use the datasets, turns
+                    and reward registry below; only the registry names one, by string)
     observability   observability/ (writers, trace, plots, utilization math; nothing above)
     roles           roles/ (the work each role does: Megatron roles, generate, learn)
     scheduler       scheduler/ (stage machines, queues, staleness, the scheduler thread: it
                     drives the roles' stages, which know nothing of it)
     clock           observability/clock (turns the scheduler's machine spans into traces
                     and timing metrics, so it sits above the scheduler it observes)
-    recipe          config/schema, config/recipe: the aggregate of every config module (and,
-                    lazily, the layout and `models.hf_config`); above everything they may
-                    import, below the jobs that read them
+    recipe          recipe/ (schema, tree, load): the aggregate of every config module (and,
+                    lazily, the layout, `models.hf_config` and `models.upcycle`); above
+                    everything they may import, below the jobs that read them
     jobs            jobs/
     entry           train, cli
 
@@ -49,8 +52,12 @@ That is the issue's config -> layout -> groups -> roles -> scheduler -> jobs, wi
 placed where its imports are legal. A package's `__init__` sits in the lowest layer of its
 modules (importing `rollout.config` runs `rollout/__init__`, so that file must not pull
 `rollout.dataset` up into the config layer). Modules of one layer may import each other, but
-no two modules may import each other at module level (no import cycle). A failure names the
-file and line, both modules and both layers. Nothing is faked; no process group is made.
+no two modules may import each other, at module level, in a function or under TYPE_CHECKING
+(no import cycle, not even one a function-level import closes). A failure names the file and
+line, both modules and both layers.
+
+Size (checked on the source): no module of the package passes `MAX_LINES` lines; split a module
+by concept before it does. Nothing is faked; no process group is made.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "megatron_async_rl"
 PACKAGE_DIR = REPO_ROOT / PACKAGE
 NO_HEAVY = ("torch", "numpy", "megatron.", "sglang")
+MAX_LINES = 600
 
 # name: (modules imported together into a fresh interpreter, module prefixes that must not load)
 PURITY: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -96,13 +104,14 @@ PURITY: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ),
         ("torch",),
     ),
-    "config.recipe": (
+    "recipe.load": (
         (
-            f"{PACKAGE}.config.recipe",
-            f"{PACKAGE}.config.megatron_flags",
-            f"{PACKAGE}.config.megatron_rules",
-            f"{PACKAGE}.config.megatron_lm",
-            f"{PACKAGE}.config.megatron_parse",
+            f"{PACKAGE}.recipe.load",
+            f"{PACKAGE}.config.megatron.table",
+            f"{PACKAGE}.config.megatron.core_kwargs",
+            f"{PACKAGE}.config.megatron.rules",
+            f"{PACKAGE}.config.megatron.inventory",
+            f"{PACKAGE}.config.megatron.parse",
             f"{PACKAGE}.algorithms.minibatch",
         ),
         ("megatron.", "torch"),
@@ -133,11 +142,13 @@ PURITY: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 PURE = (
     "config.errors", "config.checks", "config.roles", "algorithms.config", "engines.config",
     "rewards.config", "rollout.config", "scheduler.config", "weight_sync.config",
-    "distributed.layout", "weight_sync.plan", "models.name_map", "algorithms.grpo",
+    "distributed.layout", "weight_sync.plan", "models.dims", "models.names", "models.shards",
+    "algorithms.grpo",
     "algorithms.losses", "scheduler.states", "scheduler.machine", "scheduler.queues",
     "scheduler.staleness", "scheduler.scheduler", "checkpoint.config", "checkpoint.store",
     "distributed.collective_errors", "scheduler.watchdog", "algorithms.minibatch",
-    "config.megatron_lm", "config.megatron_parse", "moe.config", "moe.routing",
+    "config.megatron.inventory", "config.megatron.verdicts", "config.megatron.parse",
+    "moe.config", "moe.routing", "processes.worker_pool", "processes.isolated",
     "algorithms.advantages", "algorithms.corrections", "rollout.refill",
     "algorithms.critic_config", "config.role_checks", "distributed.pg_options",
 )  # fmt: skip
@@ -146,23 +157,23 @@ IMPURE = ("torch.distributed", "megatron", "sglang")
 # Bottom first. Patterns are module names relative to the package, matching the module and its
 # submodules; "*.config" matches every <package>.config. The longest matching pattern wins.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("config", ("config.errors", "config.checks", "config.roles", "config.megatron_flags",
-                "config.megatron_rules",
-                "config.megatron_lm", "config.megatron_parse", "config.plugins",
-                "algorithms.minibatch", "algorithms.batch_ramp", "algorithms.critic_config",
-                "config.role_checks", "*.config")),
+    ("config", ("config.errors", "config.checks", "config.roles", "config.megatron",
+                "config.plugins", "config.role_checks", "algorithms.minibatch",
+                "algorithms.batch_ramp", "algorithms.critic_config", "*.config")),
     ("layout", ("distributed.layout", "distributed.collective_errors", "distributed.pg_options")),
     ("groups", ("distributed.groups", "distributed.platform", "distributed.devices", "compat")),
+    ("processes", ("processes",)),
     ("models", ("models", "moe")),
     ("engines", ("engines",)),
     ("weight_sync", ("weight_sync",)),
     ("rollout, rewards, algorithms", ("rollout", "rewards", "algorithms")),
+    ("tasks", ("tasks",)),
     ("observability", ("observability",)),
     ("roles", ("roles",)),
     ("scheduler", ("scheduler",)),
     ("clock", ("observability.clock",)),
     ("checkpoint", ("checkpoint",)),
-    ("recipe", ("config.schema", "config.recipe")),
+    ("recipe", ("recipe",)),
     ("jobs", ("jobs",)),
     ("entry", ("train", "cli")),
 )  # fmt: skip
@@ -220,10 +231,10 @@ def test_pure_modules_load_nothing_heavy(case, loaded):
 
 
 def test_loading_a_recipe_loads_config_modules_only(loaded):
-    ours = [m for m in loaded["config.recipe"] if m.split(".")[0] == PACKAGE]
+    ours = [m for m in loaded["recipe.load"] if m.split(".")[0] == PACKAGE]
     above = [m for m in ours if _layer(m) not in (0, _LAYER_INDEX["recipe"])]
-    assert not above, f"config.recipe loads modules above the config layer: {above}"
-    assert "numpy" not in loaded["config.recipe"]
+    assert not above, f"recipe.load loads modules above the config layer: {above}"
+    assert "numpy" not in loaded["recipe.load"]
 
 
 # --- the import graph --------------------------------------------------------------------------
@@ -329,16 +340,17 @@ def test_no_upward_import():
 
 
 def test_no_import_cycle():
+    """Every import counts: one inside a function or under TYPE_CHECKING closes a cycle too
+    (the two modules still depend on each other; only the order of loading hides it)."""
     graph: dict[str, set[str]] = {m: set() for m in MODULES}
-    for _, _, src, dst, top in _internal_imports():
-        if top:
-            graph[src].add(dst)
+    for _, _, src, dst, _ in _internal_imports():
+        graph[src].add(dst)
     done: set[str] = set()
 
     def visit(module: str, path: list[str]) -> None:
         if module in path:
             cycle = path[path.index(module) :] + [module]
-            raise AssertionError("module-level import cycle: " + " -> ".join(cycle))
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
         if module in done:
             return
         for dst in sorted(graph[module]):
@@ -347,6 +359,15 @@ def test_no_import_cycle():
 
     for module in MODULES:
         visit(module, [])
+
+
+def test_no_module_passes_the_line_limit():
+    long = {
+        str(path.relative_to(REPO_ROOT)): count
+        for path in MODULES.values()
+        if (count := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines (split them by concept): {long}"
 
 
 @pytest.mark.parametrize("module", PURE)

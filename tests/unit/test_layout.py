@@ -19,8 +19,8 @@ import itertools
 import pytest
 
 from megatron_async_rl.config.errors import ConfigError
-from megatron_async_rl.config.schema import RoleGroupSpec
 from megatron_async_rl.distributed.layout import Parallelism, RoleGrid, RoleWindow, plan_layout
+from megatron_async_rl.recipe.schema import RoleGroupSpec
 
 
 def _groups(*specs):

@@ -21,6 +21,7 @@ import math
 import pytest
 import torch
 
+from megatron_async_rl.config import errors
 from megatron_async_rl.config.errors import ConfigError
 from megatron_async_rl.roles import lr_schedule
 from megatron_async_rl.roles.lr_schedule import (
@@ -84,7 +85,7 @@ def test_the_full_set_of_constructor_arguments():
 
 
 def test_without_a_horizon_the_lr_is_constant_after_the_warm_up(caplog):
-    lr_schedule._warn_once.cache_clear()
+    errors.warn_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger=lr_schedule.__name__):
         kwargs = schedule_kwargs(_args(lr_decay_style="cosine", lr_warmup_iters=5), None)
     assert kwargs["lr_decay_style"] == "constant" and kwargs["lr_warmup_steps"] == 5

@@ -1,4 +1,4 @@
-"""Megatron-LM-style flags derived from megatron-core's config dataclasses (`megatron_flags.py`).
+"""Megatron-LM-style flags derived from megatron-core's config dataclasses (`config/megatron/`).
 
 Contract: every int/float/str/bool (Optional or Literal-of-str) field of TransformerConfig
 (with ModelParallelConfig), OptimizerConfig and DistributedDataParallelConfig is a flag
@@ -18,10 +18,10 @@ import typing
 import pytest
 import torch
 
-from megatron_async_rl.config import megatron_flags as mf
-from megatron_async_rl.config import megatron_parse as mp
-from megatron_async_rl.config import megatron_rules
 from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.config.megatron import core_kwargs, rules
+from megatron_async_rl.config.megatron import parse as mp
+from megatron_async_rl.config.megatron import table as mf
 
 # Flag -> (dest, bare-flag value or None, type, default), as Megatron-LM's argparse defines them
 # (defaults from megatron-core where the field is derived).
@@ -110,7 +110,7 @@ def test_megatron_lm_flag(flag):
 
 
 def _scalar_fields():
-    """Fields a flag must exist for, found without megatron_flags' own walker."""
+    """Fields a flag must exist for, found without the flag table's own walker."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer import TransformerConfig
@@ -251,7 +251,7 @@ def test_transformer_config_from_kwargs():
             ]
         ),
     }
-    kwargs = mf.transformer_config_kwargs(args)
+    kwargs = core_kwargs.transformer_config_kwargs(args)
     assert kwargs["num_query_groups"] is None  # no --group-query-attention: Megatron-LM ignores it
     fusions = [k for k in mf.MEGATRON_LM_DEFAULTS if k != "overlap_p2p_comm"]
     assert all(kwargs[k] for k in fusions)  # Megatron-LM's fusions on
@@ -264,12 +264,12 @@ def test_transformer_config_from_kwargs():
     gqa = TransformerConfig(
         **{
             **kwargs,
-            **mf.transformer_config_kwargs({**args, "group_query_attention": True}),
+            **core_kwargs.transformer_config_kwargs({**args, "group_query_attention": True}),
             **dict.fromkeys(mf.MEGATRON_LM_DEFAULTS, False),
         }
     )
     assert gqa.num_query_groups == 2
-    moe = mf.transformer_config_kwargs({**args, "num_experts": 4})
+    moe = core_kwargs.transformer_config_kwargs({**args, "num_experts": 4})
     assert moe["num_moe_experts"] == 4 and "num_experts" not in moe
 
 
@@ -294,11 +294,11 @@ def test_optimizer_ddp_and_gpt_kwargs():
             "500000",
         ]
     )
-    opt = OptimizerConfig(**mf.optimizer_config_kwargs(args))
+    opt = OptimizerConfig(**core_kwargs.optimizer_config_kwargs(args))
     assert (opt.lr, opt.min_lr, opt.use_distributed_optimizer) == (1e-5, 1e-6, True)
-    ddp = DistributedDataParallelConfig(**mf.ddp_config_kwargs(args))
+    ddp = DistributedDataParallelConfig(**core_kwargs.ddp_config_kwargs(args))
     assert ddp.overlap_grad_reduce and ddp.use_distributed_optimizer
-    assert mf.gpt_model_kwargs(args) == {
+    assert core_kwargs.gpt_model_kwargs(args) == {
         "position_embedding_type": "rope",
         "rotary_base": 500000,
         "rotary_percent": 1.0,
@@ -310,7 +310,7 @@ def test_optimizer_ddp_and_gpt_kwargs():
         "vocab_size": None,
     }
     assert (
-        mf.gpt_model_kwargs({"max_position_embeddings": 128, "seq_length": 64})[
+        core_kwargs.gpt_model_kwargs({"max_position_embeddings": 128, "seq_length": 64})[
             "max_sequence_length"
         ]
         == 128
@@ -321,7 +321,7 @@ ARCH = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "lr": 1e-5
 
 
 def test_check_args_accepts_a_valid_moe_model():
-    megatron_rules.check_args(
+    rules.check_args(
         {
             "num_layers": 2,
             "lr": 1e-5,
@@ -338,13 +338,13 @@ def test_check_args_accepts_a_valid_moe_model():
         "train",
     )
     with pytest.raises(ConfigError, match=r"--sequence-parallel = False: MoE with"):
-        megatron_rules.check_args(
+        rules.check_args(
             {**ARCH, "num_experts": 4, "tensor_model_parallel_size": 2}, "train"
         )
     with pytest.raises(ConfigError, match=r"--expert-model-parallel-size = 2: needs --num-experts"):
-        megatron_rules.check_args({**ARCH, "expert_model_parallel_size": 2})
+        rules.check_args({**ARCH, "expert_model_parallel_size": 2})
     with pytest.raises(ConfigError, match=r"--min-lr = 0.1: must be <= --lr = 0.01"):
-        megatron_rules.check_args({**ARCH, "lr": 0.01, "min_lr": 0.1})
+        rules.check_args({**ARCH, "lr": 0.01, "min_lr": 0.1})
 
 
 def test_disk_cache_round_trip(tmp_path, monkeypatch):

@@ -13,21 +13,18 @@ Nothing is faked: `train.main` resolves, plans the layout and the memory as on a
 from __future__ import annotations
 
 import logging
-import math
-import shlex
-from pathlib import Path
 
 import pytest
-import yaml
 
 from megatron_async_rl import train
-from megatron_async_rl.config import megatron_flags, megatron_lm
+from megatron_async_rl.config.errors import warn_once
+from megatron_async_rl.config.megatron import inventory
+from tests.harness.megatron_lm_examples import EXAMPLES, example_argv, example_recipe
 
 pytestmark = pytest.mark.skipif(
-    megatron_lm.release_tag() != "core_v0.16.1",
+    inventory.release_tag() != "core_v0.16.1",
     reason="the core_v0.16.1 blocks (other releases: test_megatron_lm_examples_by_release.py)",
 )
-EXAMPLES = Path(__file__).parents[1] / "data" / "megatron_lm_examples"
 NOT_BUILT = {
     "mamba_800m": "hybrid Mamba models (pretrain_mamba.py) are not built by this trainer",
     "rl_nemotron5_8b": "hybrid Mamba models (--hybrid-override-pattern) are not built here",
@@ -39,54 +36,15 @@ RL_LAUNCHER = EXAMPLES / "rl_launcher.flags"
 config (rl_*.args) on Megatron-LM's own command line."""
 
 
-def _argv(path: Path) -> list[str]:
-    argv: list[str] = []
-    for line in path.read_text().splitlines():
-        if line.strip() and not line.lstrip().startswith("#"):
-            argv += shlex.split(line)
-    return argv
-
-
-def _size(argv: list[str], flag: str, default: int = 1) -> int:
-    return int(argv[len(argv) - 1 - argv[::-1].index(flag) + 1]) if flag in argv else default
-
-
-def _recipe(tmp_path: Path, argv: list[str]) -> tuple[Path, int]:
-    tp, pp = (
-        _size(argv, "--tensor-model-parallel-size"),
-        _size(argv, "--pipeline-model-parallel-size"),
-    )
-    cp, ep = _size(argv, "--context-parallel-size"), _size(argv, "--expert-model-parallel-size")
-    etp = _size(argv, "--expert-tensor-parallel-size", tp)
-    ranks = math.lcm(tp * pp * cp, etp * ep * pp)
-    recipe = {
-        "run_dir": str(tmp_path / "run"),
-        "platform": {"device": "cuda", "backend": "nccl"},
-        "roles": {"groups": [
-            {"roles": ["train", "logp", "ref"], "num_ranks": ranks},
-            {"roles": ["generate"], "num_ranks": 1},
-        ]},
-        # a rollout batch of whole global batches (8 samples per prompt, the default)
-        **({"rollout": {"num_prompts_per_step": max(1, _size(argv, "--global-batch-size") // 8)}}
-           if "--grpo-prompts-per-step" not in argv else {}),
-        # what Megatron-LM reads from elsewhere: the vocabulary (its tokenizer; here the HF
-        # checkpoint, absent in a dry run) and, for model-only blocks (modelopt's conf/), the LR
-        "megatron": {"vocab_size": 151936, **({} if "--lr" in argv else {"lr": 1.0e-6})},
-    }  # fmt: skip
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path, ranks + 1
-
-
 @pytest.mark.parametrize("name", sorted(p.stem for p in EXAMPLES.glob("*.args")))
 def test_example_flags_dry_run(name, tmp_path, capsys):
     if name in NOT_BUILT:
         pytest.skip(NOT_BUILT[name])
-    argv = _argv(EXAMPLES / f"{name}.args")
+    argv = example_argv(EXAMPLES / f"{name}.args")
     if name.startswith("rl_"):
-        argv = _argv(RL_LAUNCHER) + argv
-    recipe, world_size = _recipe(tmp_path, argv)
-    megatron_flags.warn_once.cache_clear()  # once per process: every example is a fresh run
+        argv = example_argv(RL_LAUNCHER) + argv
+    recipe, world_size = example_recipe(tmp_path, argv)
+    warn_once.cache_clear()  # once per process: every example is a fresh run
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level  # train.main sets up logging on capsys' stderr
     try:

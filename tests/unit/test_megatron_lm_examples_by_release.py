@@ -21,10 +21,11 @@ import re
 import pytest
 
 from megatron_async_rl import train
-from megatron_async_rl.config import megatron_flags, megatron_lm
-from tests.unit.test_megatron_lm_examples import EXAMPLES, _argv, _recipe
+from megatron_async_rl.config.errors import warn_once
+from megatron_async_rl.config.megatron import inventory
+from tests.harness.megatron_lm_examples import EXAMPLES, example_argv, example_recipe
 
-TAG = megatron_lm.release_tag()
+TAG = inventory.release_tag()
 BLOCKS = EXAMPLES / TAG
 REFUSED = {
     "core_v0.19.0": {
@@ -52,8 +53,8 @@ REFUSED = {
 
 
 def _dry_run(argv: list[str], tmp_path, capsys) -> tuple[int, str]:
-    recipe, world_size = _recipe(tmp_path, argv)
-    megatron_flags.warn_once.cache_clear()  # once per process: every example is a fresh run
+    recipe, world_size = example_recipe(tmp_path, argv)
+    warn_once.cache_clear()  # once per process: every example is a fresh run
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level  # train.main sets up logging on capsys' stderr
     try:
@@ -70,9 +71,9 @@ def _dry_run(argv: list[str], tmp_path, capsys) -> tuple[int, str]:
 @pytest.mark.skipif(not BLOCKS.is_dir(), reason=f"no example blocks recorded for {TAG}")
 @pytest.mark.parametrize("name", sorted(p.stem for p in BLOCKS.glob("*.args")))
 def test_example_flags_dry_run(name, tmp_path, capsys):
-    argv = _argv(BLOCKS / f"{name}.args")
+    argv = example_argv(BLOCKS / f"{name}.args")
     if name.startswith("rl_"):
-        argv = _argv(BLOCKS / "rl_launcher.flags") + argv
+        argv = example_argv(BLOCKS / "rl_launcher.flags") + argv
     code, err = _dry_run(argv, tmp_path, capsys)
     refused = REFUSED.get(TAG, {}).get(name)
     if refused is not None:

@@ -2,7 +2,7 @@
 applied flags reach megatron-core's config objects.
 
 Contract: (1) each dest of the flag inventory of the installed megatron-core's release series
-(`megatron_lm.RELEASES`; the verdict depends on that release's config dataclasses, so the other
+(`inventory.RELEASES`; the verdict depends on that release's config dataclasses, so the other
 inventories are checked where their release is installed: scripts/test.sh runs both ends) is
 applied, aliased, ignored with a reason or refused with a reason and a hint; none is unknown; the
 coverage of the model, parallelism, training, learning-rate, optimizer and precision groups is
@@ -24,10 +24,12 @@ from importlib.metadata import version
 
 import pytest
 
-from megatron_async_rl.config import megatron_flags as mf
-from megatron_async_rl.config import megatron_lm as ml
-from megatron_async_rl.config import megatron_parse as mp
-from megatron_async_rl.config.errors import ConfigError, ConfigErrors
+from megatron_async_rl.config.errors import ConfigError, ConfigErrors, warn_once
+from megatron_async_rl.config.megatron import core_kwargs
+from megatron_async_rl.config.megatron import inventory as ml
+from megatron_async_rl.config.megatron import parse as mp
+from megatron_async_rl.config.megatron import table as mf
+from megatron_async_rl.config.megatron import verdicts as mv
 
 CORE_GROUPS = {
     "model": ("transformer configuration", "network size", "moe", "mla",
@@ -86,7 +88,7 @@ def test_coverage_of_the_core_groups(tag, capsys):
     share = sum(counts.values()) / sum(total.values())
     knobs = sum(total.values()) - sum(
         1 for d, (row, _) in verdicts.items()
-        if d in ml.NOT_KNOBS_IN_MEGATRON_LM and any(row.group in g for g in CORE_GROUPS.values())
+        if d in mv.NOT_KNOBS_IN_MEGATRON_LM and any(row.group in g for g in CORE_GROUPS.values())
     )  # fmt: skip
     with capsys.disabled():
         print(f"\nMegatron-LM {tag}, megatron-core {version('megatron-core')} installed:\n"
@@ -128,8 +130,8 @@ def test_each_inventory_names_its_tag_and_commit():
         assert (head["tag"], head["commit"]) == (tag, commit)
         assert ml.inventory(tag)[0] == commit
         every |= set(ml.lm_dests(tag))
-    tables = (ml.ALIASES, ml.IGNORED, ml.REFUSED, ml.RECIPE_ALIASES, ml.REFUSED_VALUES,
-              ml.REFUSED_CHOICES, ml.ONLY_WITH, ml.INERT_HERE)  # fmt: skip
+    tables = (mv.ALIASES, mv.IGNORED, mv.REFUSED, mv.RECIPE_ALIASES, mv.REFUSED_VALUES,
+              mv.REFUSED_CHOICES, mv.ONLY_WITH, mv.INERT_HERE)  # fmt: skip
     assert not sorted(d for table in tables for d in table if d not in every)
     assert {d for group in mf.APPLIED_HERE.values() for d in group} <= every
 
@@ -182,11 +184,14 @@ def _config_fields():
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
+    def names(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+
     return {
-        mf.transformer_config_kwargs: {f.name for f in dataclasses.fields(TransformerConfig)},
-        mf.optimizer_config_kwargs: {f.name for f in dataclasses.fields(OptimizerConfig)},
-        mf.ddp_config_kwargs: {f.name for f in dataclasses.fields(DistributedDataParallelConfig)},
-        "mla": {f.name for f in dataclasses.fields(MLATransformerConfig)},
+        core_kwargs.transformer_config_kwargs: names(TransformerConfig),
+        core_kwargs.optimizer_config_kwargs: names(OptimizerConfig),
+        core_kwargs.ddp_config_kwargs: names(DistributedDataParallelConfig),
+        "mla": names(MLATransformerConfig),
     }
 
 
@@ -204,7 +209,8 @@ def test_applied_dataclass_flags_reach_their_config():
             if dest not in names:
                 continue
             if build == "mla":
-                kwargs = mf.transformer_config_kwargs({"multi_latent_attention": True, dest: value})
+                mla = {"multi_latent_attention": True, dest: value}
+                kwargs = core_kwargs.transformer_config_kwargs(mla)
             else:
                 kwargs = build({dest: value})
             assert kwargs.get(dest) == value, (dest, value, build)
@@ -277,7 +283,7 @@ def test_flags_new_in_0_19_that_are_not_built_are_refused():
 @ON_0_19
 def test_flags_new_in_0_19_that_apply_reach_their_config(caplog):
     caplog.set_level(logging.WARNING)
-    mf.warn_once.cache_clear()
+    warn_once.cache_clear()
     args = mp.parse_megatron_flags([
         "--moe-flex-dispatcher-num-sms", "24", "--mlp-chunks-for-training", "2",
         "--flash-attention-version", "3", "--fp4-param-gather", "--muon-nesterov",
@@ -286,12 +292,12 @@ def test_flags_new_in_0_19_that_apply_reach_their_config(caplog):
         "32", "--cuda-graph-modules", "attn", "--flight-recorder-dump-path", "/tmp/fr",
         "--inference-moe-token-dispatcher-type", "nccl", "--optimizer-cuda-graph",
     ])  # fmt: skip
-    kwargs = mf.transformer_config_kwargs(args)
+    kwargs = core_kwargs.transformer_config_kwargs(args)
     assert (kwargs["moe_flex_dispatcher_num_sms"], kwargs["mlp_chunks_for_training"]) == (24, 2)
     assert kwargs["flash_attention_version"] == 3 and kwargs["fp4_param"] is True
     assert kwargs["cuda_graph_modules"] == [] and "cuda_graph_scope" not in kwargs
-    assert mf.ddp_config_kwargs(args)["fp4_param_gather"] is True
-    opt = mf.optimizer_config_kwargs(args)
+    assert core_kwargs.ddp_config_kwargs(args)["fp4_param_gather"] is True
+    opt = core_kwargs.optimizer_config_kwargs(args)
     assert opt["muon_nesterov"] is True and opt["lion_beta1"] == 0.9
     [line] = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert "--mup-base-hidden-size: read only with --use-mup, refused here" in line
@@ -303,7 +309,7 @@ def test_flags_new_in_0_19_that_apply_reach_their_config(caplog):
 
 def test_knobs_of_refused_structures_are_ignored(caplog):
     caplog.set_level(logging.WARNING)
-    mf.warn_once.cache_clear()
+    warn_once.cache_clear()
     args = mp.parse_megatron_flags([
         "--no-tp-comm-bulk-wgrad", "--fsdp-double-buffer", "--mamba-state-dim", "64",
         "--mtp-standalone", "--lr", "1e-6",
@@ -340,7 +346,7 @@ def test_list_and_enum_flags():
         "--init-method-xavier-uniform", "--use-rope-scaling", "--rope-scaling-factor", "4",
         "--fp8-param-gather", "--empty-unused-memory-level", "1",
     ])  # fmt: skip
-    kwargs = mf.transformer_config_kwargs(args)
+    kwargs = core_kwargs.transformer_config_kwargs(args)
     assert kwargs["moe_layer_freq"] == [0, 1, 1, 1]
     assert kwargs["recompute_modules"] == ["mlp", "moe"]
     assert kwargs["attention_backend"] is AttnBackend.local
@@ -348,7 +354,7 @@ def test_list_and_enum_flags():
     assert kwargs["activation_func"].__name__ == "squared_relu"
     assert kwargs["init_method"].__name__ == "xavier_uniform_"
     assert kwargs["fp8_param"] is True
-    gpt = mf.gpt_model_kwargs(args)
+    gpt = core_kwargs.gpt_model_kwargs(args)
     assert gpt["rope_scaling"] is True and gpt["rope_scaling_factor"] == 4.0
     assert args["empty_unused_memory_level"] == 1
 
@@ -381,7 +387,7 @@ def test_recipe_aliases_of_megatron_lm_rl_flags():
 
 def test_ignored_flags_in_one_warning_line(caplog):
     caplog.set_level(logging.WARNING)
-    mf.warn_once.cache_clear()
+    warn_once.cache_clear()
     args = mp.parse_megatron_flags([
         "--data-path", "/data/a", "--split", "99,1,0", "--tokenizer-type", "HF",
         "--log-interval", "1", "--use-mcore-models", "--lr", "1e-6",
@@ -435,7 +441,7 @@ def _tree(**extra):
 
 
 def test_train_iters_and_samples_set_the_rl_steps():
-    from megatron_async_rl.config.recipe import build_config
+    from megatron_async_rl.recipe.load import build_config
 
     tree = _tree(rollout={"num_prompts_per_step": 4}, algorithm={"num_samples_per_prompt": 4})
     # 16 samples per RL step, 4 per optimizer step: 4 optimizer steps per RL step
@@ -458,7 +464,7 @@ def test_train_iters_and_samples_set_the_rl_steps():
 
 def test_seed_and_micro_batch_have_one_owner():
     """Flags after -- override the recipe's key; two spellings in one recipe must agree."""
-    from megatron_async_rl.config.recipe import build_config
+    from megatron_async_rl.recipe.load import build_config
 
     cfg = build_config(_tree(data=None), ["--seed", "7", "--micro-batch-size", "2"])
     assert cfg.seed == 7 and cfg.trainer.micro_batch_size == 2
@@ -475,7 +481,7 @@ def test_seed_and_micro_batch_have_one_owner():
 
 
 def test_megatron_lm_rl_flags_set_recipe_keys():
-    from megatron_async_rl.config.recipe import build_config
+    from megatron_async_rl.recipe.load import build_config
 
     cfg = build_config(_tree(), ["--grpo-group-size", "4", "--rl-default-temperature", "0.7"])
     assert cfg.algorithm.num_samples_per_prompt == 4 and cfg.rollout.temperature == 0.7
@@ -540,7 +546,7 @@ def test_exit_interval_counts_optimizer_steps():
 
 
 def test_exit_signal_handler_joins_save_on_signal():
-    from megatron_async_rl.config.recipe import build_config
+    from megatron_async_rl.recipe.load import build_config
 
     cfg = build_config(_tree(), ["--exit-signal-handler", "--exit-signal", "SIGUSR1"])
     assert "SIGUSR1" in cfg.checkpoint.save_on_signal
@@ -554,7 +560,7 @@ def test_exit_signal_handler_joins_save_on_signal():
 
 
 def test_distributed_backend_owns_platform_backend():
-    from megatron_async_rl.config.recipe import build_config
+    from megatron_async_rl.recipe.load import build_config
 
     with pytest.raises(ConfigError, match="nccl needs device cuda"):
         build_config(_tree(platform={"device": "cpu"}), ["--distributed-backend", "nccl"])
@@ -606,7 +612,7 @@ def test_checkpoint_flags():
     from types import SimpleNamespace
 
     from megatron_async_rl.checkpoint.manager import CheckpointManager
-    from megatron_async_rl.config.recipe import build_config
+    from megatron_async_rl.recipe.load import build_config
 
     tree = _tree(rollout={"num_prompts_per_step": 4}, algorithm={"num_samples_per_prompt": 4})
     flags = ["--save-interval", "6", "--global-batch-size", "4", "--async-save",
@@ -663,7 +669,7 @@ def test_iterations_to_skip(tmp_path):
 
 
 def test_trainer_micro_batch_size_is_the_shared_megatron_value():
-    from megatron_async_rl.config.recipe import build_config
+    from megatron_async_rl.recipe.load import build_config
 
     tree = _tree(trainer={"micro_batch_size": 4})
     tree["roles"]["logp"] = {"megatron": {"micro_batch_size": 2}}
@@ -707,9 +713,9 @@ def test_config_notes_are_printed_once_per_run(env, reports, monkeypatch, caplog
         monkeypatch.setenv(name, value)
     assert mp.reports_config_notes() is reports
     # The rules' notes on a role's flags follow it (every rank resolves the config again)
-    from megatron_async_rl.config.megatron_rules import check_args
+    from megatron_async_rl.config.megatron.rules import check_args
 
-    mf.warn_once.cache_clear()
+    warn_once.cache_clear()
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         check_args({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "lr": 1e-5,
@@ -720,7 +726,7 @@ def test_config_notes_are_printed_once_per_run(env, reports, monkeypatch, caplog
 
 
 def test_timeouts_at_init_and_after():
-    from megatron_async_rl.config.recipe import build_config
+    from megatron_async_rl.recipe.load import build_config
 
     cfg = build_config(_tree(), ["--distributed-timeout-minutes", "10",
                                  "--distributed-timeout-seconds-after-init", "120"])  # fmt: skip
@@ -745,7 +751,7 @@ def test_uneven_stages_split_as_megatron_core(num_layers, pp, first, last):
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from megatron_async_rl.models.name_map import stage_layers
+    from megatron_async_rl.models.dims import stage_layers
 
     config = TransformerConfig(
         num_layers=num_layers, hidden_size=64, num_attention_heads=4,
@@ -759,20 +765,20 @@ def test_uneven_stages_split_as_megatron_core(num_layers, pp, first, last):
 
 
 def test_pipeline_splits_the_weight_names_cannot_follow_are_refused():
-    from megatron_async_rl.config.recipe import build_config
+    from megatron_async_rl.recipe.load import build_config
 
     with pytest.raises(ConfigError, match="--account-for-embedding-in-pipeline-split = True: is "
                        "not mapped by the HF weight names here"):  # fmt: skip
         build_config(_tree(), ["--pipeline-model-parallel-size", "2",
                                "--account-for-embedding-in-pipeline-split"])  # fmt: skip
-    from megatron_async_rl.models.name_map import stage_layers
+    from megatron_async_rl.models.dims import stage_layers
 
     with pytest.raises(ValueError, match="does not split evenly over the 2 other pipeline"):
         stage_layers(1, 3, 5, first=2, last=None)  # 3 layers left for 2 stages
 
 
 def test_structures_without_weight_names_are_refused():
-    from megatron_async_rl.config.recipe import build_config
+    from megatron_async_rl.recipe.load import build_config
 
     if "--use-legacy-models" in ml.inventory()[1]:  # removed in core_v0.18
         with pytest.raises(ConfigError, match="--use-legacy-models = True: legacy"):
@@ -789,8 +795,9 @@ def test_mla_and_mixed_moe_flags_reach_the_config_and_the_name_map():
     """The DeepSeek structures (multi-latent attention, dense first layers, shared experts,
     expert bias) are applied: they reach megatron-core's MLATransformerConfig and the name map
     (whose logits parity with transformers is tests/distributed/test_hf_parity.py's)."""
-    from megatron_async_rl.config.recipe import build_config
-    from megatron_async_rl.models.name_map import ModelDims, hf_names_for, stage_param_names
+    from megatron_async_rl.models.dims import ModelDims
+    from megatron_async_rl.models.names import hf_names_for, stage_param_names
+    from megatron_async_rl.recipe.load import build_config
 
     flags = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[0]+[1]",
              "--moe-shared-expert-intermediate-size", "64", "--moe-router-enable-expert-bias",
@@ -800,8 +807,8 @@ def test_mla_and_mixed_moe_flags_reach_the_config_and_the_name_map():
              "--rotary-scaling-factor", "4", "--mscale", "0.9",
              "--mscale-all-dim", "0.8"]  # fmt: skip
     args = build_config(_tree(), flags).role_megatron_args["train"]
-    kwargs = mf.transformer_config_kwargs(args)
-    assert mf.transformer_config_class(args).__name__ == "MLATransformerConfig"
+    kwargs = core_kwargs.transformer_config_kwargs(args)
+    assert core_kwargs.transformer_config_class(args).__name__ == "MLATransformerConfig"
     assert (kwargs["q_lora_rank"], kwargs["kv_lora_rank"], kwargs["qk_pos_emb_head_dim"]) == (
         24, 32, 8)  # fmt: skip
     assert (kwargs["rotary_scaling_factor"], kwargs["mscale"], kwargs["mscale_all_dim"]) == (
@@ -820,8 +827,8 @@ def test_mla_and_mixed_moe_flags_reach_the_config_and_the_name_map():
 
 def test_pipeline_layout_is_checked_and_reaches_the_name_map():
     """--pipeline-model-parallel-layout (logits parity: tests/distributed/test_hf_parity.py)."""
-    from megatron_async_rl.config.recipe import build_config
-    from megatron_async_rl.models.name_map import ModelDims
+    from megatron_async_rl.models.dims import ModelDims
+    from megatron_async_rl.recipe.load import build_config
 
     pp = ["--pipeline-model-parallel-size", "2"]
     args = build_config(_tree(), [*pp, "--pipeline-model-parallel-layout", "Et|tL"])

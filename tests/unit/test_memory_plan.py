@@ -1,7 +1,7 @@
 """`roles.memory`: a rank's weights counted from the recipe equal the tensors it really loads.
 
 Contracts checked: for a dense and a MoE tiny model and layouts with TP, PP and EP,
-`stage_numel` equals the element count of the busiest rank's `name_map.stage_state_dict_from_hf`
+`stage_numel` equals the element count of the busiest rank's `shards.stage_state_dict_from_hf`
 slices (vocab padding aside: the tiny models need none), and `model_numel` that of the whole
 checkpoint; the train role adds grads and Adam's state by the stated rules (bf16 params: bf16
 grads, fp32 main copy and moments, divided over DP with the distributed optimizer). Pure; tiny
@@ -15,9 +15,10 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_async_rl.distributed.layout import RoleGrid
-from megatron_async_rl.models import name_map as nm
+from megatron_async_rl.models.dims import ModelDims
 from megatron_async_rl.models.hf_checkpoint import HFTensorReader, read_hf_config
 from megatron_async_rl.models.hf_config import megatron_args_from_hf
+from megatron_async_rl.models.shards import stage_state_dict_from_hf
 from megatron_async_rl.models.tiny import write_tiny_model
 from megatron_async_rl.roles import memory
 
@@ -28,7 +29,7 @@ def models(tmp_path_factory):
     for family in ("llama", "qwen3_moe"):
         path = write_tiny_model(tmp_path_factory.mktemp(family), family, seed=4)
         args = megatron_args_from_hf(read_hf_config(path))
-        out[family] = (path, args, nm.ModelDims.from_megatron_args(args))
+        out[family] = (path, args, ModelDims.from_megatron_args(args))
     return out
 
 
@@ -48,7 +49,7 @@ def test_counted_weights_equal_the_loaded_slices(models, family, sizes):
     loaded = 0
     for pp_rank in range(grid.pp):
         for ep_rank in range(grid.ep):
-            local = nm.stage_state_dict_from_hf(
+            local = stage_state_dict_from_hf(
                 reader.read, dims, tp_size=grid.tp, pp_rank=pp_rank, pp_size=grid.pp,
                 ep_rank=ep_rank, ep_size=grid.ep, etp_size=grid.etp,
             )  # fmt: skip

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from megatron_async_rl.config.errors import ConfigError
-from megatron_async_rl.config.recipe import resolve
+from megatron_async_rl.recipe.load import resolve
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPE = REPO_ROOT / "yaml_configs" / "moe-32gpu-grpo-async.yaml"
@@ -149,7 +149,7 @@ def test_real_resolve_still_needs_the_checkpoint(tmp_path):
 
 def test_dry_resolve_uses_the_recipe_architecture(tmp_path, caplog):
     absent = str(tmp_path / "absent")
-    with caplog.at_level(logging.WARNING, logger="megatron_async_rl.config.recipe"):
+    with caplog.at_level(logging.WARNING, logger="megatron_async_rl.recipe.load"):
         cfg = resolve(RECIPE, [f"model.hf_path={absent}"], [], check_paths=False)
     assert [r.getMessage() for r in caplog.records] == [
         f"model.hf_path = '{absent}' not found on this machine: not checked (dry run); "

@@ -25,11 +25,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_async_rl.config import megatron_flags as mf
-from megatron_async_rl.config import megatron_lm as ml
-from megatron_async_rl.config import megatron_parse as mp
-from megatron_async_rl.config import megatron_rules
-from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.config.errors import ConfigError, warn_once
+from megatron_async_rl.config.megatron import core_kwargs, rules
+from megatron_async_rl.config.megatron import inventory as ml
+from megatron_async_rl.config.megatron import parse as mp
+from megatron_async_rl.config.megatron import table as mf
 
 FLAGS = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
 
@@ -44,9 +44,9 @@ def test_flags_are_applied_and_reach_the_config():
     applied = frozenset(mf.flag_table()[0])
     for dest in ("mtp_num_layers", "mtp_loss_scaling_factor"):
         assert ml.classify(dest, applied) == ml.Verdict("applied"), dest
-    kwargs = mf.transformer_config_kwargs(_args())
+    kwargs = core_kwargs.transformer_config_kwargs(_args())
     assert (kwargs["mtp_num_layers"], kwargs["mtp_loss_scaling_factor"]) == (2, 0.3)
-    megatron_rules.check_args(_args(), "train")
+    rules.check_args(_args(), "train")
 
 
 def test_mtp_standalone_is_ignored_with_its_reason():
@@ -66,7 +66,7 @@ _LAYOUT = {"pipeline_model_parallel_size": 2, "num_layers": 4, "position_embeddi
 @pytest.mark.parametrize("extra", [*_VIRTUAL, {**_LAYOUT, "pipeline_model_parallel_layout":
                                                "Et|tttmmL"}])  # fmt: skip
 def test_pipeline_placement_with_virtual_stages_or_a_layout_is_accepted(extra):
-    megatron_rules.check_args(_args(**extra), "train")
+    rules.check_args(_args(**extra), "train")
 
 
 @pytest.mark.parametrize("layout, match", [
@@ -80,13 +80,13 @@ def test_a_layout_must_put_the_mtp_layers_on_its_last_stage(layout, match):
     extra = {**_LAYOUT, "pipeline_model_parallel_size": pp,
              "pipeline_model_parallel_layout": layout}  # fmt: skip
     with pytest.raises(ConfigError, match=match):
-        megatron_rules.check_args(_args(**extra), "train")
+        rules.check_args(_args(**extra), "train")
 
 
 def test_a_layout_without_mtp_layers_for_the_logp_role():
-    assert megatron_rules.layout_without_mtp("Et|tttmmL") == "Et|tttL"
-    assert megatron_rules.layout_without_mtp("E(tt|)*2m*2L") == "Ett|tt|L"
-    assert megatron_rules.layout_without_mtp(None) is None
+    assert rules.layout_without_mtp("Et|tttmmL") == "Et|tttL"
+    assert rules.layout_without_mtp("E(tt|)*2m*2L") == "Ett|tt|L"
+    assert rules.layout_without_mtp(None) is None
 
 
 @pytest.mark.parametrize(
@@ -106,28 +106,28 @@ def test_a_layout_without_mtp_layers_for_the_logp_role():
 )  # fmt: skip
 def test_layouts_without_mtp_are_refused(extra, role, match):
     with pytest.raises(ConfigError, match=match):
-        megatron_rules.check_args(_args(**extra), role)
+        rules.check_args(_args(**extra), role)
 
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_pipeline_stages_are_accepted(pp):
     args = _args(pipeline_model_parallel_size=pp, num_layers=4, position_embedding_type="rope")
-    megatron_rules.check_args(args, "train")
+    rules.check_args(args, "train")
 
 
 @pytest.mark.parametrize("role", ["logp", "ref"])
 def test_forward_only_roles_ignore_mtp_with_a_warning(role, caplog):
     caplog.set_level(logging.WARNING)
-    mf.warn_once.cache_clear()
-    megatron_rules.check_args(_args(pipeline_model_parallel_size=2), role)
+    warn_once.cache_clear()
+    rules.check_args(_args(pipeline_model_parallel_size=2), role)
     assert f"--mtp-num-layers 2 is ignored for the {role} role" in caplog.text
 
 
 def test_the_factor_alone_is_ignored_with_a_warning(caplog):
     caplog.set_level(logging.WARNING)
-    mf.warn_once.cache_clear()
+    warn_once.cache_clear()
     args = {**_args(), "mtp_num_layers": None, "mtp_loss_scaling_factor": 0.5}
-    megatron_rules.check_args(args, "train")
+    rules.check_args(args, "train")
     assert "--mtp-loss-scaling-factor 0.5 is ignored without --mtp-num-layers" in caplog.text
 
 
@@ -154,24 +154,24 @@ def test_layer_targets_are_real_tokens_k_plus_2_ahead():
 
 
 def test_rank_state_dict_leaves_mtp_tensors_out():
-    from megatron_async_rl.models import name_map
+    from megatron_async_rl.models.shards import rank_state_dict
 
     model = torch.nn.Module()
     model.decoder = torch.nn.Linear(2, 2, bias=False)
     model.mtp = torch.nn.ModuleDict({"eh_proj": torch.nn.Linear(4, 2, bias=False)})
-    assert list(name_map.rank_state_dict(model)) == ["decoder.weight"]
-    assert list(name_map.rank_state_dict([model, model])) == [
+    assert list(rank_state_dict(model)) == ["decoder.weight"]
+    assert list(rank_state_dict([model, model])) == [
         "model0.decoder.weight", "model1.decoder.weight"
     ]  # fmt: skip
     # the MTP layers below `mtp_num_layers` (those with HF names) for HF load and export
     model.mtp = torch.nn.Module()
     model.mtp.layers = torch.nn.ModuleList([torch.nn.Linear(4, 2, bias=False)] * 2)
-    assert list(name_map.rank_state_dict(model, 1)) == ["decoder.weight", "mtp.layers.0.weight"]
-    assert list(name_map.rank_state_dict(model, 0)) == ["decoder.weight"]
+    assert list(rank_state_dict(model, 1)) == ["decoder.weight", "mtp.layers.0.weight"]
+    assert list(rank_state_dict(model, 0)) == ["decoder.weight"]
     # megatron-core 0.19's module name of an MTP layer's transformer layer
     model.mtp.layers = torch.nn.ModuleList([torch.nn.Module()])
     model.mtp.layers[0].mtp_model_layer = torch.nn.Linear(2, 2, bias=False)
-    assert list(name_map.rank_state_dict(model, 1)) == [
+    assert list(rank_state_dict(model, 1)) == [
         "decoder.weight", "mtp.layers.0.transformer_layer.weight"
     ]  # fmt: skip
 
@@ -179,31 +179,37 @@ def test_rank_state_dict_leaves_mtp_tensors_out():
 def test_mtp_layers_have_hf_names_in_deepseek_v3_format_only(tmp_path):
     import dataclasses
 
-    from megatron_async_rl.models import name_map as nm
+    from megatron_async_rl.models.dims import MLADims, ModelDims
+    from megatron_async_rl.models.names import (
+        hf_names_for,
+        shard_spec,
+        stage_param_names,
+        to_global_name,
+    )
     from megatron_async_rl.models.tiny import write_tiny_model
 
-    dims = nm.ModelDims(
+    dims = ModelDims(
         num_layers=2, hidden_size=8, num_attention_heads=2, num_query_groups=2, head_dim=4,
         ffn_hidden_size=16, vocab_size=32, tied_embeddings=False, add_qkv_bias=False,
         qk_layernorm=False, mtp_num_layers=1,
     )  # fmt: skip
     assert dims.hf_mtp_layers == 0
-    assert not any(n.startswith("mtp.") for n in nm.stage_param_names(dims))
+    assert not any(n.startswith("mtp.") for n in stage_param_names(dims))
     with pytest.raises(ValueError, match=r"MTP layer 0 has no HF name \(hf_mtp_layers=0"):
-        nm.shard_spec("mtp.layers.0.eh_proj.weight", dims)
-    mla = dataclasses.replace(dims, mla=nm.MLADims(None, 4, 4, 2, 4))
-    assert nm.hf_names_for("mtp.layers.0.final_layernorm.weight", mla) == (
+        shard_spec("mtp.layers.0.eh_proj.weight", dims)
+    mla = dataclasses.replace(dims, mla=MLADims(None, 4, 4, 2, 4))
+    assert hf_names_for("mtp.layers.0.final_layernorm.weight", mla) == (
         "model.layers.2.shared_head.norm.weight",)  # fmt: skip
-    assert nm.shard_spec("mtp.layers.0.eh_proj.weight", mla).partition_dim == 0
+    assert shard_spec("mtp.layers.0.eh_proj.weight", mla).partition_dim == 0
     for suffix, hf in [("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
                        ("mlp.linear_fc1.weight", "mlp.gate_proj.weight")]:  # fmt: skip
         for inner in ("transformer_layer", "mtp_model_layer"):  # megatron-core 0.16, 0.19
             name = f"mtp.layers.0.{inner}.{suffix}"
-            assert nm.hf_names_for(name, mla)[0] == f"model.layers.2.{hf}", name
-            assert nm.to_global_name(name, layer_offset=1) == (
+            assert hf_names_for(name, mla)[0] == f"model.layers.2.{hf}", name
+            assert to_global_name(name, layer_offset=1) == (
                 f"mtp.layers.0.transformer_layer.{suffix}")  # fmt: skip
     with pytest.raises(ValueError, match="unknown Megatron parameter 'mtp.layers.0.bogus'"):
-        nm.shard_spec("mtp.layers.0.bogus", mla)
+        shard_spec("mtp.layers.0.bogus", mla)
     with pytest.raises(ValueError, match="mtp_num_layers=-1 must be >= 0"):
         dataclasses.replace(dims, mtp_num_layers=-1)
     with pytest.raises(ValueError, match="num_mtp_layers=1: only deepseek_v3 names MTP layers"):
@@ -211,10 +217,10 @@ def test_mtp_layers_have_hf_names_in_deepseek_v3_format_only(tmp_path):
 
 
 def test_a_recipe_builds_mtp_for_the_train_role_only(caplog):
-    from megatron_async_rl.config.recipe import build_config
+    from megatron_async_rl.recipe.load import build_config
 
     caplog.set_level(logging.WARNING)
-    mf.warn_once.cache_clear()
+    warn_once.cache_clear()
     tree = {
         "roles": {"groups": [{"roles": ["train", "logp", "ref"], "num_ranks": 1}]},
         "megatron": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,

@@ -16,6 +16,7 @@ from megatron_async_rl.models.tiny import build_tokenizer
 from megatron_async_rl.rollout.environment import EpisodeSample, StepResult
 from megatron_async_rl.rollout.multiturn import MultiTurnLimits, generate_trajectories
 from megatron_async_rl.rollout.turns import observation_ids
+from tests.harness.environments import ToolTurns
 
 
 class Recording(FakeEngine):
@@ -26,24 +27,6 @@ class Recording(FakeEngine):
     def generate(self, requests):
         self.requests.append(list(requests))
         return super().generate(requests)
-
-
-class ToolTurns:
-    """Answers two tool messages, then says done with reward 1; `fail_on` raises instead."""
-
-    def __init__(self, fail_on: str | None = None):
-        self.turn, self.fail_on = 0, fail_on
-
-    def reset(self, sample):
-        if sample.prompt == self.fail_on:
-            raise RuntimeError("broken environment")
-        return None
-
-    def step(self, action):
-        self.turn += 1
-        if self.turn == 3:
-            return StepResult(None, 1.0, True)
-        return StepResult([{"role": "tool", "content": f"result {self.turn}"}], 0.0, False)
 
 
 def _run(engine, limits, make_env=ToolTurns, prompts=("a", "b")):

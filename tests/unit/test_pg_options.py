@@ -131,8 +131,8 @@ def test_bad_flags_are_refused(args, pattern):
 
 
 def test_the_recipe_checks_the_flags(tmp_path, config_file, caplog):
-    from megatron_async_rl.config import megatron_flags
-    from megatron_async_rl.config.recipe import build_config
+    from megatron_async_rl.config.errors import warn_once
+    from megatron_async_rl.recipe.load import build_config
 
     tree = {
         "roles": {"groups": [{"roles": ["train", "logp", "ref"], "num_ranks": 1}]},
@@ -149,7 +149,7 @@ def test_the_recipe_checks_the_flags(tmp_path, config_file, caplog):
         build_config(tree, ["--nccl-communicator-config-path", str(bad)])
     with pytest.raises(ConfigError, match=r"--sharp-enabled-group = 'tp': must be one of dp"):
         build_config(tree, ["--use-sharp", "--sharp-enabled-group", "tp"])
-    megatron_flags.warn_once.cache_clear()
+    warn_once.cache_clear()
     with caplog.at_level(logging.WARNING):  # a dry run on a machine without the cluster's file
         build_config(tree, ["--nccl-communicator-config-path", "/cluster/nccl.yaml"], False)
     assert "'/cluster/nccl.yaml' not found on this machine: not checked (dry run)" in caplog.text
@@ -248,7 +248,7 @@ def test_sharp_holds_collnet_while_dp_cp_is_made(monkeypatch):
 
 
 def test_the_builder_says_once_what_gloo_ignores(monkeypatch, config_file, caplog):
-    from megatron_async_rl.config import megatron_flags
+    from megatron_async_rl.config.errors import warn_once
     from megatron_async_rl.config.roles import RoleGroupSpec
     from megatron_async_rl.distributed import groups
     from megatron_async_rl.distributed.layout import plan_layout
@@ -257,7 +257,7 @@ def test_the_builder_says_once_what_gloo_ignores(monkeypatch, config_file, caplo
                              RoleGroupSpec(["logp", "ref"], num_ranks=1)], {})  # fmt: skip
     args = {"nccl_communicator_config_path": config_file}
     monkeypatch.setattr(groups.dist, "get_rank", lambda: 0)
-    megatron_flags.warn_once.cache_clear()
+    warn_once.cache_clear()
     with caplog.at_level(logging.WARNING):
         plans = groups._group_plans(layout, "gloo", dict.fromkeys(("train", "logp", "ref"), args))
     assert all(plan.options == {} for plan in plans.values())

@@ -83,7 +83,7 @@ def test_at_step_kills_the_rank_on_the_first_attempt_only(attempt):
 
 
 def test_a_kill_in_load_due_before_a_resume_is_not_injected_again():
-    from megatron_async_rl.engines.faults import EngineFaults
+    from megatron_async_rl.engines.recovery.faults import EngineFaults
 
     signals = []
     engine = SimpleNamespace(signal_scheduler=signals.append)

@@ -2,7 +2,7 @@
 
 Contracts checked: `HFTensorReader` reads a tensor's bytes (or a row/column range of them) only
 when asked (its counter) and enforces an index file as `load_hf_state_dict` did;
-`name_map.stage_state_dict_from_hf` gives exactly what the whole-model path gives
+`shards.stage_state_dict_from_hf` gives exactly what the whole-model path gives
 (`stage_state_dict(hf_to_megatron(all))`) for every (tp, pp, ep) stage of a dense and a MoE
 family, with whole tensors sliced after reading or with only the rank's slices read, while
 reading only the HF tensors of that stage: for PP=2 the first stage reads the embedding and its
@@ -22,13 +22,20 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from megatron_async_rl.models import name_map as nm
+from megatron_async_rl.models.dims import ModelDims
 from megatron_async_rl.models.hf_checkpoint import (
     HFTensorReader,
     load_hf_state_dict,
     read_hf_config,
 )
 from megatron_async_rl.models.hf_config import megatron_args_from_hf
+from megatron_async_rl.models.names import (
+    check_hf_names,
+    hf_names_for,
+    hf_to_megatron,
+    stage_param_names,
+)
+from megatron_async_rl.models.shards import stage_state_dict, stage_state_dict_from_hf
 from megatron_async_rl.models.tiny import write_tiny_model
 
 
@@ -37,7 +44,7 @@ def models(tmp_path_factory):
     out = {}
     for family in ("llama", "qwen3_moe"):
         path = write_tiny_model(tmp_path_factory.mktemp(family), family, seed=2)
-        dims = nm.ModelDims.from_megatron_args(megatron_args_from_hf(read_hf_config(path)))
+        dims = ModelDims.from_megatron_args(megatron_args_from_hf(read_hf_config(path)))
         out[family] = (path, dims, load_hf_state_dict(path))
     return out
 
@@ -60,15 +67,15 @@ def test_a_stage_read_alone_equals_the_whole_model_path_and_reads_only_its_sourc
     models, family, ranks
 ):
     path, dims, hf_sd = models[family]
-    want = nm.stage_state_dict(nm.hf_to_megatron(hf_sd, dims), dims, **ranks)
+    want = stage_state_dict(hf_to_megatron(hf_sd, dims), dims, **ranks)
     stage = {k: v for k, v in ranks.items() if k.startswith(("pp", "ep"))}
-    sources = {h for n in nm.stage_param_names(dims, **stage) for h in nm.hf_names_for(
+    sources = {h for n in stage_param_names(dims, **stage) for h in hf_names_for(
         "embedding.word_embeddings.weight" if n == "output_layer.weight" and dims.tied_embeddings
         else n, dims)}  # fmt: skip
     whole, mine = _nbytes(hf_sd.values()), _nbytes(hf_sd[h] for h in sources)
     for sliced in (False, True):  # whole tensors then sliced, or only the rank's slices read
         reader = HFTensorReader(path)
-        got = nm.stage_state_dict_from_hf(
+        got = stage_state_dict_from_hf(
             reader.read, dims, reader.read_range if sliced else None, **ranks
         )
         assert got.keys() == want.keys()
@@ -86,12 +93,12 @@ def test_a_stage_read_alone_equals_the_whole_model_path_and_reads_only_its_sourc
 @pytest.mark.parametrize("tp_rank", [0, 1])
 def test_tp_slices_of_a_padded_tied_vocabulary(tmp_path, tp_rank):
     path = write_tiny_model(tmp_path, "qwen3", seed=5, tie_word_embeddings=True)
-    dims = nm.ModelDims.from_megatron_args(megatron_args_from_hf(read_hf_config(path)))
+    dims = ModelDims.from_megatron_args(megatron_args_from_hf(read_hf_config(path)))
     dims = dataclasses.replace(dims, padded_vocab_size=dims.vocab_size + 6)  # rows to pad
     ranks = dict(tp_rank=tp_rank, tp_size=2, pp_rank=1, pp_size=2)  # tied output on stage 1
-    want = nm.stage_state_dict(nm.hf_to_megatron(load_hf_state_dict(path), dims), dims, **ranks)
+    want = stage_state_dict(hf_to_megatron(load_hf_state_dict(path), dims), dims, **ranks)
     reader = HFTensorReader(path)
-    got = nm.stage_state_dict_from_hf(reader.read, dims, reader.read_range, **ranks)
+    got = stage_state_dict_from_hf(reader.read, dims, reader.read_range, **ranks)
     assert "output_layer.weight" in got and got.keys() == want.keys()
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name
@@ -100,7 +107,7 @@ def test_tp_slices_of_a_padded_tied_vocabulary(tmp_path, tp_rank):
 def test_the_first_of_two_stages_reads_its_layers_and_not_the_others(models):
     path, dims, _ = models["llama"]
     reader, read = HFTensorReader(path), []
-    nm.stage_state_dict_from_hf(lambda n: read.append(n) or reader.read(n), dims, pp_rank=0,
+    stage_state_dict_from_hf(lambda n: read.append(n) or reader.read(n), dims, pp_rank=0,
                                 pp_size=2)  # fmt: skip
     layers = {int(n.split(".")[2]) for n in read if n.startswith("model.layers.")}
     assert "model.embed_tokens.weight" in read and "model.norm.weight" not in read
@@ -109,11 +116,11 @@ def test_the_first_of_two_stages_reads_its_layers_and_not_the_others(models):
 
 def test_names_alone_keep_the_whole_model_checks(models):
     _, dims, hf_sd = models["llama"]
-    nm.check_hf_names(hf_sd.keys(), dims)
+    check_hf_names(hf_sd.keys(), dims)
     with pytest.raises(ValueError, match="lacks \\['model.norm.weight'\\]"):
-        nm.check_hf_names([k for k in hf_sd if k != "model.norm.weight"], dims)
+        check_hf_names([k for k in hf_sd if k != "model.norm.weight"], dims)
     with pytest.raises(ValueError, match="no Megatron counterpart: \\['model.extra'\\]"):
-        nm.check_hf_names([*hf_sd, "model.extra"], dims)
+        check_hf_names([*hf_sd, "model.extra"], dims)
 
 
 def test_the_reader_enforces_the_index_and_reads_on_request(tmp_path):

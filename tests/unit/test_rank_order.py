@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_async_rl.config import megatron_parse
 from megatron_async_rl.config.errors import ConfigError
-from megatron_async_rl.config.schema import RoleGroupSpec
+from megatron_async_rl.config.megatron import parse
 from megatron_async_rl.distributed.layout import Parallelism, RoleGrid, plan_layout
-from megatron_async_rl.models import name_map as nm
+from megatron_async_rl.models.dims import ModelDims
+from megatron_async_rl.recipe.schema import RoleGroupSpec
 from megatron_async_rl.weight_sync.plan import build_plan
 
 OFFSET = 2
@@ -42,7 +42,7 @@ EXPERT_GROUPS = ("tp", "ep", "dp", "tp-ep", "tp-ep-pp")
 
 def _grid(shape, flag: bool) -> RoleGrid:
     tp, cp, ep, etp, pp, dp = shape
-    args = megatron_parse.parse_megatron_flags(["--use-tp-pp-dp-mapping"] if flag else [])
+    args = parse.parse_megatron_flags(["--use-tp-pp-dp-mapping"] if flag else [])
     par = Parallelism.from_megatron_args({
         **args, "tensor_model_parallel_size": tp, "context_parallel_size": cp,
         "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp,
@@ -120,7 +120,7 @@ def test_reshard_senders_follow_the_order(shape):
     pp_of = {r: c["pp"] for r, c in _coords(dense_gen, ("pp",)).items()}
     tp_groups = _groups(dense_gen.get_ranks("tp")) | _groups(expert_gen.get_ranks("tp"))
     moe = grid.ep > 1
-    dims = nm.ModelDims(
+    dims = ModelDims(
         num_layers=4, ffn_hidden_size=96, vocab_size=100, padded_vocab_size=128,
         hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16,
         tied_embeddings=False, add_qkv_bias=False, qk_layernorm=False,

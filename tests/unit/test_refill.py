@@ -359,7 +359,7 @@ def test_multi_turn_trajectories_refill_the_same_way(tmp_path):
 def test_a_bad_refill_knob_in_a_recipe_is_one_line_naming_its_key(sets, message, monkeypatch):
     from pathlib import Path
 
-    from megatron_async_rl.config.recipe import resolve
+    from megatron_async_rl.recipe.load import resolve
 
     monkeypatch.chdir(Path(__file__).parent / "bad_inputs")
     with pytest.raises(ConfigError) as info:

@@ -3,7 +3,7 @@ number of informative groups.
 
 Contracts checked:
 - the synchronous loop (`jobs/grpo_sync.run_steps`) and the asynchronous pipeline at N = 0, 1
-  and 2 (`run_generate_pipeline` / `run_learn_pipeline` on a `LocalExchange`) with
+  and 2 (`GeneratePipeline` / `run_learn_pipeline` on a `LocalExchange`) with
   `algorithm.refill`: each step's batch has `rollout.num_prompts_per_step` groups, all
   informative (rewards that differ), numbered 0..P-1; steps needed refill rounds;
 - at N = 0 the asynchronous pipeline logs exactly what the synchronous loop logs, the
@@ -37,20 +37,23 @@ import torch.distributed as dist
 from megatron_async_rl.checkpoint.config import Preempted
 from megatron_async_rl.jobs.async_checkpoint import Resumed
 from megatron_async_rl.jobs.exchange import LocalExchange, _learn_work
-from megatron_async_rl.jobs.grpo_async import run_generate_pipeline, run_learn_pipeline
+from megatron_async_rl.jobs.grpo_async import run_learn_pipeline
 from megatron_async_rl.jobs.grpo_sync import run_steps
 from megatron_async_rl.observability.clock import RankClock
 from megatron_async_rl.rollout.refill import StoreRounds
 from tests.unit.pipeline_fakes import (
     FakeLearner,
+    LedgerLearner,
     ScriptedReward,
+    SyncCheckpoints,
     TimedEngine,
     every_third,
     make_cfg,
     make_generate_side,
+    run_async,
+    run_generate,
+    stable,
 )
-from tests.unit.test_async_checkpoint import LedgerLearner, SyncCheckpoints
-from tests.unit.test_async_pipeline import run_async, stable
 
 PROMPTS = 3
 
@@ -167,7 +170,7 @@ def _run_with_checkpoints(cfg, learner, engine, checkpoints, start=0, resumed=No
 
     threads = [
         threading.Thread(target=side, args=(
-            "generate", run_generate_pipeline, gen, exchange, RankClock(1, ("generate",)), cfg,
+            "generate", run_generate, gen, exchange, RankClock(1, ("generate",)), cfg,
             1, checkpoints, start, resumed,
         )),
         threading.Thread(target=side, args=(
@@ -264,7 +267,7 @@ def test_two_engine_hosts_agree_on_every_round_in_the_asynchronous_loop(tmp_path
 
     threads = [
         threading.Thread(target=side, args=(
-            f"generate {i}", run_generate_pipeline, sides[i], exchange.hosts[i],
+            f"generate {i}", run_generate, sides[i], exchange.hosts[i],
             RankClock(1 + i, ("generate",)), cfg, 1 + i,
         ))
         for i in range(2)

@@ -6,7 +6,7 @@ PP2, TP2xPP2, EP2, TP2xEP2 (expert TP 2 and 1), PP2xEP2 at a rank offset: every 
 every HF tensor the engine expects is in exactly one piece of one sender's buckets; messages
 and buckets stay within the consume and produce bounds; the plan is deterministic and cached;
 with PP>1 or EP>1 no sender sends the whole model. The gather rule is checked element by
-element: full HF tensors of unique values are sharded by `name_map` as each rank holds them
+element: full HF tensors of unique values are sharded by `models.shards` as each rank holds them
 (rank coordinates from megatron-core's own HyperCommGrid, independently of the plan's
 formulas), gathered from the plan's contributor ranks, packed and unpacked through
 `weight_sync.buffers`, reassembled, and compared exactly. No process group; nothing is faked.
@@ -18,31 +18,38 @@ import pytest
 import torch
 
 from megatron_async_rl.distributed.layout import RoleGrid
-from megatron_async_rl.models import name_map as nm
+from megatron_async_rl.models.dims import ModelDims
+from megatron_async_rl.models.names import (
+    hf_names_for,
+    hf_to_megatron,
+    megatron_param_to_hf,
+    stage_param_names,
+)
+from megatron_async_rl.models.shards import stage_state_dict, unshard
 from megatron_async_rl.weight_sync import buffers
 from megatron_async_rl.weight_sync.plan import build_plan, check_stage_names, hf_shape
 
 OFFSET = 3
 _COMMON = dict(hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16)
 DIMS = {
-    "dense": nm.ModelDims(
+    "dense": ModelDims(
         num_layers=4, ffn_hidden_size=96, vocab_size=100, padded_vocab_size=128,
         tied_embeddings=False, add_qkv_bias=False, qk_layernorm=False, **_COMMON,
     ),
-    "dense_tied_bias_qknorm": nm.ModelDims(
+    "dense_tied_bias_qknorm": ModelDims(
         num_layers=4, ffn_hidden_size=96, vocab_size=100, padded_vocab_size=128,
         tied_embeddings=True, add_qkv_bias=True, qk_layernorm=True, **_COMMON,
     ),
-    "dense_tied_vp2": nm.ModelDims(  # two model chunks per pipeline rank when pp > 1
+    "dense_tied_vp2": ModelDims(  # two model chunks per pipeline rank when pp > 1
         num_layers=4, ffn_hidden_size=96, vocab_size=100, padded_vocab_size=128,
         tied_embeddings=True, add_qkv_bias=True, qk_layernorm=True, vp_size=2, **_COMMON,
     ),
-    "moe": nm.ModelDims(
+    "moe": ModelDims(
         num_layers=2, ffn_hidden_size=96, vocab_size=100, padded_vocab_size=128,
         tied_embeddings=False, add_qkv_bias=False, qk_layernorm=True, num_experts=4,
         moe_ffn_hidden_size=32, **_COMMON,
     ),
-    "moe_tied": nm.ModelDims(
+    "moe_tied": ModelDims(
         num_layers=2, ffn_hidden_size=96, vocab_size=100, padded_vocab_size=128,
         tied_embeddings=True, add_qkv_bias=False, qk_layernorm=True, num_experts=4,
         moe_ffn_hidden_size=32, **_COMMON,
@@ -114,7 +121,7 @@ def _plan(dims_name, layout_name, **kw):
 @pytest.mark.parametrize("dims_name,layout_name", CASES)
 def test_every_element_is_in_exactly_one_piece_within_bounds(dims_name, layout_name):
     plan, dims = _plan(dims_name, layout_name), DIMS[dims_name]
-    expected = {hf for name in nm.stage_param_names(dims) for hf in nm.hf_names_for(name, dims)}
+    expected = {hf for name in stage_param_names(dims) for hf in hf_names_for(name, dims)}
     shapes = dict(plan.hf_shapes)
     assert shapes.keys() == expected and len(plan.hf_shapes) == len(expected)
     hits = {
@@ -142,11 +149,11 @@ def test_gather_rule_reassembles_every_tensor_exactly(dims_name, layout_name, mo
     plan, dims, layout = _plan(dims_name, layout_name), DIMS[dims_name], _layout(layout_name)
     coords = _coordinates(layout, monkeypatch)
     hf_sd = _unique_hf(plan)
-    full = nm.hf_to_megatron(hf_sd, dims)
+    full = hf_to_megatron(hf_sd, dims)
     held = {}
     for rank in layout_ranks(layout):
         c = coords[rank]
-        held[rank] = nm.stage_state_dict(
+        held[rank] = stage_state_dict(
             full, dims, tp_rank=c["tp_rank"], tp_size=layout.tp, pp_rank=c["pp_rank"],
             pp_size=layout.pp, ep_rank=c["ep_rank"], ep_size=layout.ep,
             etp_rank=c["etp_rank"], etp_size=layout.etp,
@@ -168,15 +175,15 @@ def test_gather_rule_reassembles_every_tensor_exactly(dims_name, layout_name, mo
                     size = layout.etp if g.group == "expt_tp" else layout.tp
                     assert g.ranks == (sender.rank,) and (g.spec.partition_dim is None or size == 1)
                 shards = [held[r][g.local_name] for r in g.ranks]
-                tensor = nm.unshard(shards, g.spec) if g.is_collective else shards[0]
+                tensor = unshard(shards, g.spec) if g.is_collective else shards[0]
                 # Views, as the executor packs them (q/k/v of a fused QKV are strided).
-                hf = nm.megatron_param_to_hf(g.param, tensor, dims, copy=False)
+                hf = megatron_param_to_hf(g.param, tensor, dims, copy=False)
                 staged[sender.rank].update(hf)
             buf = torch.zeros(message.wire_bytes, dtype=torch.uint8)
             buffers.pack(buf, message, staged[sender.rank], torch.float32, version=7,
                          sender=sender.rank, seq=seq)  # fmt: skip
             for param in message.releases:  # packed for the last time: the sender drops them
-                for hf in nm.hf_names_for(param, dims):
+                for hf in hf_names_for(param, dims):
                     staged[sender.rank].pop(hf)
             header = buffers.read_header(buf)
             assert header.checksum == buffers.payload_checksum(buf, message)

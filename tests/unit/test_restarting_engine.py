@@ -1,4 +1,4 @@
-"""`engines.restarting.RestartingEngine` and `engines.health` over fake engines.
+"""`engines.recovery.restarting.RestartingEngine` and `engines.recovery.health` over fake engines.
 
 Contract checked: a call that finds the engine dead restarts it (a new engine from the factory)
 and is carried on there; the new engine first gets the newest *complete* weight version with its
@@ -7,7 +7,8 @@ label (not an abandoned or half-loaded one), then the caller's pause and open we
 resubmitted generate is counted; past `max_restarts` within the window the run stops with an
 error naming the engine, every cause and the counts; the budget's window slides over steps; a
 hung engine is found by the watchdog (SUSPECT, then DEAD, killed) and the call blocked on it is
-carried on by a new engine; illegal health moves are refused. Faked: the engines
+carried on by a new engine; illegal health moves are refused; the fake and the real engine
+satisfy `RestartableEngine`, the restarting engine `ManagedEngine`. Faked: the engines
 (`FakeEngine`); the real twin is `tests/distributed/test_engine_restart.py`.
 """
 
@@ -19,14 +20,14 @@ import pytest
 import torch
 
 from megatron_async_rl.engines.fake import FakeEngine
-from megatron_async_rl.engines.health import (
+from megatron_async_rl.engines.protocol import GenerateRequest, SamplingParams
+from megatron_async_rl.engines.recovery.health import (
     EngineHealth,
     EngineRestartLimitError,
     RestartBudget,
     transition,
 )
-from megatron_async_rl.engines.protocol import GenerateRequest, SamplingParams
-from megatron_async_rl.engines.restarting import RestartingEngine
+from megatron_async_rl.engines.recovery.restarting import RestartingEngine
 from megatron_async_rl.weight_sync.sinks import load_tensors
 
 
@@ -227,7 +228,7 @@ def test_illegal_health_moves_are_refused():
         transition("e", EngineHealth.HEALTHY, EngineHealth.STALE, "x")
 
 
-# -- fault injection (`engines.faults`) -----------------------------------------------------
+# -- fault injection (`engines.recovery.faults`) ------------------------------------------
 
 
 def test_faults_are_refused_without_allow_and_checked():
@@ -245,7 +246,7 @@ def test_faults_are_refused_without_allow_and_checked():
 
 def test_injected_kills_land_once_per_step_and_the_engine_recovers():
     from megatron_async_rl.engines.config import FaultsConfig
-    from megatron_async_rl.engines.faults import EngineFaults
+    from megatron_async_rl.engines.recovery.faults import EngineFaults
 
     cfg = FaultsConfig(allow=True, engine_kill_steps=[1], engine_kill_in_load_steps=[2],
                        delay_s=0.0)  # fmt: skip
@@ -267,7 +268,7 @@ def test_injected_kills_land_once_per_step_and_the_engine_recovers():
 
 def test_with_several_engines_a_step_s_fault_goes_to_one_engine():
     from megatron_async_rl.engines.config import FaultsConfig
-    from megatron_async_rl.engines.faults import EngineFaults
+    from megatron_async_rl.engines.recovery.faults import EngineFaults
 
     cfg = FaultsConfig(allow=True, engine_kill_steps=[3, 4], engine_kill_in_load_steps=[5])
     engines = [FakeEngine(name=f"e{i}") for i in range(2)]
@@ -323,3 +324,19 @@ def test_a_prefix_older_than_the_step_s_window_is_generated_again_and_counted():
     metrics = engine.take_metrics()
     assert metrics["engines/tokens_regenerated"] == 6 and "engines/tokens_kept" not in metrics
     assert metrics["engines/requests_resubmitted"] == 3
+
+
+def test_the_fakes_and_the_real_engine_satisfy_the_recovery_protocols():
+    """What the restarting engine needs of the engine it wraps (`RestartableEngine`) holds for
+    the fake these tests restart and for the real engine (checked on its class: no process is
+    started); what it offers (`ManagedEngine`) holds for it and not for a bare engine, which the
+    generate side, the loop and the weight sink then drive without the restart calls."""
+    from megatron_async_rl.engines.protocol import Engine, ManagedEngine, RestartableEngine
+    from megatron_async_rl.engines.sglang.engine import SGLangEngine
+
+    factory = Factory()
+    engine = _engine(factory)
+    assert isinstance(factory.engines[0], RestartableEngine)
+    assert issubclass(SGLangEngine, RestartableEngine) and issubclass(SGLangEngine, Engine)
+    assert isinstance(engine, ManagedEngine) and isinstance(engine.inner, RestartableEngine)
+    assert not isinstance(FakeEngine(), ManagedEngine)

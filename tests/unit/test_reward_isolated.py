@@ -1,4 +1,4 @@
-"""`rewards.isolated.IsolatedReward` behind `SafeReward` (`reward.call_timeout_s`).
+"""`processes.isolated.IsolatedReward` behind `SafeReward` (`reward.call_timeout_s`).
 
 Contract checked, with a real child process (nothing faked): a reward plug-in answers through
 the pipe; a call that hangs is cut after `call_timeout_s`, scores 0 and is counted in

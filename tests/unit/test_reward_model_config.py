@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from megatron_async_rl.config.errors import ConfigError
-from megatron_async_rl.config.recipe import build_config
 from megatron_async_rl.models.tiny import write_tiny_model
+from megatron_async_rl.recipe.load import build_config
 
 
 def _tree(policy, rm) -> dict:

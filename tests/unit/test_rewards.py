@@ -24,11 +24,12 @@ import time
 import pytest
 
 from megatron_async_rl.config.errors import ConfigError
-from megatron_async_rl.rewards.arithmetic import arithmetic_reward
 from megatron_async_rl.rewards.config import RewardConfig
-from megatron_async_rl.rewards.math_answer import extract_answer, math_reward
+from megatron_async_rl.rewards.math_answer import math_reward
+from megatron_async_rl.rewards.math_match import extract_answer
 from megatron_async_rl.rewards.registry import RewardRequest, SafeReward, get_reward
 from megatron_async_rl.rewards.remote import RemoteReward
+from megatron_async_rl.tasks.arithmetic_reward import arithmetic_reward
 
 
 @pytest.mark.parametrize(

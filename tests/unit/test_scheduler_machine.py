@@ -12,19 +12,9 @@ import pytest
 
 from megatron_async_rl.scheduler.machine import StageMachine
 from megatron_async_rl.scheduler.states import Stage, StageState
+from tests.harness.clocks import FakeClock
 
 S = StageState
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def test_busy_and_idle_seconds():

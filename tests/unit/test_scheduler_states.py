@@ -23,19 +23,9 @@ from megatron_async_rl.scheduler.states import (
     check_table,
     why_illegal,
 )
+from tests.harness.clocks import FakeClock
 
 S = StageState
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def path_to(stage: Stage, target: StageState) -> list[StageState] | None:

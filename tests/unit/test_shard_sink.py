@@ -2,7 +2,7 @@
 
 Contracts checked, for a dense and a MoE tiny model over TP, PP and EP layouts, with every HF
 tensor cut into uneven flat pieces sent in model order: the rank's parameters end equal to
-`name_map.stage_state_dict_from_hf` (what loading from disk gives); pieces of tensors the rank
+`shards.stage_state_dict_from_hf` (what loading from disk gives); pieces of tensors the rank
 does not hold are dropped (never staged); peak staging stays below the whole model's bytes and
 nothing stays staged at the end; a sync that ends with a parameter unwritten names it; a
 module that does not match the stage is refused with the names. The module is a plain holder
@@ -16,9 +16,11 @@ import math
 import pytest
 import torch
 
-from megatron_async_rl.models import name_map as nm
+from megatron_async_rl.models.dims import ModelDims
 from megatron_async_rl.models.hf_checkpoint import HFTensorReader, read_hf_config
 from megatron_async_rl.models.hf_config import megatron_args_from_hf
+from megatron_async_rl.models.names import hf_names_for
+from megatron_async_rl.models.shards import stage_entries, stage_state_dict_from_hf
 from megatron_async_rl.models.tiny import write_tiny_model
 from megatron_async_rl.weight_sync import buffers
 from megatron_async_rl.weight_sync.plan import Piece
@@ -30,7 +32,7 @@ def models(tmp_path_factory):
     out = {}
     for family in ("llama", "qwen3_moe"):
         path = write_tiny_model(tmp_path_factory.mktemp(family), family, seed=5)
-        dims = nm.ModelDims.from_megatron_args(megatron_args_from_hf(read_hf_config(path)))
+        dims = ModelDims.from_megatron_args(megatron_args_from_hf(read_hf_config(path)))
         reader = HFTensorReader(path)
         out[family] = (dims, {k: reader.read(k) for k in reader.keys()}, reader)
     return out
@@ -68,7 +70,7 @@ CASES = [
 @pytest.mark.parametrize(("family", "ranks"), CASES, ids=str)
 def test_rank_gets_the_slices_loading_from_disk_gives(models, family, ranks):
     dims, hf, reader = models[family]
-    expected = nm.stage_state_dict_from_hf(reader.read, dims, reader.read_range, **ranks)
+    expected = stage_state_dict_from_hf(reader.read, dims, reader.read_range, **ranks)
     holder = Holder({k: torch.zeros_like(v) for k, v in expected.items()})
     counter = buffers.MemoryCounter()
     sink = ShardSink(holder, dims, ranks, counter, torch.float32, 3)
@@ -79,7 +81,7 @@ def test_rank_gets_the_slices_loading_from_disk_gives(models, family, ranks):
     assert sink.finish(complete=True) is None
     for name, tensor in expected.items():
         assert torch.equal(holder.tensors[name], tensor), name
-    needed = {h for e in nm.stage_entries(dims, **ranks) for h in nm.hf_names_for(e.source, dims)}
+    needed = {h for e in stage_entries(dims, **ranks) for h in hf_names_for(e.source, dims)}
     assert seen <= needed  # others' pieces were never staged
     if ranks.get("pp_size", 1) > 1 or ranks.get("ep_size", 1) > 1:
         assert len(needed) < len(hf)
@@ -90,7 +92,7 @@ def test_rank_gets_the_slices_loading_from_disk_gives(models, family, ranks):
 
 def test_an_unwritten_parameter_is_named(models):
     dims, hf, reader = models["llama"]
-    expected = nm.stage_state_dict_from_hf(reader.read, dims)
+    expected = stage_state_dict_from_hf(reader.read, dims)
     sink = ShardSink(Holder(dict(expected)), dims, {}, buffers.MemoryCounter(), torch.float32, 3)
     for piece, values in _pieces(hf, cuts=2):
         if piece.hf_name != "model.norm.weight":
@@ -102,7 +104,7 @@ def test_an_unwritten_parameter_is_named(models):
 
 def test_a_module_that_is_not_the_stage_is_refused(models):
     dims, _, reader = models["llama"]
-    expected = nm.stage_state_dict_from_hf(reader.read, dims, pp_rank=0, pp_size=2)
+    expected = stage_state_dict_from_hf(reader.read, dims, pp_rank=0, pp_size=2)
     with pytest.raises(ValueError, match="have no source") as info:
         ShardSink(Holder(expected), dims, {"pp_rank": 1, "pp_size": 2}, None, torch.float32, 3)
     assert "embedding.word_embeddings.weight" in str(info.value) and "final_layernorm" in str(
@@ -113,7 +115,7 @@ def test_a_module_that_is_not_the_stage_is_refused(models):
 
 def test_pieces_of_a_split_tensor_are_staged_once_and_counted(models):
     dims, hf, reader = models["llama"]
-    expected = nm.stage_state_dict_from_hf(reader.read, dims, tp_rank=0, tp_size=2)
+    expected = stage_state_dict_from_hf(reader.read, dims, tp_rank=0, tp_size=2)
     counter = buffers.MemoryCounter()
     sink = ShardSink(
         Holder(dict(expected)), dims, dict(tp_rank=0, tp_size=2), counter, torch.float32, 0

@@ -1,4 +1,4 @@
-"""`engines.shm_sweep`: segments of dead SGLang processes go, those of live ones stay."""
+"""`engines.sglang.shm_sweep`: segments of dead SGLang processes go, those of live ones stay."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from megatron_async_rl.engines.shm_sweep import remove_stale_segments
+from megatron_async_rl.engines.sglang.shm_sweep import remove_stale_segments
 
 
 def _dead_pid() -> int:

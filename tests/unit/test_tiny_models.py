@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import transformers  # noqa: E402
 
-from megatron_async_rl.models import name_map as nm  # noqa: E402
+from megatron_async_rl.models.dims import ModelDims  # noqa: E402
 from megatron_async_rl.models.hf_checkpoint import (  # noqa: E402
     load_hf_state_dict,
     read_hf_config,
@@ -32,6 +32,7 @@ from megatron_async_rl.models.hf_config import (  # noqa: E402
     hf_config_from_megatron_args,
     megatron_args_from_hf,
 )
+from megatron_async_rl.models.names import hf_to_megatron, megatron_to_hf  # noqa: E402
 from megatron_async_rl.models.tiny import FAMILIES, main, write_tiny_model  # noqa: E402
 
 PROMPT = torch.tensor([[1, 8, 9, 17, 14, 21, 8, 16, 2]])
@@ -104,10 +105,10 @@ def test_export_through_megatron_names_keeps_logits(tiny_dirs, tmp_path, family)
     src = tiny_dirs[family]
     hf_config = read_hf_config(src)
     args = megatron_args_from_hf(hf_config)
-    dims = nm.ModelDims.from_megatron_args(args)
-    mc_sd = nm.hf_to_megatron(load_hf_state_dict(src), dims)
+    dims = ModelDims.from_megatron_args(args)
+    mc_sd = hf_to_megatron(load_hf_state_dict(src), dims)
     exported = hf_config_from_megatron_args(args, family, base=hf_config)
-    out = save_hf_checkpoint(tmp_path / "export", nm.megatron_to_hf(mc_sd, dims), exported, src)
+    out = save_hf_checkpoint(tmp_path / "export", megatron_to_hf(mc_sd, dims), exported, src)
     reference = transformers.AutoModelForCausalLM.from_pretrained(src)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert torch.equal(reloaded(PROMPT).logits, reference(PROMPT).logits)

@@ -1,4 +1,4 @@
-"""The tool-use warm start's examples (`rollout/tool_warm_start.py`) are the rollout's tokens.
+"""The tool-use warm start's examples (`tasks/tool_warm_start.py`) are the rollout's tokens.
 
 Contracts: a conversation's ids are the prompt, each call then `<eos>`, the tool's answer as
 `turns.observation_ids` renders it, the final answer then `<eos>` (what the multi-turn rollout
@@ -12,9 +12,9 @@ from __future__ import annotations
 import random
 
 from megatron_async_rl.models.tiny import build_tokenizer
-from megatron_async_rl.rollout.calculator import PRICES
-from megatron_async_rl.rollout.tool_warm_start import call_text, conversation, plan
 from megatron_async_rl.rollout.turns import observation_ids
+from megatron_async_rl.tasks.calculator import PRICES
+from megatron_async_rl.tasks.tool_warm_start import call_text, conversation, plan
 
 
 def test_plans_are_right_without_noise():

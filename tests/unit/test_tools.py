@@ -119,7 +119,7 @@ def test_workers_end_with_the_process_that_started_them(tmp_path):
 
     code = (
         "import os, sys\n"
-        "from megatron_async_rl.rollout.worker_pool import WorkerPool\n"
+        "from megatron_async_rl.processes.worker_pool import WorkerPool\n"
         "from tests.unit.tool_fixtures import add\n"
         "pool = WorkerPool(workers=2)\n"
         "assert pool.run_many(add, [(1, 2), (3, 4)]) == [3, 7]\n"
@@ -146,7 +146,7 @@ def test_callers_on_many_threads_share_the_workers_and_survive_a_replacement():
     import threading
     import time
 
-    from megatron_async_rl.rollout.worker_pool import CallTimeout, WorkerPool
+    from megatron_async_rl.processes.worker_pool import CallTimeout, WorkerPool
     from tests.unit import tool_fixtures
 
     pool = WorkerPool(workers=4, call_timeout_s=20.0, what="test call")

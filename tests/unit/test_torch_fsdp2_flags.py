@@ -16,11 +16,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_async_rl.config import megatron_flags as mf
-from megatron_async_rl.config import megatron_lm as ml
-from megatron_async_rl.config import megatron_parse as mp
-from megatron_async_rl.config import megatron_rules
-from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.config.errors import ConfigError, warn_once
+from megatron_async_rl.config.megatron import inventory as ml
+from megatron_async_rl.config.megatron import parse as mp
+from megatron_async_rl.config.megatron import rules
+from megatron_async_rl.config.megatron import table as mf
 
 FLAGS = ["--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"]
 
@@ -38,9 +38,9 @@ def test_flags_are_applied():
     applied = frozenset(mf.flag_table()[0])
     for dest in ("use_torch_fsdp2", "torch_fsdp2_reshard_after_forward"):
         assert ml.classify(dest, applied) == ml.Verdict("applied"), dest
-    megatron_rules.check_args(_args(), "train")
+    rules.check_args(_args(), "train")
     untied = _args(untie_embeddings_and_output_weights=False)
-    megatron_rules.check_args(untied, "critic")  # a head: untied
+    rules.check_args(untied, "critic")  # a head: untied
 
 
 @pytest.mark.parametrize(
@@ -67,16 +67,16 @@ def test_flags_are_applied():
 )  # fmt: skip
 def test_rules_are_config_errors(extra, match):
     with pytest.raises(ConfigError, match=match):
-        megatron_rules.check_args(_args(**extra), "train")
+        rules.check_args(_args(**extra), "train")
 
 
 def test_ignored_where_nothing_is_wrapped(caplog):
     caplog.set_level(logging.WARNING)
-    mf.warn_once.cache_clear()
+    warn_once.cache_clear()
     forward_only = _args(pipeline_model_parallel_size=2)
-    megatron_rules.check_args(forward_only, "logp")  # forward-only: no rule
+    rules.check_args(forward_only, "logp")  # forward-only: no rule
     no_fsdp2 = _args(use_torch_fsdp2=False)
-    megatron_rules.check_args(no_fsdp2, "train")
+    rules.check_args(no_fsdp2, "train")
     messages = [r.getMessage() for r in caplog.records]
     assert "--use-torch-fsdp2 is ignored for the forward-only role logp" in messages[0]
     assert (

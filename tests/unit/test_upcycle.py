@@ -19,8 +19,8 @@ import logging
 import pytest
 import torch
 
-from megatron_async_rl.config import megatron_flags
 from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.config.megatron import table
 from megatron_async_rl.models import hf_config
 from megatron_async_rl.models.upcycle import (
     UpcyclePlan,
@@ -28,17 +28,10 @@ from megatron_async_rl.models.upcycle import (
     upcycle_state_dict,
     upcycled_hf_config,
 )
+from tests.harness.hf_configs import QWEN3
 
 HIDDEN, FFN = 16, 24
 PREFIX = "model.layers.{}.mlp."
-QWEN3 = {
-    "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
-    "vocab_size": 96, "hidden_act": "silu", "initializer_range": 0.1, "bos_token_id": 1,
-    "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "float32",
-}  # fmt: skip
 
 
 def _dense_sd(num_layers: int = 2) -> dict[str, torch.Tensor]:
@@ -159,7 +152,7 @@ def test_the_config_is_the_dense_architecture_with_experts(granularity):
 
 def _args(**given) -> dict:
     dense = hf_config.megatron_args_from_hf(QWEN3)
-    return {**megatron_flags.defaults(), **dense, "moe_use_upcycling": True, **given}
+    return {**table.defaults(), **dense, "moe_use_upcycling": True, **given}
 
 
 def test_the_plan_of_good_flags():

@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 
 from megatron_async_rl.config.errors import ConfigError
-from megatron_async_rl.config.recipe import build_config, load_recipe, resolve, write_resolved
 from megatron_async_rl.models import upcycle
-from tests.unit.test_upcycle import QWEN3
+from megatron_async_rl.recipe.load import build_config, resolve
+from megatron_async_rl.recipe.tree import load_recipe, write_resolved
+from tests.harness.hf_configs import QWEN3
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPE = """\

@@ -8,7 +8,7 @@ Contracts, with no process group (the numerics are `tests/distributed/test_virtu
 - each model chunk's layers (`ModelDims.stage_layers` with a vp stage) are those megatron-core's
   `get_transformer_layer_offset` / `get_num_layers_to_build` give it, even and uneven stages;
 - the reshard plan of a V = 2 train role covers every HF tensor once, as V = 1 does, from
-  parameters named as `name_map.stage_entries` names each rank's chunks;
+  parameters named as `shards.stage_entries` names each rank's chunks;
 - the interleaved schedule's micro-batch rules, checked by the dry run and before each pass
   (`minibatch`, `preflight.check_batches`).
 The reassembly of every tensor through a V = 2 plan is `tests/unit/test_reshard_plan.py`'s.
@@ -21,15 +21,18 @@ import dataclasses
 import pytest
 
 from megatron_async_rl.algorithms import minibatch
-from megatron_async_rl.config import megatron_flags as mf
 from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.config.megatron import core_kwargs
+from megatron_async_rl.config.megatron import table as mf
 from megatron_async_rl.distributed.layout import RoleGrid
-from megatron_async_rl.models import name_map as nm
+from megatron_async_rl.models.dims import ModelDims
+from megatron_async_rl.models.names import rank_global_name, split_chunk_name, stage_param_names
+from megatron_async_rl.models.shards import stage_entries
 from megatron_async_rl.weight_sync.plan import build_plan
 
 
 def _config(*flags: str, num_layers: int = 8):
-    from megatron_async_rl.config.recipe import build_config
+    from megatron_async_rl.recipe.load import build_config
 
     tree = {
         "roles": {"groups": [{"roles": ["train", "logp", "ref"], "num_ranks": 1}]},
@@ -54,8 +57,8 @@ def test_flags_resolve_to_megatron_cores_virtual_size(flags, vp):
     from megatron.core.transformer import TransformerConfig
 
     args = _config(*flags)
-    kwargs = mf.transformer_config_kwargs(args)
-    assert mf.virtual_stages(args) == vp
+    kwargs = core_kwargs.transformer_config_kwargs(args)
+    assert core_kwargs.virtual_stages(args) == vp
     assert kwargs["virtual_pipeline_model_parallel_size"] == (vp if vp > 1 else None)
     # Megatron-LM: p2p overlap on (its default) with virtual stages, then no batched p2p ops
     assert (kwargs["overlap_p2p_comm"], kwargs["batch_p2p_comm"]) == (
@@ -64,7 +67,7 @@ def test_flags_resolve_to_megatron_cores_virtual_size(flags, vp):
                                   "overlap_p2p_comm": kwargs["overlap_p2p_comm"]})  # fmt: skip
     assert config.virtual_pipeline_model_parallel_size == kwargs[
         "virtual_pipeline_model_parallel_size"]  # fmt: skip
-    assert nm.ModelDims.from_megatron_args({**args, "ffn_hidden_size": 128}).vp_size == vp
+    assert ModelDims.from_megatron_args({**args, "ffn_hidden_size": 128}).vp_size == vp
 
 
 STAGES, LAYERS = "--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage"
@@ -104,7 +107,7 @@ def test_virtual_pipeline_rules_are_named(flags, match):
 def test_no_overlap_is_fine_past_two_pipeline_ranks():
     args = _config("--pipeline-model-parallel-size", "4", STAGES, "2",
                    "--no-overlap-p2p-communication")  # fmt: skip
-    kwargs = mf.transformer_config_kwargs(args)
+    kwargs = core_kwargs.transformer_config_kwargs(args)
     assert (kwargs["overlap_p2p_comm"], kwargs["batch_p2p_comm"]) == (False, True)
 
 
@@ -125,7 +128,7 @@ def test_each_chunk_holds_megatron_cores_layers(num_layers, pp, vp, first, last)
         pipeline_dtype=torch.float32, num_layers_in_first_pipeline_stage=first,
         num_layers_in_last_pipeline_stage=last,
     )  # fmt: skip
-    dims = nm.ModelDims(
+    dims = ModelDims(
         num_layers=num_layers, hidden_size=64, num_attention_heads=4, num_query_groups=4,
         head_dim=16, ffn_hidden_size=96, vocab_size=100, tied_embeddings=False,
         add_qkv_bias=False, qk_layernorm=False, first_stage_layers=first,
@@ -143,7 +146,7 @@ def test_each_chunk_holds_megatron_cores_layers(num_layers, pp, vp, first, last)
         dims.stage_layers(0, pp)
 
 
-_DIMS = nm.ModelDims(
+_DIMS = ModelDims(
     num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16,
     ffn_hidden_size=96, vocab_size=100, padded_vocab_size=128, tied_embeddings=True,
     add_qkv_bias=False, qk_layernorm=False,
@@ -152,23 +155,23 @@ _DIMS = nm.ModelDims(
 
 def test_stage_names_of_each_chunk():
     dims = dataclasses.replace(_DIMS, vp_size=2)
-    rank0 = [e.local for e in nm.stage_entries(dims, pp_rank=0, pp_size=2)]
-    rank1 = [e.local for e in nm.stage_entries(dims, pp_rank=1, pp_size=2)]
+    rank0 = [e.local for e in stage_entries(dims, pp_rank=0, pp_size=2)]
+    rank1 = [e.local for e in stage_entries(dims, pp_rank=1, pp_size=2)]
     assert rank0[0] == "model0.embedding.word_embeddings.weight"
     assert "model1.decoder.layers.0.mlp.linear_fc1.weight" in rank0  # layer 2
     assert not any("final_layernorm" in n or "output_layer" in n for n in rank0)
     assert rank1[-2:] == ["model1.decoder.final_layernorm.weight", "model1.output_layer.weight"]
-    assert nm.rank_global_name(
+    assert rank_global_name(
         "model1.decoder.layers.0.mlp.linear_fc1.weight", dims, pp_rank=1, pp_size=2
     ) == "decoder.layers.3.mlp.linear_fc1.weight"  # fmt: skip
-    names = nm.stage_param_names(dims, pp_rank=0, pp_size=2) + nm.stage_param_names(
+    names = stage_param_names(dims, pp_rank=0, pp_size=2) + stage_param_names(
         dims, pp_rank=1, pp_size=2)  # fmt: skip
     assert sorted(names) == sorted(
-        nm.stage_param_names(_DIMS, pp_rank=0, pp_size=2)
-        + nm.stage_param_names(_DIMS, pp_rank=1, pp_size=2)
+        stage_param_names(_DIMS, pp_rank=0, pp_size=2)
+        + stage_param_names(_DIMS, pp_rank=1, pp_size=2)
     )  # the same parameters, in other places
     with pytest.raises(ValueError, match="is not the name of one of 2 model chunks"):
-        nm.split_chunk_name("decoder.final_layernorm.weight", 2)
+        split_chunk_name("decoder.final_layernorm.weight", 2)
 
 
 def test_plan_with_two_chunks_covers_the_model_as_one_chunk_does():
@@ -184,7 +187,7 @@ def test_plan_with_two_chunks_covers_the_model_as_one_chunk_does():
     assert sent(v2) == sent(v1) and [s.rank for s in v2.senders] == [0, 2]
     dims = v2.dims
     for rank, (tp, pp) in {0: (0, 0), 1: (1, 0), 2: (0, 1), 3: (1, 1)}.items():
-        held = {e.local for e in nm.stage_entries(dims, tp_rank=tp, tp_size=2, pp_rank=pp,
+        held = {e.local for e in stage_entries(dims, tp_rank=tp, tp_size=2, pp_rank=pp,
                                                    pp_size=2)}  # fmt: skip
         assert v2.params_of(rank) <= held and v2.params_of(rank)
 

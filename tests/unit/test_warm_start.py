@@ -1,4 +1,4 @@
-"""Contract of `rollout/warm_start.py`: a short supervised run that saves a loadable HF model.
+"""Contract of `tasks/warm_start.py`: a short supervised run that saves a loadable HF model.
 
 - The command line (the real entry point, in a subprocess: transformers must not share a
   process with `megatron_async_rl.compat`) writes an HF directory that `AutoModelForCausalLM`
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from megatron_async_rl.models.tiny import write_tiny_model
-from megatron_async_rl.rollout.arithmetic import write_arithmetic_dataset
+from megatron_async_rl.tasks.arithmetic import write_arithmetic_dataset
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 METRIC_KEYS = {
@@ -45,7 +45,7 @@ def test_command_line_writes_a_loadable_model(task):
     out = root / "cli-out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_async_rl.rollout.warm_start", "--model", str(model),
+        [sys.executable, "-m", "megatron_async_rl.tasks.warm_start", "--model", str(model),
          "--data", str(data), "--out", str(out), "--steps", "5", "--seed", "0"],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -64,7 +64,7 @@ def test_command_line_writes_a_loadable_model(task):
 
 
 def test_metrics_separate_sft_from_format_only_training(task):
-    from megatron_async_rl.rollout.warm_start import warm_start
+    from megatron_async_rl.tasks.warm_start import warm_start
 
     root, model, data = task
     sft = warm_start(model, data, root / "sft", steps=120, lr=3e-3, batch_size=32, seed=0,
@@ -82,7 +82,7 @@ def test_greedy_generation_matches_transformers_generate(task):
     import torch
     import transformers
 
-    from megatron_async_rl.rollout.warm_start import generate, warm_start
+    from megatron_async_rl.tasks.warm_start import generate, warm_start
 
     root, model, data = task
     warm_start(model, data, root / "gen", steps=30, lr=3e-3, batch_size=16, seed=1)
@@ -99,7 +99,7 @@ def test_greedy_generation_matches_transformers_generate(task):
 
 
 def test_same_seed_same_weights(task):
-    from megatron_async_rl.rollout.warm_start import warm_start
+    from megatron_async_rl.tasks.warm_start import warm_start
 
     root, model, data = task
     runs = [
@@ -116,7 +116,7 @@ def test_same_seed_same_weights(task):
 
 
 def test_bad_arguments(task):
-    from megatron_async_rl.rollout.warm_start import warm_start
+    from megatron_async_rl.tasks.warm_start import warm_start
 
     root, model, data = task
     with pytest.raises(ValueError, match="mode = 'sft': must be one of"):

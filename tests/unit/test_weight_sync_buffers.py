@@ -17,15 +17,10 @@ import pytest
 import torch
 
 from megatron_async_rl.distributed.layout import RoleGrid
-from megatron_async_rl.models import name_map as nm
+from megatron_async_rl.models.names import megatron_param_to_hf
 from megatron_async_rl.weight_sync import buffers, sinks
 from megatron_async_rl.weight_sync.plan import build_plan
-
-DIMS = nm.ModelDims(
-    num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16,
-    ffn_hidden_size=96, vocab_size=100, padded_vocab_size=128, tied_embeddings=False,
-    add_qkv_bias=False, qk_layernorm=False,
-)  # fmt: skip
+from tests.harness.weight_sync import DIMS
 
 
 def _plan(consume_bytes: int):
@@ -55,8 +50,8 @@ def test_checksum_changes_with_any_flipped_byte():
 def test_packing_strided_views_writes_the_bytes_of_owned_copies():
     qkv = torch.randn(2 * (2 + 2) * 16, 64)  # groups x (2 q heads + k + v) x head dim, hidden
     name = "decoder.layers.0.self_attention.linear_qkv.weight"
-    views = dict(nm.megatron_param_to_hf(name, qkv, DIMS, copy=False))
-    owned = dict(nm.megatron_param_to_hf(name, qkv, DIMS))
+    views = dict(megatron_param_to_hf(name, qkv, DIMS, copy=False))
+    owned = dict(megatron_param_to_hf(name, qkv, DIMS))
     assert not views["model.layers.0.self_attn.q_proj.weight"].is_contiguous()
     plan = _plan(consume_bytes=2**20)
     message = next(m for m in _messages(plan) if any(p.hf_name in views for p in m.pieces))

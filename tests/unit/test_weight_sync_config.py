@@ -22,7 +22,7 @@ def test_defaults_and_bytes():
 
 
 def test_run_config_has_the_section():
-    from megatron_async_rl.config.schema import RunConfig
+    from megatron_async_rl.recipe.schema import RunConfig
 
     assert RunConfig.__dataclass_fields__["weight_sync"].default_factory is WeightSyncConfig
 
