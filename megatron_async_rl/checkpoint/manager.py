@@ -99,9 +99,10 @@ class SignalFlag:
 
 
 class CheckpointManager:
-    def __init__(self, cfg, groups, resume: str = "auto"):
-        self.cfg, self.groups, self.resume = cfg, groups, resume
+    def __init__(self, cfg, groups):
+        self.cfg, self.groups = cfg, groups
         self.config = cfg.checkpoint
+        self.resume = self.config.resume  # auto, never or a path (`--resume`)
         self.root = Path(self.config.path(cfg.run_dir))
         self.is_leader = groups.rank == 0
         self.keys = store.compatibility_keys(cfg)

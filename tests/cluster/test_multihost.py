@@ -31,7 +31,7 @@ from tests.harness.recipes import RECIPE, REPO, SYNC_SETS
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow, pytest.mark.e2e]
 VOLATILE = ("timing/", "throughput/", "scheduler/", "utilization/", "weight_sync/GB_per_s",
-            "weight_sync/stall_s", "weight_sync/shared_memory_senders")  # fmt: skip
+            "weight_sync/stall_s", "weight_sync/shared_memory_senders", "checkpoint/")  # fmt: skip
 
 
 @pytest.fixture

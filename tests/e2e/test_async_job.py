@@ -39,6 +39,7 @@ VOLATILE = (
     "utilization/",
     "weight_sync/GB_per_s",
     "weight_sync/stall_s",
+    "checkpoint/",  # the save of version 2: seconds, and the async loop's own bookkeeping
 )
 
 

@@ -145,9 +145,38 @@ def test_a_crash_and_a_preemption_resume_to_the_end(task, tmp_path):
     assert len(lines) == 1 and "differs in algorithm.clip_ratio_low" in lines[0], lines
 
 
+def test_a_run_resumes_with_its_schedule_and_data_cursor(task, sync_run, tmp_path):
+    """The shared synchronous run (`sync_run`: 4 steps, checkpoints of versions 2 and 4),
+    resumed from version 2 into a new run directory with `--resume PATH`: steps 2 and 3 are
+    trained again, the first marked `resume/from_step` 2; the restored state is the saved one
+    where a resumed run can show it exactly: the learning-rate schedule (`actor/lr` of both
+    steps equals the uninterrupted run's: 8 optimizer steps already taken) and the data cursor
+    (the same prompts at both steps, `ledger.jsonl`); the run saves version 4 at its end. The
+    sampled tokens are not compared (SGLang's sampler: module docstring)."""
+    from megatron_async_rl.observability.ledger import read_ledger
+    from tests.harness.recipes import SYNC_SETS, run_recipe
+
+    saved = sync_run.run_dir / "checkpoints" / "step_00000002"
+    assert (saved / "manifest.json").exists(), sorted(saved.parent.iterdir())
+    run_dir = tmp_path / "resumed"
+    rows = run_recipe(task, run_dir, *SYNC_SETS, f"validation.data.path={task.val}",
+                      f"checkpoint.resume={saved}").rows  # fmt: skip
+    assert [r["step"] for r in rows] == [2, 3]
+    assert rows[0]["resume/from_step"] == 2 and "resume/from_step" not in rows[1]
+    before = {r["step"]: r for r in sync_run.rows}
+    for row in rows:
+        assert row["actor/lr"] == before[row["step"]]["actor/lr"], row["step"]
+        assert row["actor/optimizer_steps"] == 4
+    prompts = {r["step"]: r["prompts"] for r in read_ledger(sync_run.run_dir / "ledger.jsonl")}
+    resumed = {r["step"]: r["prompts"] for r in read_ledger(run_dir / "ledger.jsonl")}
+    assert resumed == {2: prompts[2], 3: prompts[3]}
+    assert (run_dir / "checkpoints" / "step_00000004" / "manifest.json").exists()
+
+
 ASYNC_RECIPE = RECIPE.parent / "tiny-grpo-async-cpu.yaml"
 
 
+@pytest.mark.fault_soak  # minutes: scripts/fault_checks.sh runs it
 def test_the_asynchronous_loop_loses_nothing_through_a_kill_during_a_save(task, tmp_path):
     """`yaml_configs/tiny-grpo-async-cpu.yaml` (one step ahead, weights loaded in flight,
     responses long enough that loads land mid-generation), a checkpoint every 2 versions of 8,

@@ -26,9 +26,11 @@ SYNC_SETS = (
     "megatron.lr_warmup_iters=2",
     "megatron.lr_decay_style=cosine",
     "megatron.min_lr=1.0e-4",
+    "checkpoint.every_steps=2",
 )
 """The shared synchronous run: 4 steps, validation of versions 0 and 2, 4 optimizer steps of 32
-samples per RL step (rollout batch 128) under a warm-up of 2 and a cosine decay to 1e-4."""
+samples per RL step (rollout batch 128) under a warm-up of 2 and a cosine decay to 1e-4,
+checkpoints of versions 2 and 4 (`test_checkpoint_resume` resumes from version 2)."""
 
 
 @dataclasses.dataclass(frozen=True)
