@@ -85,6 +85,28 @@ def main(argv: list[str] | None = None) -> int:
         preflight.check_platform_dtype, cfg, "cuda" if platform.use_cuda else "cpu"
     )
 
+    head_start = _engine_head_start(cfg, layout, platform)
+    try:
+        return _run_world(cfg, layout, platform, head_start)
+    finally:
+        if head_start is not None:
+            head_start.close()  # a run that stopped before its engine was adopted
+
+
+def _engine_head_start(cfg, layout, platform):
+    """On an engine host rank, its engine launched now (`roles.generate.EngineHeadStart`), so
+    that SGLang starts while the rank joins the world and builds its roles; None elsewhere, and
+    where `--moe-use-upcycling` will point the model at a checkpoint not yet written."""
+    if cfg.trainer.job != "grpo" or "RANK" not in os.environ:
+        return None
+    if upcycle.plan_of(cfg.role_megatron_args) is not None:
+        return None
+    from megatron_async_rl.roles.generate import EngineHeadStart
+
+    return EngineHeadStart.launch(cfg, layout, int(os.environ["RANK"]), platform.device_type)
+
+
+def _run_world(cfg, layout, platform, head_start) -> int:
     import torch.distributed as dist
 
     from megatron_async_rl.distributed.groups import build_world_groups
@@ -109,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             # --moe-use-upcycling: rank 0 writes the MoE checkpoint every role and engine loads
             cfg = upcycle.use_upcycled(cfg, rank == 0, lambda: dist.barrier(group=groups.control))
-            _run_job(cfg, groups, platform)
+            _run_job(cfg, groups, platform, head_start)
         except ConfigError as err:  # found at run time: a checkpoint, a plugin, /dev/shm, ...
             if err.rank_local or first_report_on_node(str(err)):  # by whichever rank found it
                 where = f"[global rank {rank}] " if err.rank_local else ""
@@ -166,14 +188,14 @@ def _stop_exit(rank: int, kind: str, code: int, text: str) -> int:
     return 0
 
 
-def _run_job(cfg, groups, platform) -> None:
+def _run_job(cfg, groups, platform, head_start=None) -> None:
     if cfg.trainer.job == "grpo":
         if cfg.scheduler.use_async_loop:
             from megatron_async_rl.jobs.grpo_async import run_grpo_async as run_grpo
         else:
             from megatron_async_rl.jobs.grpo_sync import run_grpo_sync as run_grpo
 
-        run_grpo(cfg, groups, platform)
+        run_grpo(cfg, groups, platform, head_start)
     else:
         from megatron_async_rl.jobs.role_check import run_role_check
 

@@ -121,12 +121,12 @@ def run_learn_pipeline(learn, exchange, clock: RankClock, cfg, rank: int, role: 
     receiver.check(who)
 
 
-def run_grpo_async(cfg, groups, platform) -> None:
+def run_grpo_async(cfg, groups, platform, head_start=None) -> None:
     """Train for `trainer.num_steps` steps with generation up to N versions ahead; resumes
     from and saves checkpoints like the synchronous loop (collective over the world)."""
     checkpoints = CheckpointManager(cfg, groups)
     checkpoints.choose()  # a checkpoint of another recipe stops the run before engines start
-    parts = build_parts(cfg, groups, platform)
+    parts = build_parts(cfg, groups, platform, head_start)
     try:
         rank = groups.rank
         if parts.gen is not None and parts.learn is not None:

@@ -155,11 +155,11 @@ def _rollout(gen, machines, clock, cfg, step: int) -> StepWork:
     return work
 
 
-def run_grpo_sync(cfg, groups, platform) -> None:
+def run_grpo_sync(cfg, groups, platform, head_start=None) -> None:
     """The synchronous loop of the entry point (collective over the world)."""
     checkpoints = CheckpointManager(cfg, groups)
     checkpoints.choose()  # a checkpoint of another recipe stops the run before engines start
-    parts = build_parts(cfg, groups, platform)
+    parts = build_parts(cfg, groups, platform, head_start)
     try:
         start = checkpoints.restore(parts.gen, parts.learn, parts.exchange)
         if start >= cfg.trainer.num_steps:

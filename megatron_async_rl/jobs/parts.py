@@ -22,7 +22,7 @@ from megatron_async_rl.observability.clock import RankClock
 from megatron_async_rl.observability.plots import plot_stage_timeline
 from megatron_async_rl.observability.trace import merge_traces, write_trace
 from megatron_async_rl.roles import memory
-from megatron_async_rl.roles.generate import GenerateSide, build_generate_side
+from megatron_async_rl.roles.generate import EngineHeadStart, GenerateSide, build_generate_side
 from megatron_async_rl.roles.learn import LearnSide
 from megatron_async_rl.roles.megatron_role import build_local_roles, role_checkpoint
 
@@ -67,8 +67,9 @@ class RankParts:
             self.learn.close()
 
 
-def build_parts(cfg, groups, platform) -> RankParts:
-    """This rank's roles (checkpoint loaded), engine, sides and exchange."""
+def build_parts(cfg, groups, platform, head_start: EngineHeadStart | None = None) -> RankParts:
+    """This rank's roles (checkpoint loaded), engine (adopted from `head_start` where it was
+    launched early), sides and exchange."""
     from transformers import AutoTokenizer
 
     from megatron_async_rl.algorithms.minibatch import run_optimizer_steps_per_rl_step
@@ -86,7 +87,7 @@ def build_parts(cfg, groups, platform) -> RankParts:
     exchange = GlooExchange(groups, roles, cfg.weight_sync, platform.device())
     try:
         _warm_up(cfg, groups, roles, exchange)
-        gen = build_generate_side(cfg, groups, platform, tokenizer)
+        gen = build_generate_side(cfg, groups, platform, tokenizer, head_start)
     except BaseException:
         if learn is not None:
             learn.close()

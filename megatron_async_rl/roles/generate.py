@@ -41,7 +41,9 @@ from megatron_async_rl.rollout.refill import (
 from megatron_async_rl.rollout.validation import Validator
 
 if TYPE_CHECKING:
+    from megatron_async_rl.engines.config import SGLangEngineConfig
     from megatron_async_rl.engines.recovery.restarting import RestartingEngine
+    from megatron_async_rl.engines.sglang.engine import HostLaunch
 
 logger = logging.getLogger(__name__)
 
@@ -311,9 +313,11 @@ class GenerateSide:
             self.multi_turn.close()
 
 
-def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None:
-    """This rank's generate side, its engine started; None off the engine hosts (an engine
-    follower's devices belong to its host's engine)."""
+def build_generate_side(
+    cfg, groups, platform, tokenizer, head_start: EngineHeadStart | None = None
+) -> GenerateSide | None:
+    """This rank's generate side, its engine started (or adopted from `head_start`); None off
+    the engine hosts (an engine follower's devices belong to its host's engine)."""
     layout, rank = groups.layout, groups.rank
     if "generate" not in groups.local_roles() or not layout.is_engine_host(rank):
         return None
@@ -340,7 +344,7 @@ def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None
             val, cfg.rollout, records, safe_reward(cfg.reward),
             index, num_engines, cfg.seed,
         )  # fmt: skip
-    engine = build_engine(cfg, platform, layout, rank)
+    engine = build_engine(cfg, platform, layout, rank, head_start)
     rounds = None
     if cfg.algorithm.refill and num_engines > 1:
         import torch.distributed as dist
@@ -354,10 +358,60 @@ def build_generate_side(cfg, groups, platform, tokenizer) -> GenerateSide | None
     )
 
 
-def build_engine(cfg, platform, layout, rank: int) -> RestartingEngine:
-    """Engine host `rank`'s engine, started: an SGLang engine (`engine:`, `model.hf_path`, the
-    MoE routing it returns) inside a `RestartingEngine` (restart budget, watchdog, the recipe's
-    engine faults, and with several engines the help board they share)."""
+def engine_config(cfg, device_type: str) -> SGLangEngineConfig:
+    """The SGLang engine's config on an engine host (`engine:`, `model.hf_path`, the MoE routing
+    it returns; on a GPU, the local device its TP ranks start at)."""
+    config = cfg.engine.sglang_config(cfg.model.hf_path, device_type, cfg.seed)
+    config = dataclasses.replace(config, routing=routing_capture(cfg))  # MoE: routed experts
+    if device_type == "cuda":  # the engine's TP ranks start at our device
+        config.server_args.setdefault("base_gpu_id", int(os.environ.get("LOCAL_RANK", "0")))
+    return config
+
+
+class EngineHeadStart:
+    """An engine host rank's first engine, launched as soon as the recipe and the layout are
+    known: its host imports SGLang and starts the engine (tens of seconds on CPU) while the rank
+    joins the world and builds its roles. `build_engine` adopts it (`take`) when the engine's
+    config is still the same (`--moe-use-upcycling` points the model elsewhere: that launch is
+    killed and a new one made); `close` kills a launch nobody adopted (a run that stops first)."""
+
+    def __init__(self, launch: HostLaunch):
+        self._launch: HostLaunch | None = launch
+
+    @classmethod
+    def launch(cls, cfg, layout, rank: int, device_type: str) -> EngineHeadStart | None:
+        """The head start of global rank `rank`'s engine; None where it hosts none."""
+        from megatron_async_rl.engines.sglang.engine import HostLaunch
+
+        if not layout.is_engine_host(rank):
+            return None
+        config = engine_config(cfg, device_type)
+        return cls(HostLaunch(config, rank_in_role=layout.rank_in_role("generate", rank),
+                              global_rank=rank))  # fmt: skip
+
+    def take(self, config: SGLangEngineConfig) -> HostLaunch | None:
+        """The launch, if it was made with `config` (once); None otherwise."""
+        launch, self._launch = self._launch, None
+        if launch is not None and launch.config != config:
+            logger.info("the engine launched early has another config (model %s, now %s): "
+                        "killed, starting anew", launch.config.model_path,
+                        config.model_path)  # fmt: skip
+            launch.kill()
+            return None
+        return launch
+
+    def close(self) -> None:
+        if self._launch is not None:
+            self._launch.kill()
+            self._launch = None
+
+
+def build_engine(
+    cfg, platform, layout, rank: int, head_start: EngineHeadStart | None = None
+) -> RestartingEngine:
+    """Engine host `rank`'s engine, started (or, with `head_start`, the one launched early):
+    an SGLang engine (`engine_config`) inside a `RestartingEngine` (restart budget, watchdog,
+    the recipe's engine faults, and with several engines the help board they share)."""
     from megatron_async_rl.engines.recovery.faults import EngineFaults
     from megatron_async_rl.engines.recovery.restarting import RestartingEngine
     from megatron_async_rl.engines.sglang.engine import SGLangEngine
@@ -365,15 +419,15 @@ def build_engine(cfg, platform, layout, rank: int) -> RestartingEngine:
 
     hosts = layout.engine_host_ranks()
     index, num_engines = hosts.index(rank), len(hosts)
-    config = cfg.engine.sglang_config(cfg.model.hf_path, platform.device_type, cfg.seed)
-    config = dataclasses.replace(config, routing=routing_capture(cfg))  # MoE: routed experts
-    if platform.device_type == "cuda":  # the engine's TP ranks start at our device
-        config.server_args.setdefault("base_gpu_id", int(os.environ.get("LOCAL_RANK", "0")))
+    config = engine_config(cfg, platform.device_type)
     rank_in_role = layout.rank_in_role("generate", rank)
 
     def start() -> SGLangEngine:
-        engine = SGLangEngine(config, rank_in_role=rank_in_role, global_rank=rank)
-        logger.info("generate rank %d: engine up in %.1f s", rank_in_role, engine.startup_s)
+        launch = head_start.take(config) if head_start is not None else None
+        engine = SGLangEngine(config, rank_in_role=rank_in_role, global_rank=rank, launch=launch)
+        early = " (launched before the roles were built)" if launch is not None else ""
+        logger.info("generate rank %d: engine up in %.1f s%s", rank_in_role, engine.startup_s,
+                    early)  # fmt: skip
         return engine
 
     e = cfg.engine

@@ -42,8 +42,9 @@ from megatron_async_rl.engines.protocol import (
     GenerateRequest,
     SamplingParams,
 )
-from megatron_async_rl.engines.sglang.engine import SGLangEngine, SGLangEngineConfig
+from megatron_async_rl.engines.sglang.engine import HostLaunch, SGLangEngine, SGLangEngineConfig
 from megatron_async_rl.engines.sglang.host import CPU_ATTENTION_BACKEND, CPU_SHIMS_DIR
+from megatron_async_rl.roles.generate import EngineHeadStart
 
 pytestmark = [
     pytest.mark.slow,
@@ -101,7 +102,15 @@ def model_dir(tiny_model) -> Path:
 def served(model_dir):
     from safetensors.torch import load_file
 
-    engine = SGLangEngine(_config(model_dir), rank_in_role=0, global_rank=5)
+    # Started as an engine host rank starts its first engine: launched early (the host starts
+    # SGLang while the rank builds its world and roles), then adopted by the engine.
+    config = _config(model_dir)
+    head_start = EngineHeadStart(HostLaunch(config, rank_in_role=0, global_rank=5))
+    launch = head_start.take(config)
+    assert launch is not None
+    engine = SGLangEngine(config, rank_in_role=0, global_rank=5, launch=launch)
+    head_start.close()  # adopted: nothing to kill
+    assert engine.host_pid == launch.proc.pid and _alive(engine.host_pid)
     print(f"\nengine startup: {engine.startup_s:.1f} s")
     yield Served(engine, model_dir, load_file(model_dir / "model.safetensors"))
     engine.shutdown()
@@ -414,6 +423,21 @@ def test_shutdown_leaves_no_processes(served):
     assert not served.engine.health()
     with pytest.raises(RuntimeError, match="was shut down; cannot call generate"):
         served.engine.generate(_greedy(4, "after-shutdown"))
+
+
+def test_a_launch_nobody_adopts_is_killed_with_what_it_started(model_dir):
+    """A run that stops before its early-launched engine is adopted (a checkpoint of another
+    recipe, a bad data file) kills the launch: the host and any SGLang process it started."""
+    launch = HostLaunch(_config(model_dir), rank_in_role=0, global_rank=5)
+    host = psutil.Process(launch.proc.pid)
+    deadline = time.monotonic() + 120
+    while not host.children() and time.monotonic() < deadline:  # SGLang's scheduler started
+        time.sleep(0.2)
+    started = [host.pid, *(p.pid for p in host.children(recursive=True))]
+    assert len(started) > 1, "the host started no SGLang process within 120 s"
+    EngineHeadStart(launch).close()
+    assert not launch.proc.is_alive()
+    assert not any(_alive(pid) for pid in started), started
 
 
 def test_failed_start_raises_engine_died_error(tmp_path):

@@ -103,10 +103,45 @@ class _Pending:
         self.event.set()
 
 
+class HostLaunch:
+    """An engine host process, spawned and starting its engine: not waited for here.
+
+    `SGLangEngine` waits for it to serve. A launch made early (`roles.generate.EngineHeadStart`:
+    the host imports SGLang and starts its engine while the rank builds its world and roles)
+    that no `SGLangEngine` adopts is ended with `kill`."""
+
+    def __init__(self, config: SGLangEngineConfig, *, rank_in_role: int = 0, global_rank: int = 0):
+        self.config = config
+        where = f"role generate, rank in role {rank_in_role}, global rank {global_rank}"
+        stale = remove_stale_segments()
+        if stale:
+            logger.info("[%s] removed %d shared-memory segment(s) of dead engines from "
+                        "/dev/shm: %s", where, len(stale), ", ".join(stale))  # fmt: skip
+        ctx = mp.get_context("spawn")
+        self.conn, host_conn = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(
+            target=host_main, args=(host_conn, config), name=f"sglang-host-{rank_in_role}"
+        )
+        self.started = time.monotonic()
+        self.proc.start()
+        host_conn.close()
+
+    def kill(self) -> None:
+        """End the host and the engine processes it started so far."""
+        kill_tree(self.proc.pid)
+        self.proc.join(timeout=10)
+        self.conn.close()
+
+
 class SGLangEngine:
     """`Engine` over a real `sglang.Engine` running in a dedicated host process."""
 
-    def __init__(self, config: SGLangEngineConfig, *, rank_in_role: int = 0, global_rank: int = 0):
+    def __init__(
+        self, config: SGLangEngineConfig, *, rank_in_role: int = 0, global_rank: int = 0,
+        launch: HostLaunch | None = None,
+    ):  # fmt: skip
+        """Start an engine with `config` and wait until it serves; with `launch` (an engine
+        host spawned earlier with the same config), wait for that one instead."""
         self.config = config
         self.where = f"role generate, rank in role {rank_in_role}, global rank {global_rank}"
         self._pending: dict[int, _Pending] = {}
@@ -118,18 +153,12 @@ class SGLangEngine:
         self._pause_mode: str | None = None
         self.sessions = WeightSessions(self.where)
         self._partial = PartialResults()
-        stale = remove_stale_segments()
-        if stale:
-            logger.info("[%s] removed %d shared-memory segment(s) of dead engines from "
-                        "/dev/shm: %s", self.where, len(stale), ", ".join(stale))  # fmt: skip
-        ctx = mp.get_context("spawn")
-        self._conn, host_conn = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(
-            target=host_main, args=(host_conn, config), name=f"sglang-host-{rank_in_role}"
-        )
-        start = time.monotonic()
-        self._proc.start()
-        host_conn.close()
+        if launch is None:
+            launch = HostLaunch(config, rank_in_role=rank_in_role, global_rank=global_rank)
+        elif launch.config != config:
+            raise ValueError(f"[{self.where}] a host launched for another engine config")
+        self._conn, self._proc = launch.conn, launch.proc
+        start = launch.started
         info = self._wait_ready(start)
         self.host_pid: int = self._proc.pid
         self.engine_child_pids: list[int] = info["child_pids"]

@@ -158,7 +158,8 @@ class _EngineHost:
             "context_tokens": self.tm.context_len,
             "attention_backend": resolved["attention_backend"],
         }
-        self.conn.send(("ready", info))
+        with contextlib.suppress(OSError):  # the rank is gone: _read_calls shuts down
+            self.conn.send(("ready", info))
         await self.stopped.wait()
 
     def _own_files(self) -> list[str]:
