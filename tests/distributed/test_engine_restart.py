@@ -40,6 +40,7 @@ from megatron_async_rl.weight_sync.sinks import load_tensors
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.fault_soak,  # minutes (two engines, each restart ~30 s): scripts/fault_checks.sh
     pytest.mark.skipif(
         importlib.util.find_spec("sglang") is None,
         reason="sglang is not installed; run scripts/install_sglang_cpu.sh",

@@ -138,7 +138,7 @@ def test_a_crash_and_a_preemption_resume_to_the_end(task, tmp_path):
     #    exit 2 and one line, before any rank starts.
     sets = (f"model.hf_path={task.model}", f"data.path={task.data}", *SETS,
             "algorithm.clip_ratio_low=0.3")  # fmt: skip
-    proc = subprocess.run(launch_command(RECIPE, run_dir, *sets), env=launch_env(),
+    proc = subprocess.run(launch_command(RECIPE, run_dir, *sets), env=launch_env(validate=True),
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stdout)
     lines = proc.stderr.strip().splitlines()

@@ -79,6 +79,7 @@ def _scheduler_pids(root_pid):
     return pids
 
 
+@pytest.mark.fault_soak  # a run killed mid-way: scripts/fault_checks.sh
 def test_engine_death_stops_the_run_naming_the_rank(task, tmp_path):
     """With restarts off (`engine.max_restarts: 0`) a dead engine stops the run, naming the
     rank and the cause (with restarts: `tests/e2e/test_engine_faults.py`)."""

@@ -27,7 +27,7 @@ import pytest
 from tests.harness.recipes import RECIPE, launch_command, launch_env
 from tests.processes import alive, cmdline
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.fault_soak]  # scripts/fault_checks.sh
 
 
 def _default_sigint() -> None:
