@@ -41,6 +41,8 @@ setup(
         "tqdm",
         # weight-sync message checksums (XXH3: ~6x faster than CRC-32 here)
         "xxhash>=3",
+        # weight-sync deltas (weight_sync/delta.py); SGLang installs it too
+        "zstandard>=0.22",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "tensorboard", "psutil",
