@@ -79,9 +79,7 @@ def encode(
     changed = positions.numel()
     if changed * (GAP_BYTES + width) // 4 >= size:  # even zstd at 4:1 would not make it smaller
         return full
-    xor = torch.bitwise_xor(a[positions], b[positions])
-    positions, xor = _bridge_gaps(positions, xor)
-    gaps = torch.diff(positions, prepend=positions.new_tensor([-1]))
+    gaps, xor = _bridged_gaps(positions, torch.bitwise_xor(a[positions], b[positions]))
     # values first: both parts then start at offsets their element sizes divide
     raw = torch.cat([xor.view(torch.uint8),
                      gaps.to(torch.int32).to(torch.uint16).view(torch.uint8)])  # fmt: skip
@@ -136,12 +134,12 @@ def decode(encoded: Encoded, base: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def _bridge_gaps(positions: torch.Tensor, xor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`positions` (sorted) and their `xor`, with entries of XOR 0 (no change) inserted so that
-    no gap (from -1 before the first) exceeds `MAX_GAP`."""
+def _bridged_gaps(positions: torch.Tensor, xor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gaps between `positions` (sorted; the first from -1) and their `xor`, with entries of
+    XOR 0 (no change) inserted so that no gap exceeds `MAX_GAP`."""
     gaps = torch.diff(positions, prepend=positions.new_tensor([-1]))
     if positions.numel() == 0 or int(gaps.max()) <= MAX_GAP:
-        return positions, xor
+        return gaps, xor
     wide = torch.nonzero(gaps > MAX_GAP).flatten().tolist()  # at most size / MAX_GAP of them
     extra = torch.cat([
         torch.arange(int(positions[i] - gaps[i]) + MAX_GAP, int(positions[i]), MAX_GAP)
@@ -150,7 +148,8 @@ def _bridge_gaps(positions: torch.Tensor, xor: torch.Tensor) -> tuple[torch.Tens
     merged = torch.cat([positions, extra])
     order = torch.argsort(merged)
     values = torch.cat([xor, torch.zeros(extra.numel(), dtype=xor.dtype)])
-    return merged[order], values[order]
+    merged = merged[order]
+    return torch.diff(merged, prepend=merged.new_tensor([-1])), values[order]
 
 
 def _check_bytes(name: str, tensor: torch.Tensor) -> None:
