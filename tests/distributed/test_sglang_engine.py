@@ -8,14 +8,16 @@ around an update switches the version mid-sequence; timeouts, misuse, a killed s
 failed start are reported as errors naming the rank, and the test process survives; shutdown
 leaves no process and no file in /dev/shm behind (SGLang never removes its load-snapshot
 file). A TP=2 engine reads back the full tensors it was sent, generates like the TP=1 engine
-with the same weights, and reports its killed scheduler (one engine for the three contracts).
+with the same weights, and reports its killed scheduler (one engine for the three contracts);
+its SGLang processes are spawned (as on a GPU), the others' forked from their host (the CPU
+default).
 A tiny DeepSeek-V3 (multi-latent attention) matches `transformers` the same way on every CPU:
 the engine runs `torch_native` attention whatever SGLang's AMX probe answers (that probe is
 monkeypatched, in a separate interpreter, to emulate an AMX CPU), and the shims' two SGLang
 patches are shown fixing defects the unpatched SGLang has (its modules asked directly, the
 attention batch faked). Otherwise nothing is faked; the models are made locally (the session's
 `tiny_model` fixture), so nothing is downloaded. One TP=1 engine serves most tests (module
-fixture, ~30 s to start on 2 cores); the TP=2, DeepSeek and failed-start tests start their own.
+fixture, ~20 s to start on 2 cores); the TP=2, DeepSeek and failed-start tests start their own.
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ def served(model_dir):
     engine = SGLangEngine(config, rank_in_role=0, global_rank=5, launch=launch)
     head_start.close()  # adopted: nothing to kill
     assert engine.host_pid == launch.proc.pid and _alive(engine.host_pid)
+    assert engine.start_method == "fork"  # on CPU, SGLang's processes forked from its host
     print(f"\nengine startup: {engine.startup_s:.1f} s")
     yield Served(engine, model_dir, load_file(model_dir / "model.safetensors"))
     engine.shutdown()
@@ -282,7 +285,8 @@ def test_tp2_engine_reads_back_full_tensors_generates_like_tp1_and_reports_its_d
     weights; greedy generation equals the module's TP=1 engine loaded with the same weights
     (same tokens, log-probs within 1e-4). Then its scheduler is SIGKILLed: the next call raises
     EngineDiedError naming the rank, the process and the exit code, and shutdown leaves no
-    process and no file in /dev/shm."""
+    process and no file in /dev/shm. Its SGLang processes are spawned, as on a GPU, where the
+    module's engine forked them: the same tokens either way."""
     from safetensors.torch import load_file
 
     monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
@@ -293,9 +297,11 @@ def test_tp2_engine_reads_back_full_tensors_generates_like_tp1_and_reports_its_d
         for name, t in start_state.items()
     }
     requests = _greedy(16, "tp")
-    engine = SGLangEngine(_config(served.model_dir, tp_size=2), rank_in_role=1, global_rank=7)
+    config = _config(served.model_dir, tp_size=2, process_start="spawn")
+    engine = SGLangEngine(config, rank_in_role=1, global_rank=7)
     pids = [engine.host_pid, *engine.engine_child_pids]
     try:
+        assert engine.start_method == "spawn"
         print(f"\nTP=2 engine startup: {engine.startup_s:.1f} s")
         q_name = "model.layers.0.self_attn.q_proj.weight"
         assert torch.equal(engine.get_weights_by_name(q_name), start_state[q_name])

@@ -187,12 +187,34 @@ def test_fake_engine_death_and_shutdown():
         ({"tp_size": 0}, "engine.tp_size = 0: must be an integer >= 1"),
         ({"tp_size": 3}, "SGLANG_CPU_OMP_THREADS_BIND = '0|1' names the cores of 2"),
         ({"call_timeout_s": 0}, "engine.call_timeout_s = 0: must be a finite number of seconds"),
+        (
+            {"process_start": "forkserver"},
+            "engine.process_start = 'forkserver': must be one of auto, fork, spawn",
+        ),
+        (
+            {"process_start": "fork", "device": "cuda"},
+            "engine.process_start = 'fork': needs engine.device cpu, not cuda",
+        ),
     ],
 )
 def test_sglang_engine_config_rejects_bad_values(kwargs, match, monkeypatch):
     monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|1")
     with pytest.raises(ConfigError, match=match):
         SGLangEngineConfig(model_path="m", **kwargs)
+
+
+def test_sglang_processes_are_forked_on_cpu_and_spawned_on_cuda_unless_the_recipe_says():
+    from megatron_async_rl.engines.config import EngineConfig
+
+    def method(device, process_start="auto"):
+        return EngineConfig(process_start=process_start).sglang_config("m", device, 0).start_method
+
+    assert method("cpu") == "fork" and method("cuda") == "spawn"
+    assert method("cpu", "spawn") == "spawn" and method("cuda", "spawn") == "spawn"
+    with pytest.raises(ConfigError, match="engine.process_start = 'fork': needs engine.device"):
+        method("cuda", "fork")
+    with pytest.raises(ConfigError, match="process_start = 'vfork': must be one of"):
+        EngineConfig(process_start="vfork")
 
 
 def test_sglang_output_dict_becomes_a_result_with_per_token_versions():

@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_async_rl.engines.sglang.host import assemble_hf_tensor, cpu_threads_bind
+from megatron_async_rl.engines.sglang.host import cpu_threads_bind
+from megatron_async_rl.engines.sglang.tp_shards import assemble_hf_tensor
 
 
 def _rank_shards(full: dict[str, torch.Tensor], heads: int, kv_heads: int, head_dim: int):

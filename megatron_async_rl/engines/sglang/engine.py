@@ -169,6 +169,8 @@ class SGLangEngine:
         self.attention_backend: str | None = info.get("attention_backend")
         """The attention backend SGLang resolved at launch (on CPU `torch_native`, whatever the
         CPU: `host.CPU_ATTENTION_BACKEND`)."""
+        self.start_method: str | None = info.get("start_method")
+        """How the host started SGLang's processes (`SGLangEngineConfig.start_method`)."""
         self._engine_procs = processes(self.engine_child_pids)
         self._engine_files: list[str] = info.get("files", [])
         self.startup_s = time.monotonic() - start
