@@ -4,11 +4,12 @@
 #   1. the whole suite in .venv (scripts/setup_env.sh: megatron-core as constraints/cpu.txt pins it,
 #      the low end);
 #   2. the tests that exercise megatron-core (the compatibility patches, the Megatron flags, the
-#      distributed role tests, MTP, the main job end to end, the asynchronous loop at N = 0,
-#      checkpoint resume) in .venv-megatron-core-$MEGATRON_CORE_HIGH
+#      distributed role tests, MTP, the main job end to end, the asynchronous loop at N = 0 (on
+#      two hosts), checkpoint resume) in .venv-megatron-core-$MEGATRON_CORE_HIGH
 #      (scripts/setup_megatron_core_env.sh: the same environment with the high end's
 #      megatron-core). Left to the low end: a rank-local error reported once and the four-window
-#      run one step ahead, which exercise this package's code, not megatron-core's.
+#      run one step ahead (tests/e2e/test_async_job.py), which exercise this package's code,
+#      not megatron-core's.
 # Extra arguments go to pytest, in both runs (e.g. -x, -k EXPR); HIGH_END=0 skips the second run.
 # pytest's exit code 5 (no test collected) fails like any error.
 set -euo pipefail
@@ -38,9 +39,8 @@ high_tests=(
     --ignore tests/distributed/test_reshard_engine_tp2.py
     --ignore tests/distributed/test_collective_faults.py
     --ignore tests/distributed/test_engine_groups.py
-    tests/e2e/test_grpo_job.py tests/e2e/test_async_job.py tests/e2e/test_checkpoint_resume.py
+    tests/e2e/test_grpo_job.py tests/cluster/test_multihost.py tests/e2e/test_checkpoint_resume.py
     --deselect "tests/e2e/test_grpo_job.py::test_an_error_only_a_non_leader_rank_finds_is_printed_once"
-    --deselect "tests/e2e/test_async_job.py::test_one_step_ahead_in_flight_on_four_windows_mixes_versions_within_the_bound"
 )
 high_run() {  # its own temporary root and no cache: it may run beside the other session
     PYTEST_DEBUG_TEMPROOT=$high_tmp ".venv-megatron-core-$high/bin/python" -m pytest \

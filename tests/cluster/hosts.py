@@ -35,6 +35,9 @@ class TwoHosts:
         if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
             raise CannotRun("two hosts need root, `ip` (iproute2) and `unshare`")
         self.names = (f"mar-{tag}-a", f"mar-{tag}-b")
+        taken = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        if any(name in taken.split() for name in self.names):  # another session's: not ours
+            raise CannotRun(f"namespaces {self.names} exist already")
         self.hostnames = ("host-a", "host-b")
         self.ifaces = (f"mar{tag}a", f"mar{tag}b")
         net = tag % 250 + 1

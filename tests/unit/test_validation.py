@@ -5,7 +5,8 @@ sampling of a pass is the training one with validation's knobs on top (greedy by
 a pass scores this rank's share of the held-out rows with its own reward counters, uses request
 seeds no training step uses, and reports `val/` metrics for the version it was given. The
 engine is the deterministic fake (`engines/fake.py`, itself tested against SGLang's protocol);
-the real engine runs validation in `tests/e2e/test_async_job.py`.
+the real engine runs validation in the shared synchronous run (`sync_run`, tests/conftest.py)
+and its asynchronous twin on two hosts (`tests/cluster/test_multihost.py`).
 """
 
 import pytest
