@@ -2,6 +2,9 @@
 
     .venv/bin/python benchmarks/weight_sync.py [--hidden-size 1024 --num-layers 4]
         [--num-generate 1] [--train-tp 1] [--repeats 3]
+    .venv/bin/python benchmarks/weight_sync.py --rl-update ...
+        (benchmarks/weight_sync_rl_update.py: deltas of real RL updates vs whole messages vs a
+        raw broadcast, on one and two hosts)
 
 Spawns gloo ranks on CPU (`tests/harness/ranks.py`): `--train-tp` Megatron train ranks
 holding a tiny-architecture Llama made large (~250 MB fp32 by default, `models/tiny.py`) and
@@ -325,6 +328,12 @@ def _model_bytes(model_path: Path) -> tuple[int, int]:
 
 
 def main() -> None:
+    if "--rl-update" in sys.argv[1:]:  # real RL updates: deltas vs whole vs raw, 1 and 2 hosts
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from weight_sync_rl_update import main as rl_update
+
+        rl_update([a for a in sys.argv[1:] if a != "--rl-update"])
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--num-layers", type=int, default=4)

@@ -15,7 +15,9 @@ rank (the pipeline stage and expert shard with the most weights), and `describe`
   it; pinned for the GPU's copies). `check_shared_memory` refuses to start an engine host
   whose /dev/shm cannot hold it. A logp rank stages nothing whole: it copies the pieces its
   slices come from into its parameters as they arrive (`weight_sync.shard_sink`), a few
-  tensors at a time.
+  tensors at a time. With `weight_sync.delta`, the delta bases (`weight_sync.delta_wire`): a
+  train rank that sends keeps its messages (its pipeline stage, whole over TP, in the train
+  dtype), a logp or generate rank the whole model in the train dtype.
 """
 
 from __future__ import annotations
@@ -105,12 +107,19 @@ def plan_memory(cfg, layout) -> list[RankMemory]:
                 state //= grid.dp
             device.update(grads=n * grad, optimizer=state)
         host = {"checkpoint read": n * b}
+        delta = getattr(cfg, "weight_sync", None) is not None and cfg.weight_sync.delta
+        if delta and role == "train":
+            host["delta bases"] = whole * b // grid.pp
+        elif delta and role == "logp":
+            host["delta bases"] = whole * _dtype_bytes(train_args)
         out.append(RankMemory(role, grid.ranks, device, host))
     if "generate" in {r for w in layout.windows for r in w.roles}:
         window = layout.window_of("generate")
         tp = cfg.engine.tp_size
         engine_b = 4 if cfg.engine.dtype == "float32" else 2  # auto: a bf16 checkpoint
         host = {"sync staging": staging_bytes(cfg)}
+        if getattr(cfg, "weight_sync", None) is not None and cfg.weight_sync.delta:
+            host["delta bases"] = whole * _dtype_bytes(train_args)
         ranks = range(window.ranks[0], window.ranks[-1] + 1)
         out.append(RankMemory("generate", ranks, {"engine weights": whole * engine_b // tp}, host))
     return out

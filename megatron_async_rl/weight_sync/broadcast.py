@@ -33,7 +33,13 @@ bytes), `weight_sync/GB_per_s` (over this rank's wall time) and peak buffer size
 `weight_sync/{produce,consume,gathered,staging}_peak_MB`; with a `buffers.BufferPool`, the bytes
 it keeps between syncs, `weight_sync/pool_MB`; `weight_sync/attempts`, `.../failed_versions`;
 `weight_sync/shared_memory_senders` (senders this rank dealt with over shared memory);
-`weight_sync/device_bridge` (1 when messages stayed on the GPU).
+`weight_sync/device_bridge` (1 when messages stayed on the GPU). With `weight_sync.delta`
+(messages through the delta codec, `delta_wire`): `weight_sync/delta_fraction` (bytes on the
+wire / bytes of the whole messages), `weight_sync/delta_senders` and `weight_sync/full_syncs`
+(senders of this rank's groups that sent deltas, or sent whole while keeping bases),
+`weight_sync/delta_fallbacks` (deltas that did not decode, or decoded to bytes that failed
+their checksum: the version is sent again, whole), `timing/weight_sync/{encode,decode}_s`, and
+the bases held, `weight_sync/delta_base_peak_MB`.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from megatron_async_rl.models import weights
 from megatron_async_rl.models.dims import ModelDims, expert_offset
 from megatron_async_rl.weight_sync import buffers, executor, plan
 from megatron_async_rl.weight_sync.config import WeightSyncConfig
+from megatron_async_rl.weight_sync.delta_wire import DeltaBases
 from megatron_async_rl.weight_sync.shard_sink import ShardSink
 from megatron_async_rl.weight_sync.sinks import (  # noqa: F401 - public API, re-exported
     EngineSink,
@@ -129,6 +136,15 @@ def _metrics(stats: executor.SyncStats, reshard: plan.ReshardPlan) -> dict[str, 
         "weight_sync/GB_per_s": gb / stats.wall_s if stats.wall_s > 0 else 0.0,
         "weight_sync/shared_memory_senders": float(stats.shared_memory_senders),
     }
+    if stats.full_bytes:  # messages through the delta codec
+        out.update({
+            "weight_sync/delta_fraction": stats.wire_bytes / stats.full_bytes,
+            "weight_sync/delta_senders": float(stats.delta_senders),
+            "weight_sync/full_syncs": float(stats.full_senders),
+            "weight_sync/delta_fallbacks": float(stats.delta_failures),
+            "timing/weight_sync/encode_s": stats.encode_s,
+            "timing/weight_sync/decode_s": stats.decode_s,
+        })  # fmt: skip
     for kind, peak in stats.counter.peak.items():
         out[f"weight_sync/{kind}_peak_MB"] = peak / 2**20
     return out
@@ -186,17 +202,20 @@ def _attempt(groups, train, receiving: bool, version, config, make_sink, pool, d
         sink.begin()
     stats = None
     finished = None
+    bases = _delta_bases(pool, config)
     try:
         stats = executor.run_plan(
             reshard, rank, key.version, groups.weight_sender_groups(device.type != "cpu"),
             local=local, tp_groups=tp_groups,
             sink=sink, counter=counter, pool=pool, transport=config.transport, device=device,
-            tamper=tamper,
+            tamper=tamper, bases=bases,
         )  # fmt: skip
     finally:
         if hasattr(sink, "finish"):  # may name what a complete run left undone
             finished = sink.finish(complete=stats is not None and stats.error is None)
     error = str(stats.error) if stats.error is not None else finished
+    if error and bases is not None:
+        bases.drop()  # what this rank kept is not what it loaded: the next sync is whole
     recoverable = bool(getattr(sink, "recoverable", False)) and "logp" not in (roles or {})
     errors, recoverable = _agree(groups, error, recoverable)
     metrics = _metrics(stats, reshard)
@@ -204,6 +223,16 @@ def _attempt(groups, train, receiving: bool, version, config, make_sink, pool, d
     if pool is not None:
         metrics["weight_sync/pool_MB"] = pool.held_bytes / 2**20
     return sink, metrics, errors, True, recoverable
+
+
+def _delta_bases(pool, config: WeightSyncConfig) -> DeltaBases | None:
+    """This rank's delta bases, kept in `pool` from one sync to the next (`config.delta`;
+    without a pool, every sync is whole)."""
+    if not config.delta or pool is None:
+        return None
+    if pool.delta_bases is None or pool.delta_bases.full_every != config.full_every:
+        pool.delta_bases = DeltaBases(config.full_every)
+    return pool.delta_bases
 
 
 def _reshard(groups, roles: dict, version: int | None, config, make_sink, pool, device,

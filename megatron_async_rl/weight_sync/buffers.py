@@ -300,6 +300,9 @@ class BufferPool:
         self._attached: dict[tuple, tuple[int, torch.Tensor]] = {}
         self._pinned: set[tuple[str, int]] = set()
         self._next_uid = 0
+        self.delta_bases = None
+        """`weight_sync.delta_wire.DeltaBases`: what this rank last sent or loaded of each
+        message, kept with the buffers from one sync to the next (`weight_sync.delta`)."""
 
     def get(
         self, kind: str, index: int, nbytes: int, shared: bool = False, device=None,

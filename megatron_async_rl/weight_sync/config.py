@@ -54,6 +54,18 @@ class WeightSyncConfig:
     """Times one version is sent before the sync fails: a message that fails its checksum, or
     that an engine rejects, on any receiver makes every participant run the reshard again from
     the start (the trainer's weights have not moved). 1: no second attempt."""
+    delta: bool = False
+    """Send, between hosts (and with `transport: broadcast`), only what changed: each message as
+    a delta against the version every receiver of its sender holds (`weight_sync.delta`: the
+    changed elements at the engine's dtype, sparse and zstd-compressed, or the message whole
+    where that is smaller), decoded by each receiver and checked as a whole message is. Costs
+    memory: a sender keeps its messages (its share of the model at the engine's dtype), a
+    receiver the messages of the senders it gets deltas from (the model at the engine's dtype).
+    A failed or first sync, a new or restarted rank and every `full_every`-th version send
+    whole messages. Not on the device bridge (NCCL) or the shared-memory transport (nothing is
+    copied there)."""
+    full_every: int = 20
+    """With `delta`: every this many versions, a sender sends its messages whole (1: always)."""
     on_failure: str = "keep_serving"
     """After the last attempt failed. "keep_serving": when every failing receiver is an engine
     that can keep (or get back) the last complete version, the version is skipped there (the
@@ -70,6 +82,9 @@ class WeightSyncConfig:
         require_choice("bridge", self.bridge, BRIDGES)
         require_int("max_attempts", self.max_attempts, 1)
         require_choice("on_failure", self.on_failure, ("keep_serving", "stop"))
+        if not isinstance(self.delta, bool):
+            raise ConfigError("delta", self.delta, "must be true or false")
+        require_int("full_every", self.full_every, 1)
 
     @property
     def produce_bytes(self) -> int:

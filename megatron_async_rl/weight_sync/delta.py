@@ -63,10 +63,13 @@ def element_width(num_bytes: int, dtype_width: int) -> int:
 
 
 def encode(
-    new: torch.Tensor, base: torch.Tensor | None, dtype_width: int, *, zstd_level: int = 1
-) -> Encoded:
+    new: torch.Tensor, base: torch.Tensor | None, dtype_width: int, *, zstd_level: int = 1,
+    update_base: bool = False,
+) -> Encoded:  # fmt: skip
     """`new` (uint8, contiguous, on the CPU) as the smaller of its full and sparse forms
-    against `base` (the bytes the receivers hold, or None)."""
+    against `base` (the bytes the receivers hold, or None). `update_base`: `base` (same length)
+    becomes `new` in place, only its changed elements written when a sparse form is sent
+    (no copy of the message, no fresh memory)."""
     _check_bytes("new", new)
     size = new.numel()
     width = element_width(size, dtype_width)
@@ -78,8 +81,13 @@ def encode(
     positions = torch.nonzero(a != b).flatten()
     changed = positions.numel()
     if changed * (GAP_BYTES + width) // 4 >= size:  # even zstd at 4:1 would not make it smaller
+        if update_base:
+            base.copy_(new)
         return full
-    gaps, xor = _bridged_gaps(positions, torch.bitwise_xor(a[positions], b[positions]))
+    changes = torch.bitwise_xor(a[positions], b[positions])
+    if update_base:
+        b[positions] ^= changes
+    gaps, xor = _bridged_gaps(positions, changes)
     # values first: both parts then start at offsets their element sizes divide
     raw = torch.cat([xor.view(torch.uint8),
                      gaps.to(torch.int32).to(torch.uint16).view(torch.uint8)])  # fmt: skip
@@ -87,15 +95,17 @@ def encode(
 
     packed = zstandard.ZstdCompressor(level=zstd_level).compress(raw.numpy().data)
     if len(packed) >= size:
-        return full
+        return full  # (`base`, updated, already is `new`)
     payload = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
     return Encoded(SPARSE, payload, size, width, changed)
 
 
-def decode(encoded: Encoded, base: torch.Tensor | None) -> torch.Tensor:
-    """The message's bytes (uint8, a new tensor): `encoded` applied to `base`."""
+def decode(encoded: Encoded, base: torch.Tensor | None, in_place: bool = False) -> torch.Tensor:
+    """The message's bytes (uint8): `encoded` applied to `base`, in a new tensor, or with
+    `in_place` in `base` itself (only its changed elements written; then `base` is returned,
+    and a delta that fails may have changed it)."""
     if encoded.codec == FULL:
-        return encoded.payload.clone()
+        return encoded.payload if in_place else encoded.payload.clone()
     if encoded.codec != SPARSE:
         raise ValueError(f"unknown delta codec {encoded.codec!r} (known: {', '.join(CODECS)})")
     if base is None or base.numel() != encoded.num_bytes:
@@ -128,7 +138,7 @@ def decode(encoded: Encoded, base: torch.Tensor | None) -> torch.Tensor:
     if entries and int(positions[-1]) >= encoded.num_bytes // width:
         raise ValueError(f"a sparse delta reaches element {int(positions[-1])} of a "
                          f"{encoded.num_bytes // width}-element message")  # fmt: skip
-    out = base.clone()
+    out = base if in_place else base.clone()
     view = out.view(kind)
     view[positions] ^= raw_t[: entries * width].view(kind)
     return out

@@ -17,14 +17,18 @@ memory: 2 x the largest bucket (<= produce bytes) on a sender, 2 x the largest m
 ("gathered") and, on a receiver, one staged copy of a tensor split over messages per sender,
 until its last piece arrives ("staging"); all four are counted in `SyncStats.counter`.
 
-Transports, agreed per sender at the start of each sync (`_negotiate`, over the sender's
+Transports, agreed per sender at the start of each sync (`negotiate`, over the sender's
 group): when every receiver runs on the sender's host and can map its produce slots (shared
 memory, `BufferPool.share` / `attach`), receivers read each message in place and the wire
 carries only its 32-byte header ("ready"); each receiver acknowledges message k (an all-reduce
 on the group) once it is loaded, and the sender refills a slot only after every receiver
 acknowledged the last message of the bucket two back. A receiver then holds no consume slots,
 and an engine gets handles to the sender's memory: no byte is copied between pack and load.
-Otherwise (another host, or `transport: broadcast`) each message is broadcast whole. On the
+Otherwise (another host, or `transport: broadcast`) each message is broadcast whole, or, with
+delta bases (`weight_sync.delta`), through the delta codec (`weight_sync.delta_wire`): a
+48-byte header with the encoded length, then a delta against the version every member of the
+group holds (or the message whole), decoded into the receiver's consume slot and checked there
+as a whole message is. On the
 device bridge (`WeightSyncConfig.bridge`: GPU slots, NCCL groups) messages are always broadcast
 whole and nothing is negotiated; engines get CUDA views (`engines.sglang.handover`: CUDA IPC).
 
@@ -50,10 +54,11 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from megatron_async_rl.distributed import devices
 from megatron_async_rl.models.names import hf_names_for, megatron_param_to_hf
 from megatron_async_rl.models.shards import unshard
-from megatron_async_rl.weight_sync import buffers
+from megatron_async_rl.weight_sync import buffers, delta_wire
+from megatron_async_rl.weight_sync.delta_wire import DELTA_HEADER_BYTES, DeltaBases
+from megatron_async_rl.weight_sync.negotiate import negotiate
 from megatron_async_rl.weight_sync.plan import HEADER_BYTES, Message, Piece, ReshardPlan
 
 logger = logging.getLogger(__name__)
@@ -91,6 +96,18 @@ class SyncStats:
     """A receiver's first check or sink error (the schedule still ran to its end)."""
     shared_memory_senders: int = 0
     """Senders of this rank's groups whose receivers read their slots in shared memory."""
+    delta_senders: int = 0
+    """Senders of this rank's groups that sent deltas against the version every member held."""
+    full_senders: int = 0
+    """Senders of this rank's groups that keep delta bases but sent this version whole."""
+    wire_bytes: int = 0
+    """Bytes put on (sender) or taken off (receiver) the wire through the delta codec."""
+    full_bytes: int = 0
+    """The whole messages those bytes stand for."""
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+    delta_failures: int = 0
+    """Delta messages that did not decode, or decoded to bytes that failed their checksum."""
 
 
 class _Receiver:
@@ -113,6 +130,11 @@ class _Receiver:
         self.acks: list = []
         self.tamper = None
         """`run_plan`'s fault injection hook, if any."""
+        self.bases: DeltaBases | None = None
+        self.encoded: set[int] = set()
+        """Senders whose messages come through the delta codec (a header, then encoded bytes)."""
+        self.delta: set[int] = set()
+        """Of those, the ones sending deltas against this rank's bases."""
 
     def attach(self, sender: int, handles) -> None:
         """Map `sender`'s produce slots (raises OSError when they cannot be mapped)."""
@@ -134,16 +156,61 @@ class _Receiver:
             )
             self.stats.counter.add("consume", self.slot_bytes)
         view = self.slots[index][: message.wire_bytes]
-        work = dist.broadcast(view, src=sender, group=group, async_op=True)
-        self.in_flight.append((work, view, message, sender, seq))
+        encoded = None
+        if sender in self.encoded:  # its length first, then the bytes
+            head = torch.empty(DELTA_HEADER_BYTES, dtype=torch.uint8)
+            start = time.perf_counter()
+            dist.broadcast(head, src=sender, group=group)
+            self.stats.send_s += time.perf_counter() - start
+            codec, length = delta_wire.read_length(head)
+            body = torch.empty(length, dtype=torch.uint8)
+            work = dist.broadcast(body, src=sender, group=group, async_op=True) if length else None
+            encoded = (head, codec, body)
+        else:
+            work = dist.broadcast(view, src=sender, group=group, async_op=True)
+        self.in_flight.append((work, view, message, sender, seq, encoded))
         self.posted += 1
 
     def complete_oldest(self) -> None:
-        work, view, message, sender, seq = self.in_flight.popleft()
+        work, view, message, sender, seq, encoded = self.in_flight.popleft()
         start = time.perf_counter()
-        work.wait()
+        if work is not None:
+            work.wait()
         self.stats.send_s += time.perf_counter() - start
-        self.deliver(view, message, sender, seq, verify=True)
+        if encoded is None:
+            self.deliver(view, message, sender, seq, verify=True)
+            return
+        payload = self._decode(view, message, sender, seq, *encoded)
+        self.deliver(view, message, sender, seq, verify=True, tamper=False)
+        if self.error is None and payload is not None and self.bases is not None:
+            self.bases.keep(sender, seq, payload)
+        elif self.error is not None and sender in self.delta and payload is not None:
+            self.stats.delta_failures += 1  # decoded, but not to what was sent
+
+    def _decode(self, view, message: Message, sender: int, seq: int, head, codec: int, body):
+        """The message's payload decoded from `body` into `view`; the payload as this rank's
+        own tensor, or None (an error, recorded)."""
+        if self.error is not None:
+            return None
+        self.stats.wire_bytes += DELTA_HEADER_BYTES + body.numel()
+        self.stats.full_bytes += message.wire_bytes - HEADER_BYTES
+        if self.tamper is not None:
+            self.tamper(body, self.version, seq)
+        start = time.perf_counter()
+        base = self.bases.base(sender, seq) if self.bases is not None else None
+        try:
+            return delta_wire.decode_into(view, head, codec, body, base, sender in self.delta,
+                                          self.dtype.itemsize)  # fmt: skip
+        except ValueError as exc:
+            self.stats.delta_failures += 1
+            self.error = RuntimeError(
+                f"weight sync v{self.version}: message {seq} from sender global rank {sender} "
+                f"to receiver global rank {self.rank} did not decode ({exc}); nothing of it "
+                "was loaded"
+            )
+            return None
+        finally:
+            self.stats.decode_s += time.perf_counter() - start
 
     def _post_shared(self, message: Message, sender: int, seq: int, group, bucket_index) -> None:
         """Message `seq` of `sender` is in its slot `bucket_index % 2`; its header on the wire
@@ -183,13 +250,14 @@ class _Receiver:
             work.wait()
         self.stats.send_s += time.perf_counter() - start
 
-    def deliver(self, view, message: Message, sender: int, seq: int, verify: bool) -> None:
+    def deliver(self, view, message: Message, sender: int, seq: int, verify: bool,
+                tamper: bool = True) -> None:  # fmt: skip
         self.remaining -= 1
         if self.error is not None:
             return
         try:
             if verify:
-                if self.tamper is not None:
+                if tamper and self.tamper is not None:
                     self.tamper(view, self.version, seq)
                 self._verify(view, message, sender, seq)
             start = time.perf_counter()
@@ -261,6 +329,10 @@ class _Sender:
         self.owned: dict[str, int] = {}
         """Bytes of each staged HF tensor that are this sync's own (not a view of a parameter)."""
         self.seq = 0
+        self.bases: DeltaBases | None = None
+        """Set when this sender's messages go through the delta codec (`negotiate`)."""
+        self.delta = False
+        """Deltas against `bases` (every member of the group holds their version)."""
 
     def offer_shared_memory(self, num_buckets: int) -> list[buffers.SharedHandle]:
         """Allocate the slots in shared memory; their handles, for the receivers to map."""
@@ -330,9 +402,29 @@ class _Sender:
             if self.shared_memory:
                 self._post_acks(self.seq - 3)  # acks of messages < seq - 2 precede this header
                 view = view[:HEADER_BYTES]
-            work = dist.broadcast(view, src=self.rank, group=self.group, async_op=True)
-            self.sends[index % 2].append(work)
+            if self.bases is not None:
+                self._send_encoded(view, index)
+            else:
+                work = dist.broadcast(view, src=self.rank, group=self.group, async_op=True)
+                self.sends[index % 2].append(work)
             self.bucket_last[index] = self.seq - 1
+
+    def _send_encoded(self, view: torch.Tensor, index: int) -> None:
+        """The message through the delta codec (`delta_wire.encode_message`); its payload
+        becomes the base of its next version."""
+        seq = self.seq - 1
+        start = time.perf_counter()
+        base = self.bases.base(self.rank, seq) if self.delta else None
+        head, body, kept = delta_wire.encode_message(view, base, self.dtype.itemsize)
+        self.stats.encode_s += time.perf_counter() - start
+        works = [dist.broadcast(head, src=self.rank, group=self.group, async_op=True)]
+        if body.numel():
+            works.append(dist.broadcast(body, src=self.rank, group=self.group, async_op=True))
+        # the tensors stay referenced until their sends complete (`free_slot`, `drain`)
+        self.sends[index % 2] += [*works, _Keep(head, body)]
+        self.stats.wire_bytes += head.numel() + body.numel()
+        self.stats.full_bytes += kept.numel()
+        self.bases.keep(self.rank, seq, kept)
 
     def post_last_acks(self) -> None:
         """Join the acknowledgements not joined yet (before this rank drains as a receiver: a
@@ -350,42 +442,14 @@ class _Sender:
         self.stats.send_s += time.perf_counter() - start
 
 
-def _negotiate(plan, rank, sender_groups, sender_state, receiver, transport, stats, device):
-    """Per sender (in plan order, over its group): shared memory if the sender offers its slots
-    and every receiver maps them, else the broadcast of whole messages. Collective (on the host
-    bridge; the device bridge always broadcasts, and negotiates nothing)."""
-    if device.type != "cpu":
-        return
-    for sender in plan.senders:
-        group = sender_groups.get(sender.rank)
-        if group is None or dist.get_world_size(group) == 1:
-            continue
-        box: list = [None]
-        if sender.rank == rank and transport != "broadcast":
-            box = [sender_state.offer_shared_memory(len(sender.buckets))]
-        devices.broadcast_object_list(box, src=sender.rank, group=group)
-        problem = "the sender offers none" if box[0] is None else None
-        if box[0] is not None and receiver is not None and sender.rank != rank:
-            try:
-                receiver.attach(sender.rank, box[0])
-            except OSError as exc:
-                problem = f"receiver global rank {rank} cannot map them: {exc}"
-        flags = [None] * dist.get_world_size(group)
-        devices.all_gather_object(flags, problem, group=group)
-        problems = [p for p in flags if p]
-        if not problems:
-            if sender.rank == rank:
-                sender_state.shared_memory = True
-            stats.shared_memory_senders += 1
-            continue
-        if receiver is not None:
-            receiver.mapped.pop(sender.rank, None)
-            receiver.queues.pop(sender.rank, None)
-        if transport == "auto" and box[0] is not None and rank == sender.rank:
-            logger.info(
-                "weight sync: sender global rank %d broadcasts whole messages: %s",
-                sender.rank, problems[0],
-            )  # fmt: skip
+class _Keep:
+    """Tensors an asynchronous send reads, kept alive beside its work until it completes."""
+
+    def __init__(self, *tensors):
+        self.tensors = tensors
+
+    def wait(self) -> None:
+        pass
 
 
 def run_plan(
@@ -402,6 +466,7 @@ def run_plan(
     transport: str = "auto",
     device: torch.device | None = None,
     tamper=None,
+    bases: DeltaBases | None = None,
 ) -> SyncStats:
     """Take this rank's part in `plan` (collective over every participant).
 
@@ -416,7 +481,11 @@ def run_plan(
     sink error is returned in `SyncStats.error` once the whole schedule has run (so that every
     participant reaches the end); any other error is raised where it happens.
     `tamper(view, version, seq)`: fault injection (`faults.weight_corrupt_versions`), called on
-    each message a receiver gets from another rank before its checks.
+    each message a receiver gets from another rank before its checks (with the delta codec: on
+    the encoded bytes, before decoding).
+    `bases`: this rank's delta bases, kept between syncs (`weight_sync.delta`): the broadcast
+    transport then sends through the delta codec (`negotiate`); they are completed at
+    `version` when this rank's part ended cleanly, and dropped otherwise.
     """
     stats, wall = SyncStats(counter=counter or buffers.MemoryCounter()), time.perf_counter()
     device = torch.device(device if device is not None else "cpu")
@@ -435,46 +504,63 @@ def run_plan(
         slot = max((m.wire_bytes for m in others), default=0)
         receiver = _Receiver(plan, rank, version, sink, stats, slot, total, pool, device)
         receiver.tamper = tamper
-    _negotiate(plan, rank, sender_groups, sender_state, receiver, transport, stats, device)
-    checked: set[str] = set()
-    for sender_index, bucket_index in plan.schedule:
-        sender = plan.senders[sender_index]
-        bucket, is_sender = sender.buckets[bucket_index], sender.rank == rank
-        slot = sender_state.free_slot(bucket_index) if is_sender else None
-        # Message by message: gather what it starts, pack it, put it on the wire. A TP member
-        # that is not the sender only takes part in the gathers.
-        for message in bucket.messages:
-            start = time.perf_counter()
-            for gather in message.gathers:
-                if local is not None and rank in gather.ranks:
-                    full = _gather(plan, gather, rank, sender.rank, local, tp_groups, checked)
-                    if is_sender:
-                        sender_state.stage(gather, full)
-            if is_sender:
-                view, seq = sender_state.pack(slot, message)
-            stats.gather_s += time.perf_counter() - start
-            if is_sender:
-                if receiver is not None:
-                    # An engine's processes read what they load from shared memory (or a
-                    # GPU): a borrowing sink gets its own message copied there unless the slot
-                    # is (it is loaded before the slot is written again).
-                    own = view
-                    if receiver.shared and view.device.type == "cpu" and not view.is_shared():
-                        own = buffers.empty_bytes(view.numel(), shared=True)
-                        own.copy_(view)
-                    receiver.deliver(own, message, rank, seq, False)
-                sender_state.send(view, bucket_index)
-        if receiver is not None and not is_sender:
+    if bases is not None:
+        bases.use_plan(plan)
+        if receiver is not None:
+            receiver.bases = bases
+    try:
+        negotiate(plan, rank, sender_groups, sender_state, receiver, transport, stats, device,
+                  bases)  # fmt: skip
+        checked: set[str] = set()
+        for sender_index, bucket_index in plan.schedule:
+            sender = plan.senders[sender_index]
+            bucket, is_sender = sender.buckets[bucket_index], sender.rank == rank
+            slot = sender_state.free_slot(bucket_index) if is_sender else None
+            # Message by message: gather what it starts, pack it, put it on the wire. A TP member
+            # that is not the sender only takes part in the gathers.
             for message in bucket.messages:
-                group = sender_groups[sender.rank]
-                receiver.post(message, sender.rank, seqs[sender.rank], group, bucket_index)
-                seqs[sender.rank] += 1
-    if sender_state is not None:
-        sender_state.post_last_acks()
-    if receiver is not None:
-        receiver.drain()
-        stats.error = receiver.error
-    if sender_state is not None:
-        sender_state.drain()
+                start = time.perf_counter()
+                for gather in message.gathers:
+                    if local is not None and rank in gather.ranks:
+                        full = _gather(plan, gather, rank, sender.rank, local, tp_groups, checked)
+                        if is_sender:
+                            sender_state.stage(gather, full)
+                if is_sender:
+                    view, seq = sender_state.pack(slot, message)
+                stats.gather_s += time.perf_counter() - start
+                if is_sender:
+                    if receiver is not None:
+                        # An engine's processes read what they load from shared memory (or a
+                        # GPU): a borrowing sink gets its own message copied there unless the slot
+                        # is (it is loaded before the slot is written again).
+                        own = view
+                        if receiver.shared and view.device.type == "cpu" and not view.is_shared():
+                            own = buffers.empty_bytes(view.numel(), shared=True)
+                            own.copy_(view)
+                        receiver.deliver(own, message, rank, seq, False)
+                    sender_state.send(view, bucket_index)
+            if receiver is not None and not is_sender:
+                for message in bucket.messages:
+                    group = sender_groups[sender.rank]
+                    receiver.post(message, sender.rank, seqs[sender.rank], group, bucket_index)
+                    seqs[sender.rank] += 1
+        if sender_state is not None:
+            sender_state.post_last_acks()
+        if receiver is not None:
+            receiver.drain()
+            stats.error = receiver.error
+        if sender_state is not None:
+            sender_state.drain()
+    except BaseException:
+        if bases is not None:
+            bases.drop()  # whatever was kept of this version is not a complete one
+        raise
+    if bases is not None:
+        kept = {rank: sender_state.delta} if sender_state and sender_state.bases else {}
+        if receiver is not None:
+            kept.update({s: s in receiver.delta for s in receiver.encoded})
+        bases.finish(version, kept, clean=receiver is None or receiver.error is None)
+        stats.counter.add("delta_base", bases.nbytes)
     stats.wall_s = time.perf_counter() - wall
     return stats
+

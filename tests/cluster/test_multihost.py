@@ -9,7 +9,10 @@ Contracts checked:
 - the run completes on both agents (exit 0) with the asynchronous loop (`scheduler.loop:
   async`, N = 0, validation every 2 versions);
 - weight sync picks the between-hosts transport: no sender offers shared memory across hosts
-  (`weight_sync/shared_memory_senders` 0), where the same run on one host uses it (1);
+  (`weight_sync/shared_memory_senders` 0), where the same run on one host uses it (1); with
+  `weight_sync.delta` on, every version is sent through the delta codec against the one
+  before (the first against the start-up sync's), decoded and checked by the generate rank
+  before its engine loads it;
 - the run learns as on one host: every metric but timings, throughput, utilization and the
   transport equals the one-host synchronous run's (`sync_run` in tests/conftest.py, 4 optimizer
   mini-batch steps per RL step under an lr schedule) at every step, validation of versions 0
@@ -35,7 +38,8 @@ from tests.harness.recipes import RECIPE, REPO, SYNC_SETS
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow, pytest.mark.e2e]
 VOLATILE = ("timing/", "throughput/", "scheduler/", "utilization/", "weight_sync/GB_per_s",
-            "weight_sync/stall_s", "weight_sync/shared_memory_senders", "checkpoint/")  # fmt: skip
+            "weight_sync/stall_s", "weight_sync/shared_memory_senders", "checkpoint/",
+            "weight_sync/delta", "weight_sync/full_syncs")  # fmt: skip
 
 
 @pytest.fixture
@@ -60,6 +64,7 @@ def _stable(row):
 def test_async_loop_on_two_hosts_learns_as_on_one(hosts, task, sync_run, tmp_path):
     run_dir = tmp_path / "run"
     sets = [*SYNC_SETS, f"validation.data.path={task.val}", "scheduler.loop=async",
+            "weight_sync.delta=true",
             f"model.hf_path={task.model}", f"data.path={task.data}"]  # fmt: skip
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
@@ -92,6 +97,13 @@ def test_async_loop_on_two_hosts_learns_as_on_one(hosts, task, sync_run, tmp_pat
     assert all(0 <= r["utilization/bubble_ratio"] <= 1 for r in sync_run.rows + rows)
     assert all(r["weight_sync/shared_memory_senders"] == 1.0 for r in sync_run.rows)
     assert all(r["weight_sync/shared_memory_senders"] == 0.0 for r in rows)
+    # the leader is the train rank, the sender: every version a delta, none failed
+    assert all(r["weight_sync/delta_senders"] == 1.0 for r in rows), rows
+    assert all(r["weight_sync/full_syncs"] == 0.0 for r in rows)
+    assert all(r["weight_sync/delta_fallbacks"] == 0.0 for r in rows)
+    # fp32 here: an Adam step moves every element, so each message goes whole (deltas of bf16
+    # updates, a few percent of the bytes: tests/distributed/test_weight_sync_delta.py)
+    assert all(0 < r["weight_sync/delta_fraction"] <= 1.01 for r in rows), rows
     for one, two in zip(sync_run.rows, rows, strict=True):
         assert _stable(one) == _stable(two), (
             one["step"], set(_stable(one).items()) ^ set(_stable(two).items()),

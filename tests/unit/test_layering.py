@@ -143,7 +143,7 @@ PURE = (
     "config.errors", "config.checks", "config.roles", "algorithms.config", "engines.config",
     "rewards.config", "rollout.config", "scheduler.config", "weight_sync.config",
     "distributed.layout", "weight_sync.plan", "models.dims", "models.names", "models.shards",
-    "algorithms.grpo", "weight_sync.delta",
+    "algorithms.grpo", "weight_sync.delta", "weight_sync.delta_wire",
     "algorithms.losses", "scheduler.states", "scheduler.machine", "scheduler.queues",
     "scheduler.staleness", "scheduler.scheduler", "checkpoint.config", "checkpoint.store",
     "distributed.collective_errors", "scheduler.watchdog", "algorithms.minibatch",

@@ -74,6 +74,10 @@ def test_train_adds_grads_and_adam_state_by_the_stated_rules(models):
     n = memory.model_numel(dims)
     assert train.device == {"weights": 2 * n, "grads": 2 * n, "optimizer": 12 * n // 4}
     assert train.host == {"checkpoint read": 2 * n}
+    # with delta weight sync, a sender keeps its messages: its pipeline stage in the train dtype
+    cfg.weight_sync = SimpleNamespace(delta=True)
+    (train,) = memory.plan_memory(cfg, layout)
+    assert train.host == {"checkpoint read": 2 * n, "delta bases": 2 * n}
 
 
 def test_shared_memory_is_checked_before_an_engine_starts(models):

@@ -19,6 +19,7 @@ def test_defaults_and_bytes():
     assert (cfg.produce_bytes, cfg.consume_bytes) == (512 << 20, 128 << 20)
     assert WeightSyncConfig(consume_bucket_mb=0.5).consume_bytes == 1 << 19
     assert (cfg.transport, cfg.bridge, cfg.max_attempts) == ("auto", "auto", 2)
+    assert (cfg.delta, cfg.full_every) == (False, 20)
 
 
 def test_run_config_has_the_section():
@@ -38,6 +39,8 @@ def test_run_config_has_the_section():
         ("bridge", "nccl", "must be one of auto, host, device"),
         ("max_attempts", 0, "must be an integer >= 1"),
         ("max_attempts", 1.5, "must be an integer >= 1"),
+        ("delta", "yes", "must be true or false"),
+        ("full_every", 0, "must be an integer >= 1"),
     ],
 )
 def test_bad_values_are_refused(field, value, rule):

@@ -1,0 +1,77 @@
+"""How each sender's messages travel in one weight sync, agreed by its group at the start.
+
+Owned here: `negotiate`, called by `weight_sync.executor.run_plan` on every participant before
+the schedule runs. Per sender, over its group: shared memory when every receiver runs on the
+sender's host and maps its produce slots (only headers then go on the wire), else the broadcast
+of whole messages; with delta bases (`weight_sync.delta`), that broadcast goes through the delta
+codec (`weight_sync.delta_wire`), carrying deltas when every member holds the base version the
+sender proposes, and whole messages otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+
+from megatron_async_rl.distributed import devices
+
+logger = logging.getLogger(__name__)
+
+
+def negotiate(plan, rank, sender_groups, sender_state, receiver, transport, stats, device,
+              bases=None):  # fmt: skip
+    """Per sender (in plan order, over its group): shared memory if the sender offers its slots
+    and every receiver maps them, else the broadcast of whole messages; then, with `bases`
+    (`weight_sync.delta`), the broadcast goes through the delta codec, and carries deltas when
+    every member of the group holds the version the sender proposes (`DeltaBases.proposal`).
+    Collective (on the host bridge; the device bridge always broadcasts whole messages, and
+    negotiates nothing)."""
+    if device.type != "cpu":
+        return
+    for sender in plan.senders:
+        group = sender_groups.get(sender.rank)
+        if group is None or dist.get_world_size(group) == 1:
+            continue
+        box: list = [None]
+        if sender.rank == rank:
+            handles = None
+            if transport != "broadcast":
+                handles = sender_state.offer_shared_memory(len(sender.buckets))
+            proposal = bases.proposal(rank) if bases is not None else None
+            box = [(handles, proposal, bases is not None)]
+        devices.broadcast_object_list(box, src=sender.rank, group=group)
+        handles, proposal, encoded = box[0]
+        problem = "the sender offers none" if handles is None else None
+        if handles is not None and receiver is not None and sender.rank != rank:
+            try:
+                receiver.attach(sender.rank, handles)
+            except OSError as exc:
+                problem = f"receiver global rank {rank} cannot map them: {exc}"
+        holds = proposal is not None and bases is not None and bases.held(sender.rank) == proposal
+        flags = [None] * dist.get_world_size(group)
+        devices.all_gather_object(flags, (problem, holds), group=group)
+        problems = [p for p, _ in flags if p]
+        if not problems:
+            if sender.rank == rank:
+                sender_state.shared_memory = True
+            stats.shared_memory_senders += 1
+            continue
+        if receiver is not None:
+            receiver.mapped.pop(sender.rank, None)
+            receiver.queues.pop(sender.rank, None)
+        if transport == "auto" and handles is not None and rank == sender.rank:
+            logger.info(
+                "weight sync: sender global rank %d broadcasts whole messages: %s",
+                sender.rank, problems[0],
+            )  # fmt: skip
+        if encoded:
+            deltas = all(held for _, held in flags)
+            if sender.rank == rank:
+                sender_state.bases, sender_state.delta = bases, deltas
+            elif receiver is not None:
+                receiver.encoded.add(sender.rank)
+                if deltas:
+                    receiver.delta.add(sender.rank)
+            stats.delta_senders += deltas
+            stats.full_senders += not deltas
