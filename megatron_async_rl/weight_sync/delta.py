@@ -1,7 +1,7 @@
 """Delta encoding of one weight-sync message against the bytes its receivers hold.
 
 Owned here: `encode`, `decode`, `Encoded` and the codec names. Pure: tensors in, tensors out,
-no process group, no engine. The executor (not yet wired: issue 35) keeps, per message of the
+no process group, no engine. The executor keeps, per message of the
 plan, the bytes of the last version every receiver loaded (the base) and sends `encode(new,
 base)` instead of the message's bytes; a receiver decodes against its own copy of the base and
 checks the result with the message's checksum, as it checks a full message today.
@@ -77,16 +77,10 @@ def encode(
     if base is None or base.numel() != size or size == 0:
         return full
     _check_bytes("base", base)
-    a, b = new.view(_INT[width]), base.view(_INT[width])
-    positions = torch.nonzero(a != b).flatten()
+    positions, changes = _changes(new, base, width, update_base)
     changed = positions.numel()
     if changed * (GAP_BYTES + width) // 4 >= size:  # even zstd at 4:1 would not make it smaller
-        if update_base:
-            base.copy_(new)
-        return full
-    changes = torch.bitwise_xor(a[positions], b[positions])
-    if update_base:
-        b[positions] ^= changes
+        return full  # (`base`, updated, already is `new`)
     gaps, xor = _bridged_gaps(positions, changes)
     # values first: both parts then start at offsets their element sizes divide
     raw = torch.cat([xor.view(torch.uint8),
@@ -142,6 +136,34 @@ def decode(encoded: Encoded, base: torch.Tensor | None, in_place: bool = False) 
     view = out.view(kind)
     view[positions] ^= raw_t[: entries * width].view(kind)
     return out
+
+
+def _changes(
+    new: torch.Tensor, base: torch.Tensor, width: int, update_base: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions of the elements (of `width` bytes) whose bits differ, ascending, and their
+    new XOR base; with `update_base`, `base` becomes `new`. Compared by 8-byte words where the
+    length allows (a quarter of the elements for bf16), then only the changed words split into
+    elements: on 2 cores, encoding is 2x faster than comparing elements where 2% of bf16 elements
+    changed, and even where 4% did (each changed word costs a gather, a compare and a scatter)."""
+    if new.numel() % 8:
+        a, b = new.view(_INT[width]), base.view(_INT[width])
+        positions = torch.nonzero(a != b).flatten()
+        changes = torch.bitwise_xor(a[positions], b[positions])
+        if update_base:
+            b[positions] ^= changes
+        return positions, changes
+    a, b = new.view(torch.int64), base.view(torch.int64)
+    words = torch.nonzero(a != b).flatten()
+    now = a.index_select(0, words)
+    xor = torch.bitwise_xor(now, b.index_select(0, words)).view(_INT[width])
+    if update_base:
+        b.index_copy_(0, words, now)
+    shift = (8 // width).bit_length() - 1  # log2 of the elements a word holds
+    within = torch.nonzero(xor).flatten()
+    lane = within & ((1 << shift) - 1)
+    positions = (words.index_select(0, within >> shift) << shift) | lane
+    return positions, xor.index_select(0, within)
 
 
 def _bridged_gaps(positions: torch.Tensor, xor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,10 @@ plan of the small dense model; nothing is faked):
   receiver again holds the sender's exact weights; deltas resume the version after;
 - a receiver that lost its bases (a restarted or new rank: a new `DeltaBases`) makes its
   sender's next sync whole, for every receiver of the group;
+- a version never synced (the trainer stepped twice between syncs) needs nothing: the next delta
+  is taken against the version every rank holds, and is exact;
 - every `full_every`-th version is whole;
+- a sender that resumed (a new process: a new `DeltaBases`) sends its next sync whole;
 - without bases the wire carries whole messages as before (no codec, no delta metrics).
 """
 
@@ -84,18 +87,27 @@ def _worker(rank, world_size, tmp_dir):
     if rank == 1:
         pool.delta_bases = DeltaBases(full_every=5)  # receiver 1 restarted
     sync(6)
-    for version in (7, 8, 9, 10, 11):
-        update()
+    update()
+    sync(7)
+    update()  # version 8 is never synced: the trainer moved on twice before the next sync
+    update()
+    for version in (9, 10, 11, 12):
         sync(version)
+        update()
+    if rank == 0:
+        pool.delta_bases = DeltaBases(full_every=5)  # the trainer resumed from a checkpoint
+    sync(13)
+    update()
+    sync(14)
     update()
     plain = buffers.BufferPool()
     counter = buffers.MemoryCounter()
-    sink = sinks.StagingSink(plan, counter, 12, plan.consume_bytes, plain) if rank else None
+    sink = sinks.StagingSink(plan, counter, 15, plan.consume_bytes, plain) if rank else None
     local = None
     if rank == 0:
         full = hf_to_megatron(hf, DIMS)
         local = stage_state_dict(full, DIMS, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
-    stats = executor.run_plan(plan, rank, 12, {0: group}, local=local, tp_groups={}, sink=sink,
+    stats = executor.run_plan(plan, rank, 15, {0: group}, local=local, tp_groups={}, sink=sink,
                               counter=counter, pool=plain, transport="broadcast")  # fmt: skip
     plain_exact = sink is None or all(torch.equal(sink.weights[n], t) for n, t in hf.items())
     return log, (stats.full_bytes, stats.delta_senders, stats.full_senders, plain_exact)
@@ -106,11 +118,13 @@ def test_deltas_are_exact_and_every_fallback_is_whole(tmp_path):
     logs = [log for log, _ in results]
     # v1 whole (nothing held); v2, v3 deltas; v4 a delta receiver 2 cannot take, then v4 again,
     # whole (receiver 2 dropped its bases); v5 delta; v6 whole (receiver 1 restarted); v7-v10
-    # deltas; v11 whole (full_every 5: four deltas in a row before it)
+    # v7 delta; v8 skipped: v9 a delta against v7, which every rank holds; v10, v11 deltas; v12
+    # whole (full_every 5: four deltas in a row before it); v13 whole (the sender resumed: a new
+    # process holds nothing); v14 delta
     expected = ["full", "delta", "delta", "delta", "full", "delta", "full", "delta", "delta",
-                "delta", "delta", "full"]  # fmt: skip
+                "delta", "delta", "full", "full", "delta"]  # fmt: skip
     for rank, log in enumerate(logs):
-        assert [row["version"] for row in log] == [1, 2, 3, 4, 4, 5, 6, 7, 8, 9, 10, 11]
+        assert [row["version"] for row in log] == [1, 2, 3, 4, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14]
         assert ["delta" if row["delta"] else "full" for row in log] == expected, (rank, log)
         for row in log:
             if row["delta"]:

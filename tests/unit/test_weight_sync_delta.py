@@ -108,3 +108,27 @@ def test_bad_inputs_name_what_is_wrong():
         delta.encode(torch.zeros(4), None, 4)
     with pytest.raises(ValueError, match="unknown delta codec 'lz9'"):
         delta.decode(delta.Encoded("lz9", torch.zeros(0, dtype=torch.uint8), 0, 1), None)
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_comparing_by_words_finds_exactly_the_changed_elements_and_updates_the_base(width):
+    """Lengths that are whole 8-byte words are compared by words and split into elements; the
+    others element by element: both give each changed element once, in order, and leave the
+    base equal to the new bytes."""
+    gen = torch.Generator().manual_seed(width)
+    for size in (8 * 3000, 8 * 3000 + width):
+        base = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
+        new = base.clone()
+        elements = new.view(delta._INT[width])
+        hit = torch.randperm(elements.numel(), generator=gen)[:200]
+        elements[hit] ^= 1 << 3  # ~one element of a word: the words' other lanes unchanged
+        elements[:4] ^= 1  # neighbours within one word
+        expected = torch.unique(torch.cat([hit, torch.arange(4)]))
+        kept = base.clone()
+        positions, changes = delta._changes(new, kept, width, update_base=True)
+        assert torch.equal(positions, expected)
+        assert torch.equal(changes, (elements ^ base.view(delta._INT[width]))[expected])
+        assert torch.equal(kept, new)
+        encoded = delta.encode(new, base, width)
+        assert encoded.codec == delta.SPARSE and encoded.changed == expected.numel()
+        assert torch.equal(delta.decode(encoded, base), new)
