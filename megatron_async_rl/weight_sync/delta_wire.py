@@ -1,11 +1,13 @@
 """Weight-sync messages through the delta codec: what both ends keep, and what goes on the wire.
 
 Owned here: `DeltaBases`, one per rank, kept from one sync to the next (`weight_sync.delta:
-true`): the bytes of each message as this rank last sent or loaded it; and a message's form on
-the wire (`encode_message`, `decode_into`): a `DELTA_HEADER_BYTES` header (the message's own
+true`): the bytes of each message as this rank last sent or loaded it; a message's form on the
+wire (`encode_message`, `decode_into`): a `DELTA_HEADER_BYTES` header (the message's own
 header, then the codec and the length of what follows), then the bytes `weight_sync.delta`
-encoded. Pure: tensors in and out; the executor (`weight_sync.executor`) negotiates, sends,
-receives and checks.
+encoded; and `DeltaCodec`, the two as a layer over the collective transport
+(`weight_sync.transports.collective`), for one sender's messages on one rank. No process group
+here: the transport sends and receives, the executor (`weight_sync.executor`) negotiates
+(`weight_sync.negotiate`) and checks.
 
 The rule that keeps bases from drifting: a sender sends a delta only against a version that it
 and every receiver of its group hold for all of its messages, as the last sync that completed
@@ -21,6 +23,8 @@ over the broadcast transport (the model at the engine's dtype). Counted as `delt
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -147,3 +151,47 @@ def decode_into(
     view[:HEADER_BYTES].copy_(head[:HEADER_BYTES])
     view[HEADER_BYTES:].copy_(payload)
     return payload
+
+
+class DeltaCodec:
+    """The codec of one sender's messages on one rank (the sender, or one of its receivers):
+    `transports.collective.Codec` on the sender, `decode` on a receiver. `delta`: the group
+    agreed on deltas against the version every member holds (else messages go whole)."""
+
+    header_bytes = DELTA_HEADER_BYTES
+
+    def __init__(self, bases: DeltaBases, sender: int, delta: bool, dtype_width: int, stats):
+        self.bases, self.sender, self.delta = bases, sender, delta
+        self.width, self.stats = dtype_width, stats
+
+    def encode(self, view: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(header, encoded bytes) of the packed message `view`; its payload becomes the base
+        of its next version."""
+        start = time.perf_counter()
+        base = self.bases.base(self.sender, seq) if self.delta else None
+        head, body, kept = encode_message(view, base, self.width)
+        self.stats.encode_s += time.perf_counter() - start
+        self.stats.wire_bytes += head.numel() + body.numel()
+        self.stats.full_bytes += kept.numel()
+        self.bases.keep(self.sender, seq, kept)
+        return head, body
+
+    def body_bytes(self, head: torch.Tensor) -> int:
+        return read_length(head)[1]
+
+    def decode(self, view: torch.Tensor, seq: int, head: torch.Tensor, body: torch.Tensor
+               ) -> torch.Tensor:  # fmt: skip
+        """`decode_into` against this rank's base of message `seq` (ValueError when it cannot)."""
+        self.stats.wire_bytes += head.numel() + body.numel()
+        self.stats.full_bytes += view.numel() - HEADER_BYTES
+        codec, _ = read_length(head)
+        start = time.perf_counter()
+        try:
+            return decode_into(view, head, codec, body, self.bases.base(self.sender, seq),
+                               self.delta, self.width)  # fmt: skip
+        finally:
+            self.stats.decode_s += time.perf_counter() - start
+
+    def keep(self, seq: int, payload: torch.Tensor) -> None:
+        """A decoded message passed its checks: its payload is the base of its next version."""
+        self.bases.keep(self.sender, seq, payload)

@@ -17,35 +17,27 @@ memory: 2 x the largest bucket (<= produce bytes) on a sender, 2 x the largest m
 ("gathered") and, on a receiver, one staged copy of a tensor split over messages per sender,
 until its last piece arrives ("staging"); all four are counted in `SyncStats.counter`.
 
-Transports, agreed per sender at the start of each sync (`negotiate`, over the sender's
-group): when every receiver runs on the sender's host and can map its produce slots (shared
-memory, `BufferPool.share` / `attach`), receivers read each message in place and the wire
-carries only its 32-byte header ("ready"); each receiver acknowledges message k (an all-reduce
-on the group) once it is loaded, and the sender refills a slot only after every receiver
-acknowledged the last message of the bucket two back. A receiver then holds no consume slots,
-and an engine gets handles to the sender's memory: no byte is copied between pack and load.
-Otherwise (another host, or `transport: broadcast`) each message is broadcast whole, or, with
-delta bases (`weight_sync.delta`), through the delta codec (`weight_sync.delta_wire`): a
-48-byte header with the encoded length, then a delta against the version every member of the
-group holds (or the message whole), decoded into the receiver's consume slot and checked there
-as a whole message is. On the
-device bridge (`WeightSyncConfig.bridge`: GPU slots, NCCL groups) messages are always broadcast
-whole and nothing is negotiated; engines get CUDA views (`engines.sglang.handover`: CUDA IPC).
+Transports (`weight_sync.transports`), agreed per sender at the start of each sync
+(`weight_sync.negotiate`, over the sender's group): shared memory when every receiver runs on
+the sender's host and can map its produce slots (only each message's header crosses; no byte
+is copied between pack and load), else the collective transport, each message broadcast on the
+group (whole, or, with delta bases, `weight_sync.delta`, through the delta codec
+`weight_sync.delta_wire.DeltaCodec`: deltas against the version every member holds, decoded
+into the receiver's consume slot and checked there as a whole message is). On the device
+bridge (`WeightSyncConfig.bridge`: GPU slots, NCCL groups) nothing is negotiated: messages are
+broadcast whole, and engines get CUDA views (`engines.sglang.handover`: CUDA IPC).
 
 Ordering contract (why nothing deadlocks): every rank walks `plan.schedule` in the same order
 and posts, in that order, only the operations it takes part in; it only ever waits for an
-operation it posted earlier. On a shared-memory group every member posts the acknowledgement
-of message k - 2 just before the header of message k, and the last two after the schedule
-(senders post theirs before draining as receivers, since a rank may be both). A receiver
-checks each message (version, sender, sequence number, checksum) before its sink sees it;
-after the first failure it keeps receiving (so that no sender waits forever) but loads nothing
-more, and reports the failure at the end (`SyncStats.error`).
-Every collective names `group=`.
+operation it posted earlier (the shared-memory transport's acknowledgements keep that order
+too: `transports.shared_memory`). A receiver checks each message (version, sender, sequence
+number, checksum) before its sink sees it; after the first failure it keeps receiving (so that
+no sender waits forever) but loads nothing more, and reports the failure at the end
+(`SyncStats.error`). Every collective names `group=`.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import time
@@ -56,10 +48,15 @@ import torch.distributed as dist
 
 from megatron_async_rl.models.names import hf_names_for, megatron_param_to_hf
 from megatron_async_rl.models.shards import unshard
-from megatron_async_rl.weight_sync import buffers, delta_wire
-from megatron_async_rl.weight_sync.delta_wire import DELTA_HEADER_BYTES, DeltaBases
+from megatron_async_rl.weight_sync import buffers
+from megatron_async_rl.weight_sync.delta_wire import DeltaBases, DeltaCodec
 from megatron_async_rl.weight_sync.negotiate import negotiate
-from megatron_async_rl.weight_sync.plan import HEADER_BYTES, Message, Piece, ReshardPlan
+from megatron_async_rl.weight_sync.plan import Message, Piece, ReshardPlan
+from megatron_async_rl.weight_sync.transports.collective import CollectiveReceive, CollectiveSend
+from megatron_async_rl.weight_sync.transports.shared_memory import (
+    SharedMemoryReceive,
+    SharedMemorySend,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -111,96 +108,76 @@ class SyncStats:
 
 
 class _Receiver:
-    """Consume slots and the FIFO of messages in flight to this rank (broadcast transport);
-    the senders' mapped slots and a FIFO per sender (shared-memory transport)."""
+    """A receiver's checks and its sink; its transports (`weight_sync.transports`): the
+    collective one for every sender that broadcasts to it, shared memory for those whose slots
+    it mapped; the delta codecs of the senders whose messages come encoded."""
 
     def __init__(self, plan, rank, version, sink, stats, slot_bytes, num_messages, pool, device):
         self.plan, self.rank, self.version, self.sink, self.stats = plan, rank, version, sink, stats
-        self.device = device
         self.dtype = buffers.torch_dtype(plan.dtype)
-        self.pool, self.shared = pool, getattr(sink, "borrows_buffers", True)
-        self.slots: list[torch.Tensor | None] = [None, None]
-        self.slot_bytes, self.remaining = slot_bytes, num_messages
-        self.in_flight: collections.deque = collections.deque()
-        self.posted = 0
+        self.shared = getattr(sink, "borrows_buffers", True)
+        self.remaining = num_messages
         self.error: Exception | None = None
-        self.mapped: dict[int, list[torch.Tensor]] = {}
-        """Shared-memory senders: their produce slots, mapped here."""
-        self.queues: dict[int, collections.deque] = {}
-        self.acks: list = []
+        self.collective = CollectiveReceive(pool, slot_bytes, self.shared, device, stats,
+                                            self.deliver)  # fmt: skip
+        self.shared_memory = SharedMemoryReceive(pool, stats, self.deliver, version, rank)
+        self.codecs: dict[int, DeltaCodec] = {}
+        """Senders whose messages come through the delta codec (`negotiate`)."""
         self.tamper = None
         """`run_plan`'s fault injection hook, if any."""
-        self.bases: DeltaBases | None = None
-        self.encoded: set[int] = set()
-        """Senders whose messages come through the delta codec (a header, then encoded bytes)."""
-        self.delta: set[int] = set()
-        """Of those, the ones sending deltas against this rank's bases."""
 
-    def attach(self, sender: int, handles) -> None:
-        """Map `sender`'s produce slots (raises OSError when they cannot be mapped)."""
-        self.mapped[sender] = [
-            self.pool.attach(("produce", sender, i), handle) for i, handle in enumerate(handles)
-        ]
-        self.queues[sender] = collections.deque()
+    def use_codec(self, codec: DeltaCodec) -> None:
+        self.codecs[codec.sender] = self.collective.codecs[codec.sender] = codec
 
     def post(self, message: Message, sender: int, seq: int, group, bucket_index: int) -> None:
-        if sender in self.mapped:
-            self._post_shared(message, sender, seq, group, bucket_index)
-            return
-        index = self.posted % 2
-        if len(self.in_flight) == 2:
-            self.complete_oldest()
-        if self.slots[index] is None:
-            self.slots[index] = self.pool.get(
-                "consume", index, self.slot_bytes, self.shared, self.device
-            )
-            self.stats.counter.add("consume", self.slot_bytes)
-        view = self.slots[index][: message.wire_bytes]
-        encoded = None
-        if sender in self.encoded:  # its length first, then the bytes
-            head = torch.empty(DELTA_HEADER_BYTES, dtype=torch.uint8)
-            start = time.perf_counter()
-            dist.broadcast(head, src=sender, group=group)
-            self.stats.send_s += time.perf_counter() - start
-            codec, length = delta_wire.read_length(head)
-            body = torch.empty(length, dtype=torch.uint8)
-            work = dist.broadcast(body, src=sender, group=group, async_op=True) if length else None
-            encoded = (head, codec, body)
-        else:
-            work = dist.broadcast(view, src=sender, group=group, async_op=True)
-        self.in_flight.append((work, view, message, sender, seq, encoded))
-        self.posted += 1
+        transport = self.shared_memory if sender in self.shared_memory.mapped else self.collective
+        transport.post(message, sender, seq, group, bucket_index)
 
-    def complete_oldest(self) -> None:
-        work, view, message, sender, seq, encoded = self.in_flight.popleft()
-        start = time.perf_counter()
-        if work is not None:
-            work.wait()
-        self.stats.send_s += time.perf_counter() - start
-        if encoded is None:
-            self.deliver(view, message, sender, seq, verify=True)
+    def drain(self) -> None:
+        self.collective.drain()
+        self.shared_memory.drain()
+
+    def deliver(self, view, message: Message, sender: int, seq: int, verify: bool = True,
+                encoded=None, problem: Exception | None = None) -> None:  # fmt: skip
+        """Check message `seq` of `sender` (`verify`: one from another rank), then hand it to
+        the sink. `encoded`: (header, encoded bytes) to decode into `view` first. `problem`: the
+        transport's, found before the checks. After the first error nothing more is loaded."""
+        self.remaining -= 1
+        if self.error is not None:
             return
-        payload = self._decode(view, message, sender, seq, *encoded)
-        self.deliver(view, message, sender, seq, verify=True, tamper=False)
-        if self.error is None and payload is not None and self.bases is not None:
-            self.bases.keep(sender, seq, payload)
-        elif self.error is not None and sender in self.delta and payload is not None:
+        if problem is not None:
+            self.error = problem
+            return
+        payload = None
+        try:
+            if encoded is not None:
+                if self.tamper is not None:  # the encoded bytes, before decoding
+                    self.tamper(encoded[1], self.version, seq)
+                payload = self._decode(view, sender, seq, *encoded)
+                if payload is None:
+                    return
+            elif verify and self.tamper is not None:
+                self.tamper(view, self.version, seq)
+            if verify:
+                self._verify(view, message, sender, seq)
+            start = time.perf_counter()
+            pieces = buffers.unpack(view, message, self.dtype)
+            self.sink.add(message, pieces, sender, seq, last=self.remaining == 0)
+            self.stats.load_s += time.perf_counter() - start
+        except Exception as exc:  # noqa: BLE001 - re-raised once the protocol has finished
+            self.error = exc
+        if payload is None:
+            return
+        if self.error is None:
+            self.codecs[sender].keep(seq, payload)
+        elif self.codecs[sender].delta:
             self.stats.delta_failures += 1  # decoded, but not to what was sent
 
-    def _decode(self, view, message: Message, sender: int, seq: int, head, codec: int, body):
-        """The message's payload decoded from `body` into `view`; the payload as this rank's
-        own tensor, or None (an error, recorded)."""
-        if self.error is not None:
-            return None
-        self.stats.wire_bytes += DELTA_HEADER_BYTES + body.numel()
-        self.stats.full_bytes += message.wire_bytes - HEADER_BYTES
-        if self.tamper is not None:
-            self.tamper(body, self.version, seq)
-        start = time.perf_counter()
-        base = self.bases.base(sender, seq) if self.bases is not None else None
+    def _decode(self, view, sender: int, seq: int, head, body) -> torch.Tensor | None:
+        """The message decoded into `view`; its payload as this rank's own tensor, or None (an
+        error, recorded)."""
         try:
-            return delta_wire.decode_into(view, head, codec, body, base, sender in self.delta,
-                                          self.dtype.itemsize)  # fmt: skip
+            return self.codecs[sender].decode(view, seq, head, body)
         except ValueError as exc:
             self.stats.delta_failures += 1
             self.error = RuntimeError(
@@ -209,63 +186,6 @@ class _Receiver:
                 "was loaded"
             )
             return None
-        finally:
-            self.stats.decode_s += time.perf_counter() - start
-
-    def _post_shared(self, message: Message, sender: int, seq: int, group, bucket_index) -> None:
-        """Message `seq` of `sender` is in its slot `bucket_index % 2`; its header on the wire
-        says it is ready. Message seq - 2 is loaded (and acknowledged) first."""
-        queue = self.queues[sender]
-        if len(queue) == 2:
-            self._complete_shared(sender)
-        header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-        work = dist.broadcast(header, src=sender, group=group, async_op=True)
-        slot = self.mapped[sender][bucket_index % 2]
-        view = slot[message.offset : message.offset + message.wire_bytes]
-        queue.append((work, header, view, message, seq, group))
-
-    def _complete_shared(self, sender: int) -> None:
-        work, header, view, message, seq, group = self.queues[sender].popleft()
-        start = time.perf_counter()
-        work.wait()
-        self.stats.send_s += time.perf_counter() - start
-        if self.error is None and not torch.equal(header, view[:HEADER_BYTES]):
-            self.error = RuntimeError(
-                f"weight sync v{self.version}: message {seq} from sender global rank {sender} "
-                f"to receiver global rank {self.rank}: the header announced differs from the "
-                "one in shared memory; nothing of it was loaded"
-            )
-        self.deliver(view, message, sender, seq, verify=True)
-        # The sender may write this slot again once every receiver has acknowledged.
-        self.acks.append(dist.all_reduce(torch.ones(1), group=group, async_op=True))
-
-    def drain(self) -> None:
-        while self.in_flight:
-            self.complete_oldest()
-        for sender, queue in self.queues.items():
-            while queue:
-                self._complete_shared(sender)
-        start = time.perf_counter()
-        for work in self.acks:
-            work.wait()
-        self.stats.send_s += time.perf_counter() - start
-
-    def deliver(self, view, message: Message, sender: int, seq: int, verify: bool,
-                tamper: bool = True) -> None:  # fmt: skip
-        self.remaining -= 1
-        if self.error is not None:
-            return
-        try:
-            if verify:
-                if tamper and self.tamper is not None:
-                    self.tamper(view, self.version, seq)
-                self._verify(view, message, sender, seq)
-            start = time.perf_counter()
-            pieces = buffers.unpack(view, message, self.dtype)
-            self.sink.add(message, pieces, sender, seq, last=self.remaining == 0)
-            self.stats.load_s += time.perf_counter() - start
-        except Exception as exc:  # noqa: BLE001 - re-raised once the protocol has finished
-            self.error = exc
 
     def _verify(self, view, message: Message, sender: int, seq: int) -> None:
         header = buffers.read_header(view)
@@ -312,7 +232,9 @@ def _gather(plan, gather, rank, sender, local, tp_groups, checked) -> torch.Tens
 
 
 class _Sender:
-    """Produce slots, in-flight sends and the HF tensors being packed, on a sender."""
+    """Produce slots and the HF tensors being packed, on a sender; its transport
+    (`weight_sync.transports`): the collective one (through the delta codec where agreed) or
+    shared memory, as `negotiate` agreed with its group (collective without a negotiation)."""
 
     def __init__(self, plan, rank, version, group, stats, slot_bytes, pool, device):
         self.plan, self.rank, self.version, self.group = plan, rank, version, group
@@ -320,49 +242,41 @@ class _Sender:
         self.stats, self.slot_bytes, self.pool = stats, slot_bytes, pool
         self.dtype = buffers.torch_dtype(plan.dtype)
         self.slots: list[torch.Tensor | None] = [None, None]
-        self.sends: list[list] = [[], []]
-        self.shared_memory = False
-        """Receivers read the slots in place (shared memory); only headers go on the wire."""
-        self.acks: dict[int, object] = {}
-        self.bucket_last: dict[int, int] = {}
         self.staged: dict[str, torch.Tensor] = {}
         self.owned: dict[str, int] = {}
         """Bytes of each staged HF tensor that are this sync's own (not a view of a parameter)."""
         self.seq = 0
-        self.bases: DeltaBases | None = None
-        """Set when this sender's messages go through the delta codec (`negotiate`)."""
-        self.delta = False
-        """Deltas against `bases` (every member of the group holds their version)."""
+        self.transport = None
+        """None where the group has no receiver."""
+        if dist.get_world_size(group) > 1:
+            self.transport = CollectiveSend(rank, group, stats)
+        self.codec: DeltaCodec | None = None
+        self.offered: SharedMemorySend | None = None
 
     def offer_shared_memory(self, num_buckets: int) -> list[buffers.SharedHandle]:
         """Allocate the slots in shared memory; their handles, for the receivers to map."""
-        for k in range(min(2, num_buckets)):
-            self.slots[k] = self.pool.get("produce", k, self.slot_bytes, shared=True)
-            self.stats.counter.add("produce", self.slot_bytes)
-        return [self.pool.share("produce", k) for k in range(min(2, num_buckets))]
+        self.offered = SharedMemorySend(self.rank, self.group, self.stats, self.pool,
+                                        self.slot_bytes, num_buckets)  # fmt: skip
+        self.slots[: len(self.offered.slots)] = self.offered.slots
+        return self.offered.handles
+
+    def use_shared_memory(self) -> None:
+        self.transport = self.offered
+
+    def use_codec(self, codec: DeltaCodec) -> None:
+        self.codec = codec
+        self.transport = CollectiveSend(self.rank, self.group, self.stats, codec)
 
     def free_slot(self, index: int) -> torch.Tensor:
-        """Slot `index % 2`, once the bucket two back is off it: its sends completed, or (shared
-        memory) every receiver acknowledged its last message."""
+        """Slot `index % 2`, once the bucket two back is off it (`wait_slot`: its sends
+        completed, or, with shared memory, every receiver acknowledged its last message)."""
+        if self.transport is not None:
+            self.transport.wait_slot(index)
         k = index % 2
-        start = time.perf_counter()
-        if self.shared_memory:
-            self._post_acks(self.seq - 2)  # in message order, as the receivers post theirs
-            if index >= 2:
-                self.acks[self.bucket_last[index - 2]].wait()
-        for work in self.sends[k]:
-            work.wait()
-        self.sends[k] = []
-        self.stats.send_s += time.perf_counter() - start
         if self.slots[k] is None:
             self.slots[k] = self.pool.get("produce", k, self.slot_bytes, device=self.device)
             self.stats.counter.add("produce", self.slot_bytes)
         return self.slots[k]
-
-    def _post_acks(self, upto: int) -> None:
-        """Join the acknowledgements of messages up to `upto` (each is an all-reduce)."""
-        for seq in range(len(self.acks), upto + 1):
-            self.acks[seq] = dist.all_reduce(torch.ones(1), group=self.group, async_op=True)
 
     def stage(self, gather, full: torch.Tensor) -> None:
         """The HF tensors of one assembled parameter, as views of it (packing copies them once).
@@ -397,59 +311,19 @@ class _Sender:
         return view, self.seq - 1
 
     def send(self, view: torch.Tensor, index: int) -> None:
-        """Put a packed message on the wire (shared memory: its header, saying it is ready)."""
-        if dist.get_world_size(self.group) > 1:
-            if self.shared_memory:
-                self._post_acks(self.seq - 3)  # acks of messages < seq - 2 precede this header
-                view = view[:HEADER_BYTES]
-            if self.bases is not None:
-                self._send_encoded(view, index)
-            else:
-                work = dist.broadcast(view, src=self.rank, group=self.group, async_op=True)
-                self.sends[index % 2].append(work)
-            self.bucket_last[index] = self.seq - 1
-
-    def _send_encoded(self, view: torch.Tensor, index: int) -> None:
-        """The message through the delta codec (`delta_wire.encode_message`); its payload
-        becomes the base of its next version."""
-        seq = self.seq - 1
-        start = time.perf_counter()
-        base = self.bases.base(self.rank, seq) if self.delta else None
-        head, body, kept = delta_wire.encode_message(view, base, self.dtype.itemsize)
-        self.stats.encode_s += time.perf_counter() - start
-        works = [dist.broadcast(head, src=self.rank, group=self.group, async_op=True)]
-        if body.numel():
-            works.append(dist.broadcast(body, src=self.rank, group=self.group, async_op=True))
-        # the tensors stay referenced until their sends complete (`free_slot`, `drain`)
-        self.sends[index % 2] += [*works, _Keep(head, body)]
-        self.stats.wire_bytes += head.numel() + body.numel()
-        self.stats.full_bytes += kept.numel()
-        self.bases.keep(self.rank, seq, kept)
+        """Put a packed message of bucket `index` on the wire."""
+        if self.transport is not None:
+            self.transport.send(view, index, self.seq - 1)
 
     def post_last_acks(self) -> None:
-        """Join the acknowledgements not joined yet (before this rank drains as a receiver: a
+        """Before this rank drains as a receiver (`finish_posts`: with shared memory, a
         receiver acknowledges its last messages only then)."""
-        if self.shared_memory:
-            self._post_acks(self.seq - 1)
+        if self.transport is not None:
+            self.transport.finish_posts()
 
     def drain(self) -> None:
-        start = time.perf_counter()
-        for work in self.acks.values():
-            work.wait()
-        for works in self.sends:
-            for work in works:
-                work.wait()
-        self.stats.send_s += time.perf_counter() - start
-
-
-class _Keep:
-    """Tensors an asynchronous send reads, kept alive beside its work until it completes."""
-
-    def __init__(self, *tensors):
-        self.tensors = tensors
-
-    def wait(self) -> None:
-        pass
+        if self.transport is not None:
+            self.transport.drain()
 
 
 def run_plan(
@@ -506,8 +380,6 @@ def run_plan(
         receiver.tamper = tamper
     if bases is not None:
         bases.use_plan(plan)
-        if receiver is not None:
-            receiver.bases = bases
     try:
         negotiate(plan, rank, sender_groups, sender_state, receiver, transport, stats, device,
                   bases)  # fmt: skip
@@ -537,7 +409,7 @@ def run_plan(
                         if receiver.shared and view.device.type == "cpu" and not view.is_shared():
                             own = buffers.empty_bytes(view.numel(), shared=True)
                             own.copy_(view)
-                        receiver.deliver(own, message, rank, seq, False)
+                        receiver.deliver(own, message, rank, seq, verify=False)
                     sender_state.send(view, bucket_index)
             if receiver is not None and not is_sender:
                 for message in bucket.messages:
@@ -556,11 +428,10 @@ def run_plan(
             bases.drop()  # whatever was kept of this version is not a complete one
         raise
     if bases is not None:
-        kept = {rank: sender_state.delta} if sender_state and sender_state.bases else {}
+        kept = {rank: sender_state.codec.delta} if sender_state and sender_state.codec else {}
         if receiver is not None:
-            kept.update({s: s in receiver.delta for s in receiver.encoded})
+            kept.update({s: codec.delta for s, codec in receiver.codecs.items()})
         bases.finish(version, kept, clean=receiver is None or receiver.error is None)
         stats.counter.add("delta_base", bases.nbytes)
     stats.wall_s = time.perf_counter() - wall
     return stats
-

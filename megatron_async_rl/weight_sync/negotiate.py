@@ -15,6 +15,8 @@ import logging
 import torch.distributed as dist
 
 from megatron_async_rl.distributed import devices
+from megatron_async_rl.weight_sync import buffers
+from megatron_async_rl.weight_sync.delta_wire import DeltaCodec
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ def negotiate(plan, rank, sender_groups, sender_state, receiver, transport, stat
         problem = "the sender offers none" if handles is None else None
         if handles is not None and receiver is not None and sender.rank != rank:
             try:
-                receiver.attach(sender.rank, handles)
+                receiver.shared_memory.attach(sender.rank, handles)
             except OSError as exc:
                 problem = f"receiver global rank {rank} cannot map them: {exc}"
         holds = proposal is not None and bases is not None and bases.held(sender.rank) == proposal
@@ -54,12 +56,11 @@ def negotiate(plan, rank, sender_groups, sender_state, receiver, transport, stat
         problems = [p for p, _ in flags if p]
         if not problems:
             if sender.rank == rank:
-                sender_state.shared_memory = True
+                sender_state.use_shared_memory()
             stats.shared_memory_senders += 1
             continue
         if receiver is not None:
-            receiver.mapped.pop(sender.rank, None)
-            receiver.queues.pop(sender.rank, None)
+            receiver.shared_memory.detach(sender.rank)
         if transport == "auto" and handles is not None and rank == sender.rank:
             logger.info(
                 "weight sync: sender global rank %d broadcasts whole messages: %s",
@@ -67,11 +68,11 @@ def negotiate(plan, rank, sender_groups, sender_state, receiver, transport, stat
             )  # fmt: skip
         if encoded:
             deltas = all(held for _, held in flags)
+            width = buffers.torch_dtype(plan.dtype).itemsize
+            codec = DeltaCodec(bases, sender.rank, deltas, width, stats)
             if sender.rank == rank:
-                sender_state.bases, sender_state.delta = bases, deltas
+                sender_state.use_codec(codec)
             elif receiver is not None:
-                receiver.encoded.add(sender.rank)
-                if deltas:
-                    receiver.delta.add(sender.rank)
+                receiver.use_codec(codec)
             stats.delta_senders += deltas
             stats.full_senders += not deltas
