@@ -38,7 +38,8 @@ it keeps between syncs, `weight_sync/pool_MB`; `weight_sync/attempts`, `.../fail
 wire / bytes of the whole messages), `weight_sync/delta_senders` and `weight_sync/full_syncs`
 (senders of this rank's groups that sent deltas, or sent whole while keeping bases),
 `weight_sync/delta_fallbacks` (deltas that did not decode, or decoded to bytes that failed
-their checksum: the version is sent again, whole), `timing/weight_sync/{encode,decode}_s`, and
+their checksum, on any participant and over the attempts of the version: it is sent again,
+whole), `timing/weight_sync/{encode,decode}_s`, and
 the bases held, `weight_sync/delta_base_peak_MB`.
 """
 
@@ -150,13 +151,17 @@ def _metrics(stats: executor.SyncStats, reshard: plan.ReshardPlan) -> dict[str, 
     return out
 
 
-def _agree(groups, error: str | None, recoverable: bool = False) -> tuple[list[str], bool]:
-    """Every participant's error of this attempt, "global rank r: ...", and whether every
-    participant that failed can recover from it (`WeightSyncConfig.on_failure`) (collective)."""
+def _agree(
+    groups, error: str | None, recoverable: bool = False, fallbacks: int = 0
+) -> tuple[list[str], bool, int]:
+    """Every participant's error of this attempt, "global rank r: ...", whether every
+    participant that failed can recover from it (`WeightSyncConfig.on_failure`), and the deltas
+    that failed on all of them (`fallbacks`: this rank's) (collective)."""
     box: list = [None] * dist.get_world_size(groups.weight_sync)
-    devices.all_gather_object(box, (groups.rank, error, recoverable), group=groups.weight_sync)
-    errors = [f"global rank {r}: {e}" for r, e, _ in box if e]
-    return errors, all(ok for _, e, ok in box if e)
+    devices.all_gather_object(box, (groups.rank, error, recoverable, fallbacks),
+                              group=groups.weight_sync)  # fmt: skip
+    errors = [f"global rank {r}: {e}" for r, e, _, _ in box if e]
+    return errors, all(ok for _, e, ok, _ in box if e), sum(n for *_, n in box)
 
 
 def _attempt(groups, train, receiving: bool, version, config, make_sink, pool, device,
@@ -195,7 +200,7 @@ def _attempt(groups, train, receiving: bool, version, config, make_sink, pool, d
             sink = make_sink(reshard, key, counter)
         except ValueError as exc:  # a receiving model the plan does not fit
             error = str(exc)
-    errors, _ = _agree(groups, error)  # before anything moves: nothing to undo
+    errors, _, _ = _agree(groups, error)  # before anything moves: nothing to undo
     if errors:
         return None, {}, errors, False, False
     if hasattr(sink, "begin"):
@@ -217,8 +222,10 @@ def _attempt(groups, train, receiving: bool, version, config, make_sink, pool, d
     if error and bases is not None:
         bases.drop()  # what this rank kept is not what it loaded: the next sync is whole
     recoverable = bool(getattr(sink, "recoverable", False)) and "logp" not in (roles or {})
-    errors, recoverable = _agree(groups, error, recoverable)
+    errors, recoverable, fallbacks = _agree(groups, error, recoverable, stats.delta_failures)
     metrics = _metrics(stats, reshard)
+    if bases is not None:  # every participant's, the same on all of them
+        metrics["weight_sync/delta_fallbacks"] = float(fallbacks)
     metrics["weight_sync/device_bridge"] = float(device.type != "cpu")
     if pool is not None:
         metrics["weight_sync/pool_MB"] = pool.held_bytes / 2**20
@@ -249,10 +256,14 @@ def _reshard(groups, roles: dict, version: int | None, config, make_sink, pool, 
     if not groups.weight_senders or (train is None and not receiving):
         return None, {}
     config = config or WeightSyncConfig()
+    fallbacks = 0.0  # deltas that failed, over the attempts of this version
     for attempt in range(1, config.max_attempts + 1):
         sink, metrics, errors, retryable, recoverable = _attempt(
             groups, train, receiving, version, config, make_sink, pool, device, tamper, roles
         )
+        if "weight_sync/delta_fallbacks" in metrics:
+            fallbacks += metrics["weight_sync/delta_fallbacks"]
+            metrics["weight_sync/delta_fallbacks"] = fallbacks
         if not errors:
             metrics["weight_sync/attempts"] = attempt
             return sink, metrics

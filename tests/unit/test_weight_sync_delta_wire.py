@@ -110,3 +110,30 @@ def test_bases_hold_a_version_only_when_complete():
     assert bases.held(2) == 6
     bases.use_plan("plan-b")  # another plan: other messages
     assert bases.held(2) is None and bases.nbytes == 0
+
+
+def test_deltas_that_failed_are_counted_over_the_attempts_of_a_version(monkeypatch):
+    """A version whose delta failed somewhere is sent again (whole): the row of the version
+    counts the failed deltas of every attempt, not only the last one's (its own zero)."""
+    import types
+
+    from megatron_async_rl.weight_sync import broadcast
+    from megatron_async_rl.weight_sync.config import WeightSyncConfig
+
+    outcomes = iter([
+        ({"weight_sync/delta_fallbacks": 2.0}, ["global rank 2: did not decode"]),
+        ({"weight_sync/delta_fallbacks": 0.0, "weight_sync/delta_fraction": 1.0}, []),
+    ])  # fmt: skip
+
+    def attempt(*args, **kwargs):
+        metrics, errors = next(outcomes)
+        return "sink", dict(metrics), errors, True, False
+
+    monkeypatch.setattr(broadcast, "_attempt", attempt)
+    groups = types.SimpleNamespace(rank=0, weight_receivers=[1, 2], weight_senders={0: None})
+    sink, metrics = broadcast._reshard(
+        groups, {"train": object()}, 5, WeightSyncConfig(delta=True, max_attempts=2),
+        None, None, None,
+    )  # fmt: skip
+    assert sink == "sink"
+    assert metrics["weight_sync/attempts"] == 2 and metrics["weight_sync/delta_fallbacks"] == 2.0
