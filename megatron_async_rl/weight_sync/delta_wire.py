@@ -104,21 +104,28 @@ class DeltaBases:
 
 
 def encode_message(
-    view: torch.Tensor, base: torch.Tensor | None, dtype_width: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    view: torch.Tensor, base: torch.Tensor | None, dtype_width: int,
+    spare: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """A packed message (`view`: header, then payload) as (header, encoded bytes, the base of
-    the message's next version: `base` brought up to the payload in place, or a copy of the
-    payload where there was none); a delta against `base` where it is smaller, else the
-    payload whole."""
+    the message's next version: `base` brought up to the payload in place, or else a copy of
+    the payload, into `spare` where it has the payload's length: the old base of a message
+    sent whole); a delta against `base` where it is smaller, else the payload whole."""
     payload = view[HEADER_BYTES:]
-    same = base is not None and base.numel() == payload.numel()
-    encoded = delta.encode(payload, base, dtype_width, update_base=same)
+    size = payload.numel()
+    if base is not None and base.numel() == size:
+        encoded, kept = delta.encode(payload, base, dtype_width, update_base=True), base
+    else:
+        encoded = delta.encode(payload, None, dtype_width)
+        if spare is not None and spare.numel() == size:
+            kept = spare.copy_(payload)
+        else:
+            kept = payload.clone()
     head = torch.empty(DELTA_HEADER_BYTES, dtype=torch.uint8)
     head[:HEADER_BYTES].copy_(view[:HEADER_BYTES])
-    length = encoded.payload.numel()
-    fields = torch.tensor([CODEC_IDS[encoded.codec], length], dtype=torch.int64)
+    fields = torch.tensor([CODEC_IDS[encoded.codec], encoded.payload.numel()], dtype=torch.int64)
     head[HEADER_BYTES:].view(torch.int64).copy_(fields)
-    return head, encoded.payload, base if same else payload.clone()
+    return head, encoded.payload, kept
 
 
 def read_length(head: torch.Tensor) -> tuple[int, int]:
@@ -168,8 +175,8 @@ class DeltaCodec:
         """(header, encoded bytes) of the packed message `view`; its payload becomes the base
         of its next version."""
         start = time.perf_counter()
-        base = self.bases.base(self.sender, seq) if self.delta else None
-        head, body, kept = encode_message(view, base, self.width)
+        old = self.bases.base(self.sender, seq)
+        head, body, kept = encode_message(view, old if self.delta else None, self.width, old)
         self.stats.encode_s += time.perf_counter() - start
         self.stats.wire_bytes += head.numel() + body.numel()
         self.stats.full_bytes += kept.numel()

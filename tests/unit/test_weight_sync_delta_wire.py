@@ -58,6 +58,11 @@ def test_whole_and_delta_messages_come_back_bit_for_bit():
     assert body.numel() < 0.1 * payload.numel()
     # both bases now hold the new payload, updated where it changed (no fresh copy)
     assert torch.equal(kept, view[HEADER_BYTES:]) and payload.data_ptr() == base.data_ptr()
+    # a message sent whole while its sender holds an old base: the base is overwritten in place
+    spare = _message(old)[HEADER_BYTES:].clone()
+    head, body, kept = encode_message(view, None, 2, spare=spare)
+    assert read_length(head)[0] == CODEC_IDS["full"] and torch.equal(body, view[HEADER_BYTES:])
+    assert kept.data_ptr() == spare.data_ptr() and torch.equal(spare, view[HEADER_BYTES:])
 
 
 def test_what_cannot_be_decoded_is_refused():
