@@ -2,11 +2,12 @@
 
 Owned here: `check_run_inputs(cfg)`, called by `train.main` under `--dry-run` (the launchers run
 one before any rank starts): the reward resolves (built-in name, or a `module:function` that
-imports and has the contract's signature), the prompt files exist and hold valid rows (data and
-validation, with the recipe's keys), the tokenizer of `model.hf_path` loads (with a chat template
-when `rollout.use_chat_template` asks for one), and the dtype is one the platform runs end to end
-(`--bf16` on an explicitly CPU platform is refused). Each failure is a `ConfigError`: one line,
-exit 2. Checks that need what this machine lacks (a cluster checkpoint) are skipped with the
+imports and has the contract's signature), the environment loads (`check_environment`: tools
+and plug-in import, with the arguments the plug-in takes), the prompt files exist and hold
+valid rows (data and validation, with the recipe's keys), the tokenizer of `model.hf_path`
+loads (with a chat template when `rollout.use_chat_template` asks for one), and the dtype is
+one the platform runs end to end (`--bf16` on an explicitly CPU platform is refused). Each
+failure is a `ConfigError`: one line, exit 2. Checks that need what this machine lacks (a cluster checkpoint) are skipped with the
 warning `recipe.resolve` already gave.
 """
 
@@ -46,6 +47,7 @@ def check_run_inputs(cfg, here: bool = False) -> None:
     from megatron_async_rl.rollout.dataset import PromptDataset
 
     get_reward(cfg.reward)
+    check_environment(cfg.environment)
     tokenizer = _tokenizer(cfg)
     use_template = cfg.rollout.use_chat_template
     validating = cfg.scheduler.validation_every > 0  # the held-out set is read only then
@@ -59,6 +61,22 @@ def check_run_inputs(cfg, here: bool = False) -> None:
             )  # fmt: skip
             continue
         PromptDataset(data, tokenizer=tokenizer, use_chat_template=use_template, key_prefix=key)
+
+
+def check_environment(env) -> None:
+    """The recipe's `environment:` as the rollout side will load it: each tool of `tools`
+    imports, is a module-level function and can be described to the chat template; a plug-in
+    (`module:Class`) imports, has reset and step, and takes `kwargs`."""
+    if env.name is None:
+        return
+    if env.name == "tools":
+        from megatron_async_rl.rollout.tools import load_tools
+
+        load_tools(env.tools, key="environment.tools")
+        return
+    from megatron_async_rl.rollout.environment import load_environment
+
+    load_environment(env.name, "environment.name", **env.kwargs)
 
 
 def check_batches(cfg, layout) -> None:

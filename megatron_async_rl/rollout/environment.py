@@ -198,4 +198,11 @@ def load_environment(spec: str, key: str = "environment.name", **kwargs) -> Call
     if missing:
         raise ConfigError(key, spec, f"lacks {' and '.join(missing)}: an environment has "
                           "reset(sample) and step(action)")  # fmt: skip
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as err:
+        raise ConfigError(f"{key.rpartition('.')[0] or key}.kwargs", kwargs,
+                          f"{spec} does not take them: {err}") from None  # fmt: skip
+    except ValueError:  # no signature to read (a builtin): its constructor will say
+        pass
     return lambda: cls(**kwargs)

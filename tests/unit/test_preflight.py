@@ -2,7 +2,9 @@
 
 Contract: `python -m megatron_async_rl.train --config R --dry-run --here` on the quick-start
 recipe with one mistake each (a misspelt reward, a missing plugin module, a reward whose
-signature breaks the contract, a missing data file, --bf16 on CPU) exits 2 with one `error:`
+signature breaks the contract, a missing data file, --bf16 on CPU, an environment or tool that
+does not import, a malformed tool spec, an argument the environment does not take, nan or inf
+for a float flag) exits 2 with one `error:`
 line naming the key or flag, the value and the rule; so does a --global-batch-size that the
 train role's micro-batches and data-parallel size cannot split; the recipe as it is passes.
 Nothing is faked: the real entry point in this process, the real tokenizer and dataset readers.
@@ -28,6 +30,11 @@ def setup(tiny_model, tmp_path_factory):
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n')
     (root / "bad_reward_plugin.py").write_text(
         "def score(prompt, response, answer=None, **kw):\n    return 1.0\n"
+    )
+    (root / "my_env_plugin.py").write_text(
+        "class Env:\n    def __init__(self, limit: int = 3):\n        self.limit = limit\n"
+        "    def reset(self, sample):\n        return []\n"
+        "    def step(self, action):\n        return None\n"
     )
     recipe = yaml.safe_load((REPO / "yaml_configs" / "tiny-grpo-cpu.yaml").read_text())
     recipe["model"]["hf_path"] = str(tiny_model("llama"))
@@ -69,9 +76,24 @@ def _dry_run(root, recipe, monkeypatch, capsys, *args):
         ({}, ["--", "--global-batch-size", "64", "--micro-batch-size", "48"],
          "--global-batch-size = 64: --global-batch-size must be a multiple of the micro-batch "
          "size x data-parallel size = 48 x 1 = 48"),
+        ({"environment": {"name": "no_such_env_xyz:Env"}}, [],
+         "environment.name = 'no_such_env_xyz:Env': cannot import it: No module named "
+         "'no_such_env_xyz'"),
+        ({"environment": {"name": "tools", "tools": ["megatron_async_rl.tasks.calculator:nosuch"]}},
+         [], "environment.tools[0] = 'megatron_async_rl.tasks.calculator:nosuch': cannot import "
+         "it: module 'megatron_async_rl.tasks.calculator' has no attribute 'nosuch'"),
+        ({"environment": {"name": "tools", "tools": ["notaspec"]}}, [],
+         "environment.tools[0] = 'notaspec': must be module:function or a function"),
+        ({"environment": {"name": "my_env_plugin:Env", "kwargs": {"bogus": 1}}}, [],
+         "environment.kwargs = {'bogus': 1}: my_env_plugin:Env does not take them: got an "
+         "unexpected keyword argument 'bogus'"),
+        ({}, ["--", "--lr", "nan"], "--lr = 'nan': must be a finite number"),
+        ({"megatron": {"clip_grad": float("inf")}}, [], "megatron.clip_grad = inf: must be a "
+         "finite number"),
     ],
     ids=["misspelt-reward", "missing-plugin", "wrong-signature", "missing-data", "bf16-on-cpu",
-         "global-batch"],
+         "global-batch", "missing-environment", "missing-tool", "malformed-tool",
+         "environment-kwargs", "nan-flag", "inf-in-recipe"],
 )  # fmt: skip
 def test_a_mistake_is_one_line_and_exit_2(setup, monkeypatch, capsys, change, args, expected):
     root, recipe = setup

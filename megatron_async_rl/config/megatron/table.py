@@ -30,6 +30,7 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import math
 import os
 import re
 import types
@@ -445,6 +446,8 @@ def coerce(spec: ArgSpec, value: Any, key: str) -> Any:
             converted = str(value)
     except ValueError:
         raise ConfigError(key, value, f"expected {expected}") from None
+    if spec.type == "float" and not math.isfinite(converted):
+        raise ConfigError(key, value, "must be a finite number (nan and inf are refused)")
     if spec.choices is not None and converted not in spec.choices:
         raise ConfigError(key, value, f"must be one of {', '.join(spec.choices)}")
     check_range(spec.dest, converted, key)
