@@ -26,6 +26,9 @@
 #                       this script exits 83 (preempted: resume with the same command); ranks
 #                       still running after this many seconds are killed. Leave room for a
 #                       step plus a save
+#   ORPHAN_GRACE        seconds [20]: if this script is killed without handing a signal on
+#                       (kill -9), the job stops as on SIGTERM and what runs after this many
+#                       seconds is killed: no rank, engine or torchrun outlives its launcher
 #   TORCHRUN_EXTRA_ARGS extra torchrun flags, split on whitespace, placed after the ones above
 #                       (e.g. "--max-restarts 2 --redirects 3") [empty]
 #   DRY_RUN=1           print the exact command on one line and exit 0 without running it
@@ -85,6 +88,9 @@ max_restarts=${MAX_RESTARTS:-0}
 shutdown_timeout=${SHUTDOWN_TIMEOUT:-120}
 [[ $shutdown_timeout =~ ^[1-9][0-9]*$ ]] ||
     die "SHUTDOWN_TIMEOUT='$shutdown_timeout' must be a positive integer (seconds)"
+orphan_grace=${ORPHAN_GRACE:-20}
+[[ $orphan_grace =~ ^[1-9][0-9]*$ ]] ||
+    die "ORPHAN_GRACE='$orphan_grace' must be a positive integer (seconds)"
 
 read -r -a torchrun_extra <<<"${TORCHRUN_EXTRA_ARGS:-}"
 run_dir_args=()
@@ -127,6 +133,39 @@ interrupted=$(mktemp -u "${TMPDIR:-/tmp}/megatron_async_rl_interrupted.XXXXXX")
 export MEGATRON_ASYNC_RL_PREEMPTED_FILE=$marker MEGATRON_ASYNC_RL_INTERRUPTED_FILE=$interrupted
 setsid "${cmd[@]}" &
 child=$!
+# If this script dies without handing a signal on (kill -9, a crashed terminal or CI runner),
+# torchrun, in its own session, would go on training, detached. A watch, a child of this script
+# that ignores the signals meant for it, checks twice a second that this script is still its
+# parent; once it is not, it stops the job as a preemption does (the ranks save at the next
+# step boundary and stop), and after ORPHAN_GRACE seconds (20) kills what is left: torchrun and
+# its ranks (an engine host ends with its rank). It ends by itself once torchrun has.
+launcher=$$
+(
+    trap '' INT TERM USR1
+    me=$BASHPID
+    parent() { # of this watch, from /proc/PID/stat: "pid (comm) state ppid ..."
+        local stat
+        read -r stat <"/proc/$me/stat" || return 0
+        set -- ${stat##*) }
+        echo "$2"
+    }
+    while kill -0 "$child" 2>/dev/null; do
+        if [[ $(parent) != "$launcher" ]]; then
+            printf 'torchrun.sh: the launcher (pid %s) died: stopping its job\n' "$launcher" >&2
+            pkill -TERM -P "$child" 2>/dev/null || true
+            for ((i = 0; i < orphan_grace * 2; i++)); do
+                kill -0 "$child" 2>/dev/null || break
+                sleep 0.5
+            done
+            pkill -KILL -P "$child" 2>/dev/null || true
+            kill -KILL "$child" 2>/dev/null || true
+            rm -f "$marker" "$interrupted"
+            exit 0
+        fi
+        sleep 0.5
+    done
+) &
+watch=$!
 deadline=""
 preempt() {
     pkill -TERM -P "$child" 2>/dev/null || kill -TERM "$child" 2>/dev/null || true
@@ -144,6 +183,7 @@ while kill -0 "$child" 2>/dev/null; do
 done
 status=0
 wait "$child" || status=$?
+wait "$watch" 2>/dev/null || true # it ends within half a second of torchrun
 if [[ -f $marker ]]; then
     rm -f "$marker"
     exit 83

@@ -1,4 +1,5 @@
-"""Ctrl-C stops a run cleanly: one line, exit 130, outputs written, a checkpoint, no process left.
+"""Ctrl-C stops a run cleanly: one line, exit 130, outputs written, a checkpoint, no process left;
+a launcher killed with SIGKILL takes its whole job with it.
 
 Contract, on the real stack through `launch/torchrun.sh` (2 ranks: train+logp+ref | a real
 SGLang engine), the asynchronous loop (N = 1: its threads wait in collectives, the harder case;
@@ -83,3 +84,46 @@ def test_ctrl_c_saves_stops_and_leaves_nothing(task, tmp_path):
     left = [p for p in seen.values() if alive(p)]
     assert not left, [cmdline(p)[:200] for p in left]
     assert len(seen) >= 4, seen  # torchrun, two ranks, the engine host (and SGLang's)
+
+
+def test_a_launcher_killed_with_sigkill_takes_its_job_with_it(task, tmp_path):
+    """`kill -9` of the launcher mid-run (no signal handed on): within 30 s every process the
+    run started (torchrun, ranks, engine host, SGLang's) is gone and `/dev/shm` holds nothing
+    new: the launcher's watch stops the job as a preemption does."""
+    run_dir = tmp_path / "run"
+    sets = (f"model.hf_path={task.model}", f"data.path={task.data}", "trainer.num_steps=200",
+            "scheduler.generate_ahead_steps=1")  # fmt: skip
+    log = tmp_path / "launcher.log"
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen(
+        launch_command(RECIPE, run_dir, *sets), env=launch_env(),
+        stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    seen: dict[int, psutil.Process] = {}
+    try:
+        deadline = time.monotonic() + 600
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, "the run never logged two steps"
+            seen.update({p.pid: p for p in _descendants(proc.pid)})
+            time.sleep(0.5)
+        seen.update({p.pid: p for p in _descendants(proc.pid)})
+        proc.kill()  # the launcher alone, as `kill -9 PID` does
+        proc.wait()
+        killed = time.monotonic()
+        while [p for p in seen.values() if alive(p)] and time.monotonic() < killed + 30:
+            time.sleep(0.5)
+        left = [p for p in seen.values() if alive(p)]
+        gone_s = time.monotonic() - killed
+    finally:
+        for p in seen.values():
+            if alive(p):
+                p.kill()
+    assert not left, [cmdline(p)[:200] for p in left]
+    assert len(seen) >= 4, seen  # torchrun, two ranks, the engine host (and SGLang's)
+    new_shm = sorted(set(os.listdir("/dev/shm")) - shm_before)
+    assert not new_shm, new_shm
+    out = log.read_text()
+    assert "the launcher (pid" in out and "died: stopping its job" in out, out[-4000:]
+    print(f"job gone {gone_s:.1f} s after the launcher's SIGKILL; {len(seen)} processes")

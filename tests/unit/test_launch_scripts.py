@@ -49,6 +49,7 @@ PASS_THROUGH = [
 KNOBS = (
     "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "PYTHON", "RUN_DIR", "OMP_NUM_THREADS",
     "TORCHRUN_EXTRA_ARGS", "DRY_RUN", "GPUS_PER_NODE", "RDZV_ID", "REPO_DIR", "VALIDATE_HERE",
+    "ORPHAN_GRACE", "SHUTDOWN_TIMEOUT", "MAX_RESTARTS", "SKIP_VALIDATE",
 )  # fmt: skip
 FAKE_SLURM = {
     "SLURM_NNODES": "2",
@@ -247,6 +248,7 @@ ERRORS = [
     (TORCHRUN_SH, ["recipe.yaml"], {"MASTER_PORT": "70000"}, r"MASTER_PORT='70000'.*1\.\.65535"),
     (TORCHRUN_SH, ["recipe.yaml"], {"MAX_RESTARTS": "-1"}, r"MAX_RESTARTS='-1'.*integer >= 0"),
     (TORCHRUN_SH, ["recipe.yaml"], {"SHUTDOWN_TIMEOUT": "0"}, r"SHUTDOWN_TIMEOUT='0'.*positive"),
+    (TORCHRUN_SH, ["recipe.yaml"], {"ORPHAN_GRACE": "-3"}, r"ORPHAN_GRACE='-3'.*positive"),
     (SLURM_SBATCH, ["recipe.yaml"], {**FAKE_SLURM, "REQUEUE": "yes"}, r"REQUEUE='yes'.*0 or 1"),
     (TORCHRUN_SH, ["recipe.yaml"], {"PYTHON": "no-such-python"}, r"PYTHON='no-such-python'"),
     (SLURM_SBATCH, [], FAKE_SLURM, r"missing argument RECIPE"),
@@ -422,3 +424,56 @@ def test_torchrun_sh_hands_signals_to_the_ranks_alone(sandbox, sig, code):
     got = sorted(line for line in log.read_text().split() if not line.endswith("-up"))
     name = sig.name.removeprefix("SIG")
     assert got == [f"rank0-SIG{name}", f"rank1-SIG{name}"], got
+
+
+_FAKE_TORCHRUN = """#!/bin/bash
+# A fake interpreter: the dry run passes; "torchrun" starts two "ranks" and waits for them.
+# A rank writes its pid, then saves and exits on SIGTERM ({term}) as a real one does.
+for arg in "$@"; do [[ $arg == --dry-run ]] && exit 0; done
+echo $$ > {out}/torchrun.pid
+for r in 0 1; do
+    bash -c '{rank}' &
+done
+wait
+"""
+
+
+@pytest.mark.parametrize("ranks_stop_on_term", [True, False], ids=["ranks-stop", "ranks-hang"])
+def test_a_launcher_killed_with_sigkill_leaves_no_job_running(sandbox, ranks_stop_on_term):
+    """`kill -9` of the launcher: its watch stops the job as a preemption does (SIGTERM to the
+    ranks), and kills torchrun and ranks that have not stopped ORPHAN_GRACE seconds later. The
+    real stack's twin: tests/e2e/test_interrupt.py (a launcher killed mid-run)."""
+    out = sandbox / "pids"
+    out.mkdir()
+    term = "exit 0" if ranks_stop_on_term else ""
+    rank = (f"echo $$ >> {out}/ranks; trap \"echo saved >> {out}/saved; {term}\" TERM; "
+            "while true; do sleep 0.2; done")  # fmt: skip
+    fake = _write_exe(sandbox / "bin" / "fakepython",
+                      _FAKE_TORCHRUN.format(out=out, rank=rank, term=term))  # fmt: skip
+    base = {k: v for k, v in os.environ.items() if k not in KNOBS and not k.startswith("SLURM_")}
+    env = {**base, "PATH": f"{sandbox / 'bin'}{os.pathsep}{base['PATH']}", "PYTHON": str(fake),
+           "NPROC_PER_NODE": "2", "ORPHAN_GRACE": "3"}  # fmt: skip
+    launcher = subprocess.Popen([str(TORCHRUN_SH), "recipe.yaml"], cwd=sandbox, env=env,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 20
+    while not ((out / "ranks").exists() and len((out / "ranks").read_text().split()) == 2):
+        assert time.monotonic() < deadline and launcher.poll() is None
+        time.sleep(0.1)
+    pids = [int((out / "torchrun.pid").read_text()), *map(int, (out / "ranks").read_text().split())]
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + (4 if ranks_stop_on_term else 8)
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if _alive(pid)], "the job outlived its launcher"
+    assert (out / "saved").read_text().split() == ["saved", "saved"]  # SIGTERM came first
+    assert "the launcher (pid" in launcher.stderr.read()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purpose
+        return f.read().rpartition(")")[2].split()[0] != "Z"
