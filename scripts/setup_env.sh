@@ -32,3 +32,16 @@ fi
 if ! command -v nvidia-smi >/dev/null 2>&1 || [[ ${MEGATRON_ASYNC_RL_CPU_SGLANG:-0} == 1 ]]; then
     bash "$repo_dir/scripts/install_sglang_cpu.sh" "$venv"
 fi
+# The sandbox of the built-in `python` and `bash` tools (megatron_async_rl/sandbox): bubblewrap.
+if ! command -v bwrap >/dev/null 2>&1; then
+    if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null 2>&1 ||
+            { apt-get update -qq >/dev/null 2>&1 &&
+                apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null 2>&1; } ||
+            echo "setup_env.sh: could not install bubblewrap: the python/bash tools' sandbox" \
+                "and its tests need it (apt-get install bubblewrap)" >&2
+    else
+        echo "setup_env.sh: bubblewrap (bwrap) is missing: the python/bash tools' sandbox and" \
+            "its tests need it (sudo apt-get install bubblewrap)" >&2
+    fi
+fi

@@ -7,8 +7,8 @@ and plug-in import, with the arguments the plug-in takes), the prompt files exis
 valid rows (data and validation, with the recipe's keys), the tokenizer of `model.hf_path`
 loads (with a chat template when `rollout.use_chat_template` asks for one), and the dtype is
 one the platform runs end to end (`--bf16` on an explicitly CPU platform is refused). Each
-failure is a `ConfigError`: one line, exit 2. Checks that need what this machine lacks (a cluster checkpoint) are skipped with the
-warning `recipe.resolve` already gave.
+failure is a `ConfigError`: one line, exit 2. Checks that need what this machine lacks (a
+cluster checkpoint) are skipped with the warning `recipe.resolve` already gave.
 """
 
 from __future__ import annotations
@@ -73,10 +73,30 @@ def check_environment(env) -> None:
         from megatron_async_rl.rollout.tools import load_tools
 
         load_tools(env.tools, key="environment.tools")
+        check_sandbox(env.tools)
         return
     from megatron_async_rl.rollout.environment import load_environment
 
     load_environment(env.name, "environment.name", **env.kwargs)
+
+
+def check_sandbox(tools: list) -> None:
+    """Where the built-in `python` or `bash` tool is used, the sandbox runs a program here."""
+    from megatron_async_rl.sandbox.run import run_code
+    from megatron_async_rl.sandbox.tools import BUILTIN
+
+    used = [t for t in tools if isinstance(t, str) and t in BUILTIN]
+    if not used:
+        return
+    result = run_code("python", "print('ok')")
+    if not result.ok or result.stdout != "ok\n":
+        lines = result.stderr.strip().splitlines() or [f"exit status {result.exit_code}"]
+        why = result.error or lines[-1]
+        raise ConfigError(
+            "environment.tools", used, f"the sandbox cannot run code on this machine: {why}",
+            "install bubblewrap (apt-get install bubblewrap; scripts/setup_env.sh does) on a "
+            "kernel that allows user namespaces",
+        )  # fmt: skip
 
 
 def check_batches(cfg, layout) -> None:

@@ -120,7 +120,11 @@ class MultiTurnRollout:
 
     def _metrics(self, samples, counts: Counter, calls_before: Counter, env_s: float) -> dict:
         calls = (Counter(self.runner.counts) - calls_before) if self.runner else Counter()
-        errors = sum(v for k, v in calls.items() if k not in ("calls", "truncated"))
+        # sandbox outcomes are counted on their own (a limit hit is also an error to the model)
+        errors = sum(v for k, v in calls.items()
+                     if k not in ("calls", "truncated") and not k.startswith("sandbox_"))
+        stopped = ("sandbox_wall", "sandbox_cpu", "sandbox_output", "sandbox_unavailable")
+        errors += sum(calls[k] for k in stopped)
         masked = sum(len(s.loss_mask) - sum(s.loss_mask) for s in samples)
         total = sum(len(s.loss_mask) for s in samples)
         return {
@@ -137,6 +141,7 @@ class MultiTurnRollout:
             "multiturn/rollout_s": env_s,
             "multiturn/masked_tokens": float(masked),
             "multiturn/tokens": float(total),
+            **{f"multiturn/{k}": float(v) for k, v in calls.items() if k.startswith("sandbox_")},
         }
 
     def close(self) -> None:

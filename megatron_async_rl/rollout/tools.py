@@ -63,6 +63,9 @@ def load_tools(specs: list, key: str = "tools") -> dict[str, Tool]:
 def _resolve(spec, where: str) -> Callable:
     if callable(spec) and inspect.isfunction(spec):
         return spec
+    from megatron_async_rl.sandbox.tools import BUILTIN
+
+    spec = BUILTIN.get(spec, spec)  # `python`, `bash`: code run in the sandbox
     fn = import_named(spec, where, "module:function or a function")
     if not inspect.isfunction(fn):
         raise ConfigError(where, spec, f"is a {type(fn).__name__}, not a function")
@@ -83,7 +86,8 @@ class ToolRunner:
         self.tools, self.max_chars = tools, max_chars
         self.pool = WorkerPool(workers, timeout_s, "tool call")
         self.counts: Counter[str] = Counter()
-        """`calls`, `unknown_tool`, `bad_arguments`, `raised`, `timeout`, `truncated`."""
+        """`calls`, `unknown_tool`, `bad_arguments`, `raised`, `timeout`, `truncated`; the
+        sandbox's tools' outcomes, `sandbox_<outcome>` (`sandbox.tools.Answer`)."""
 
     def run(self, calls: list[ToolCall]) -> list[str]:
         out: list[str | None] = [None] * len(calls)
@@ -112,6 +116,9 @@ class ToolRunner:
                 self.counts["raised"] += 1
                 out[index] = f"error: {calls[index].name} raised {type(result).__name__}: {result}"
             else:
+                outcome = getattr(result, "outcome", None)  # the sandbox's tools
+                if outcome is not None:
+                    self.counts[f"sandbox_{outcome}"] += 1
                 out[index] = self._bounded(result if isinstance(result, str)
                                            else json.dumps(result))  # fmt: skip
         return [text or "" for text in out]

@@ -134,3 +134,18 @@ def test_a_held_out_set_is_checked_only_when_validation_is_on(setup, monkeypatch
         "error: config error: validation.data.path = 'missing/eval.jsonl': file not found; hint: "
         "check the path (relative to the working dir)"
     ]
+
+
+def test_the_sandboxed_tools_need_a_sandbox_that_runs(setup, monkeypatch, capsys):
+    """`environment.tools: [python]` where bubblewrap cannot be had: one line, exit 2."""
+    from megatron_async_rl.sandbox import run
+
+    root, recipe = setup
+    recipe = {**recipe, "environment": {"name": "tools", "tools": ["python"]}}
+    monkeypatch.setattr(run, "find_bwrap", lambda: None)
+    code, errors = _dry_run(root, recipe, monkeypatch, capsys)
+    assert code == 2 and len(errors) == 1, errors
+    assert errors[0].startswith(
+        "error: config error: environment.tools = ['python']: the sandbox cannot run code on "
+        "this machine: bubblewrap (bwrap) is not installed; hint: install bubblewrap"
+    ), errors[0]
