@@ -48,7 +48,7 @@ class MultiTurnRollout:
             tools = load_tools(cfg.tools, key="environment.tools")
             self.tool_schemas = [tool.schema for tool in tools.values()]
             self.runner = ToolRunner(tools, cfg.tool_workers, cfg.tool_timeout_s,
-                                     cfg.tool_max_chars)  # fmt: skip
+                                     cfg.tool_max_chars, cfg.sandbox)  # fmt: skip
             self.make_env = lambda: ToolEnvironment(self.runner, None, cfg.tool_format)
         else:
             self.make_env = load_environment(cfg.name, "environment.name", **cfg.kwargs)

@@ -27,6 +27,7 @@ from megatron_async_rl.config.checks import (
     require_number,
 )
 from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.sandbox.config import SandboxConfig
 
 FORMATS = ("auto", "jsonl", "parquet")
 SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
@@ -180,6 +181,8 @@ class EnvironmentConfig:
     reward_fn_weight: float = 1.0
     """Weight of the run's `reward:` function on the trajectory's final answer, added to the
     environment's own rewards (0: the environment's rewards alone)."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Limits of the built-in `python` and `bash` tools' sandbox (`megatron_async_rl.sandbox`)."""
 
     def __post_init__(self) -> None:
         if self.name is not None and (not isinstance(self.name, str) or not self.name):

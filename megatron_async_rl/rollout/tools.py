@@ -12,6 +12,7 @@ by kind (`counts`), as are truncated results.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import json
@@ -82,9 +83,16 @@ class ToolRunner:
     processes, each within `timeout_s`."""
 
     def __init__(self, tools: dict[str, Tool], workers: int = 2, timeout_s: float = 10.0,
-                 max_chars: int = 4096):  # fmt: skip
+                 max_chars: int = 4096, sandbox=None):  # fmt: skip
+        """`sandbox`: a `SandboxConfig`, the limits of the built-in `python` and `bash` tools
+        in these workers (None: their defaults)."""
         self.tools, self.max_chars = tools, max_chars
-        self.pool = WorkerPool(workers, timeout_s, "tool call")
+        init = None
+        if sandbox is not None:
+            from megatron_async_rl.sandbox.tools import use_config
+
+            init = functools.partial(use_config, sandbox)
+        self.pool = WorkerPool(workers, timeout_s, "tool call", initializer=init)
         self.counts: Counter[str] = Counter()
         """`calls`, `unknown_tool`, `bad_arguments`, `raised`, `timeout`, `truncated`; the
         sandbox's tools' outcomes, `sandbox_<outcome>` (`sandbox.tools.Answer`)."""

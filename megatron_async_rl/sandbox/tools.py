@@ -3,12 +3,13 @@ run in the sandbox, every outcome answered to the model as text and named for th
 
 A Python API for your own environments and tools: `run_code(language, code, config)` returns a
 `SandboxResult` (e.g. run a task's tests against a model's patch, score by the exit status).
-Limits: `SandboxConfig`'s defaults, or the JSON object in `MEGATRON_ASYNC_RL_SANDBOX` (its keys
-are SandboxConfig's) in the tool workers' environment.
+Limits: the recipe's `environment.sandbox` (set in each tool worker at its start, `use_config`),
+else the JSON object in `MEGATRON_ASYNC_RL_SANDBOX` (SandboxConfig's keys), else the defaults.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -57,6 +58,12 @@ def bash(script: str) -> str:
 
 def config() -> SandboxConfig:
     return SandboxConfig(**json.loads(os.environ.get(ENV_VAR) or "{}"))
+
+
+def use_config(limits: SandboxConfig) -> None:
+    """In a tool worker, at its start (`ToolRunner`, from `environment.sandbox`): the limits
+    the built-in tools run under in this process."""
+    os.environ[ENV_VAR] = json.dumps(dataclasses.asdict(limits))
 
 
 _LIMITS = {

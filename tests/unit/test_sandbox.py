@@ -141,11 +141,12 @@ def test_the_builtin_tools_run_through_the_tool_workers_and_are_counted(monkeypa
     from megatron_async_rl.rollout.tools import ToolRunner, load_tools
     from megatron_async_rl.sandbox.tools import ENV_VAR
 
-    monkeypatch.setenv(ENV_VAR, json.dumps({"wall_s": 4, "cpu_s": 1}))
+    monkeypatch.setenv(ENV_VAR, json.dumps({"wall_s": 99}))  # the recipe's limits win
     tools = load_tools(["python", "bash"])
     assert sorted(tools) == ["bash", "python"]
     assert tools["python"].schema["function"]["parameters"]["required"] == ["code"]
-    runner = ToolRunner(tools, workers=2, timeout_s=10.0)
+    limits = SandboxConfig(wall_s=4, cpu_s=1)  # environment.sandbox
+    runner = ToolRunner(tools, workers=2, timeout_s=10.0, sandbox=limits)
     try:
         out = runner.run([
             ToolCall("python", {"code": "print(2 ** 10)"}),
