@@ -26,6 +26,7 @@ from megatron_async_rl.rollout.config import EnvironmentConfig, RolloutConfig
 from megatron_async_rl.rollout.environment import EpisodeSample, ToolEnvironment, load_environment
 from megatron_async_rl.rollout.generation import Sample, request_seed
 from megatron_async_rl.rollout.multiturn import MultiTurnLimits, generate_trajectories
+from megatron_async_rl.rollout.tool_calls import decodes_special_tokens
 
 
 def version_label(number: int) -> str:
@@ -52,7 +53,9 @@ class MultiTurnRollout:
             self.make_env = lambda: ToolEnvironment(self.runner, None, cfg.tool_format)
         else:
             self.make_env = load_environment(cfg.name, "environment.name", **cfg.kwargs)
-        self.limits = MultiTurnLimits(cfg.max_turns, cfg.max_total_tokens, cfg.step_timeout_s)
+        keep_special = cfg.name == "tools" and decodes_special_tokens(cfg.tool_format)
+        self.limits = MultiTurnLimits(cfg.max_turns, cfg.max_total_tokens, cfg.step_timeout_s,
+                                      keep_special_tokens=keep_special)  # fmt: skip
 
     def encode(self, record, tokenizer, use_chat_template: bool) -> list[int]:
         """A prompt's ids, with the tools in its chat template."""

@@ -27,6 +27,7 @@ from megatron_async_rl.config.checks import (
     require_number,
 )
 from megatron_async_rl.config.errors import ConfigError
+from megatron_async_rl.rollout.tool_calls import FORMATS as TOOL_FORMATS
 from megatron_async_rl.sandbox.config import SandboxConfig
 
 FORMATS = ("auto", "jsonl", "parquet")
@@ -148,9 +149,6 @@ class ValidationConfig:
         )
 
 
-TOOL_FORMATS = ("hermes",)
-
-
 @dataclass
 class EnvironmentConfig:
     """Multi-turn rollouts (`rollout/multiturn.py`): set `name` and every sample is a trajectory
@@ -165,7 +163,10 @@ class EnvironmentConfig:
     """`module:function` tools the model may call (`name: tools`), described to the chat
     template from their signatures and docstrings."""
     tool_format: str = "hermes"
-    """How calls are written: `hermes` (Qwen/Hermes `<tool_call>{json}</tool_call>`)."""
+    """How calls are written: `hermes` (Qwen/Hermes `<tool_call>{json}</tool_call>`, this
+    project's parser) or any format of SGLang's `FunctionCallParser` by its name (`llama3`,
+    `deepseekv3`, `qwen3_coder`, `gpt-oss`, `kimi_k2`, `glm45`, `mistral`, ...:
+    `rollout.tool_calls.FORMATS`)."""
     tool_timeout_s: float = 10.0
     """A tool call past this is cut and answered with an error (it runs in a worker process)."""
     tool_workers: int = 2

@@ -170,6 +170,7 @@ class ToolEnvironment:
 
     def __init__(self, runner, reward_fn: Callable | None = None, fmt: str = "hermes"):
         self.runner, self.reward_fn, self.fmt = runner, reward_fn, fmt
+        self.schemas = [tool.schema for tool in getattr(runner, "tools", {}).values()]
         self.sample: EpisodeSample | None = None
         self.malformed = 0
 
@@ -178,7 +179,7 @@ class ToolEnvironment:
         return None  # the prompt is the first observation
 
     def step(self, action: str) -> StepResult:
-        turn = parse_tool_calls(action, self.fmt)
+        turn = parse_tool_calls(action, self.fmt, self.schemas)
         if not turn.calls and not turn.errors:
             sample = self.sample or EpisodeSample(prompt=None)
             reward = (self.reward_fn(action, sample.answer, sample.metadata)

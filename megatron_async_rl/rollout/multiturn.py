@@ -66,6 +66,10 @@ class MultiTurnLimits:
     max_input_tokens: int | None = None
     """SGLang refuses an input of this many tokens or more (its context length less a
     margin): a trajectory whose next input reaches it ends (`budget`); None: no limit."""
+    keep_special_tokens: bool = False
+    """Decode the model's turns with their special tokens (a tool-call format whose markers
+    are special tokens: `tool_calls.decodes_special_tokens`); the end-of-sequence token that
+    ends a turn is dropped (`decode_turn`)."""
 
 
 def generate_trajectories(engine, tokenizer: Any, make_env: Callable[[], Any],
@@ -147,7 +151,7 @@ async def _trajectory(index, sample, env, trajectory, episode, own, generate, to
                                                 f"{rid_prefix}-{index}-t{turn}"))  # fmt: skip
         trajectory.add_model(list(result.output_ids), list(result.output_logprobs),
                              [version_number(v) for v in result.token_versions])  # fmt: skip
-        action = tokenizer.decode(result.output_ids, skip_special_tokens=True)
+        action = decode_turn(tokenizer, list(result.output_ids), limits.keep_special_tokens)
         episode.actions.append(action)
         counts["turns"] += 1
         started, wall = time.perf_counter(), time.time()
@@ -197,6 +201,18 @@ def _whole_turn(engine, request: GenerateRequest, should_stop) -> tuple[Generate
         f"the engine cut turn {request.rid} short {MAX_CONTINUATIONS + 1} times in a row, and "
         "nothing asked it to; see the engine's log"
     )
+
+
+def decode_turn(tokenizer, ids: list[int], keep_special_tokens: bool) -> str:
+    """A model turn as the environment reads it: without special tokens, or with them but
+    without the end-of-sequence (or padding) tokens that close it (a format's own closing
+    markers, e.g. gpt-oss's `<|call|>`, stay: its detector reads them)."""
+    if not keep_special_tokens:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    closing = {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
+    while ids and ids[-1] in closing:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=False)
 
 
 async def _guarded(fn, arg, limits: MultiTurnLimits):

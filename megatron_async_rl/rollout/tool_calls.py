@@ -1,10 +1,15 @@
 """Tool calls in a model's output, in the format of its family: parsing, pure.
 
-Owned here: `parse_tool_calls(text, fmt)` -> `ParsedTurn` (the text outside the calls, the
-calls, and one error message per malformed call), and `FORMATS`. Formats:
-- `hermes` (Qwen2.5/Qwen3, Hermes, and most chat templates with tools): each call is
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; `arguments` may also be a JSON
-  string holding the object (some models write it so).
+Owned here: `parse_tool_calls(text, fmt, tools)` -> `ParsedTurn` (the text outside the calls,
+the calls, and one error message per malformed call), and `FORMATS`. Formats:
+- `hermes` (Qwen2.5/Qwen3, Hermes, and most chat templates with tools), this project's parser:
+  each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; `arguments` may also
+  be a JSON string holding the object (some models write it so).
+- every other format SGLang's `FunctionCallParser` knows, by SGLang's names (`SGLANG_FORMATS`:
+  `deepseekv3`, `deepseekv31`, `llama3`, `qwen3_coder`, `gpt-oss`, `kimi_k2`, `glm45`,
+  `mistral`, `pythonic`, ...): SGLang's detector of that family parses the finished turn
+  (one-shot), with the tools declared to it. Their markers are often special tokens: the
+  turn is then decoded with them (`decodes_special_tokens`).
 A malformed call (bad JSON, no name, arguments not an object, an unclosed tag) is not executed:
 its error goes back to the model as the tool's answer, and the environment counts it.
 """
@@ -15,7 +20,18 @@ import json
 import re
 from dataclasses import dataclass, field
 
-FORMATS = ("hermes",)
+SGLANG_FORMATS = (
+    "apertus2509", "beam", "cohere_command4", "deepseekv3", "deepseekv31", "deepseekv32",
+    "deepseekv4", "deepseekv41", "dots", "glm", "glm45", "glm47", "gpt-oss", "k2_horizon",
+    "kimi_k2", "kimi_k3", "lfm2", "ling3", "llama3", "mimo", "minicpm5", "mistral", "muse",
+    "poolside_v1", "pythonic", "qwen", "qwen25", "qwen3_coder", "spark25", "step3", "step3p5",
+    "minimax-m2", "minimax-m3", "nanbeige", "trinity", "interns1", "hunyuan", "gigachat3",
+    "gigachat35", "gemma4", "inkling", "iquest_q1",
+)  # fmt: skip
+"""SGLang 0.5.23's `FunctionCallParser.ToolCallParserEnum`, less `hermes` (ours) and
+`response_template` (not a format of its own): listed here so that a recipe is checked without
+importing SGLang (a test holds the list to the installed SGLang's)."""
+FORMATS = ("hermes", *SGLANG_FORMATS)
 
 _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
@@ -35,9 +51,19 @@ class ParsedTurn:
     """One message per malformed call, for the model (and counted)."""
 
 
-def parse_tool_calls(text: str, fmt: str = "hermes") -> ParsedTurn:
+def decodes_special_tokens(fmt: str) -> bool:
+    """Whether turns in `fmt` are decoded with their special tokens (SGLang's detectors look
+    for markers that many families make special tokens; the Hermes tags are plain text)."""
+    return fmt != "hermes"
+
+
+def parse_tool_calls(text: str, fmt: str = "hermes", tools: list[dict] | None = None) -> ParsedTurn:
+    """The calls in a finished turn. `tools`: the tools' schemas (`{"type": "function",
+    "function": {...}}`), which SGLang's detectors are given."""
     if fmt not in FORMATS:
         raise ValueError(f"tool call format {fmt!r}: known formats are {', '.join(FORMATS)}")
+    if fmt != "hermes":
+        return _parse_with_sglang(text, fmt, tools or [])
     turn = ParsedTurn(text=_HERMES.sub("", text).strip())
     for match in _HERMES.finditer(text):
         body = match.group(1).strip()
@@ -62,4 +88,38 @@ def parse_tool_calls(text: str, fmt: str = "hermes") -> ParsedTurn:
             turn.errors.append(f"tool call {call['name']!r}: 'arguments' must be an object")
             continue
         turn.calls.append(ToolCall(call["name"], arguments))
+    return turn
+
+
+def _parse_with_sglang(text: str, fmt: str, tools: list[dict]) -> ParsedTurn:
+    """SGLang's detector for `fmt` on the whole turn; calls whose arguments are not a JSON
+    object, and a turn the detector cannot parse, are errors for the model."""
+    from sglang.srt.entrypoints.openai.protocol import Function, Tool
+    from sglang.srt.function_call.function_call_parser import FunctionCallParser
+
+    declared = [Tool(type="function", function=Function(**t["function"])) for t in tools]
+    parser = FunctionCallParser(declared, fmt)
+    if fmt == "gpt-oss" and text.startswith("<|channel|>"):
+        # harmony: the prompt ends with `<|start|>assistant`, so a turn begins at its channel;
+        # SGLang's detector looks for the whole header
+        text = "<|start|>assistant" + text
+    if not parser.has_tool_call(text):
+        return ParsedTurn(text=text.strip())
+    try:
+        normal, items = parser.parse_non_stream(text)
+    except Exception as err:  # noqa: BLE001 - the detector's own reasons, for the model
+        return ParsedTurn(text=text.strip(), errors=[f"tool calls do not parse ({fmt}): {err}"])
+    turn = ParsedTurn(text=(normal or "").strip())
+    if not items:  # the markers of a call, but nothing the detector could read in them
+        turn.errors.append(f"a tool call that does not parse ({fmt}): {text.strip()[:80]!r}")
+    for item in items:
+        try:
+            arguments = json.loads(item.parameters) if item.parameters else {}
+        except json.JSONDecodeError as err:
+            turn.errors.append(f"tool call {item.name!r}: arguments are not JSON ({err.msg})")
+            continue
+        if not isinstance(item.name, str) or not isinstance(arguments, dict):
+            turn.errors.append(f"tool call {item.name!r}: 'arguments' must be an object")
+            continue
+        turn.calls.append(ToolCall(item.name, arguments))
     return turn

@@ -50,7 +50,7 @@ def test_malformed_calls_are_errors_not_calls(text, error):
     turn = parse_tool_calls(text)
     assert turn.calls == [] and len(turn.errors) == 1 and error in turn.errors[0]
     with pytest.raises(ValueError, match="known formats are hermes"):
-        parse_tool_calls(text, "mistral")
+        parse_tool_calls(text, "llama9")
 
 
 def test_tools_load_with_their_schema():
