@@ -54,6 +54,8 @@ class MultiTurnRollout:
         else:
             self.make_env = load_environment(cfg.name, "environment.name", **cfg.kwargs)
         keep_special = cfg.name == "tools" and decodes_special_tokens(cfg.tool_format)
+        if keep_special:  # SGLang's detectors: imported now, not at the first turn (~10 s)
+            import sglang.srt.function_call.function_call_parser  # noqa: F401
         self.limits = MultiTurnLimits(cfg.max_turns, cfg.max_total_tokens, cfg.step_timeout_s,
                                       keep_special_tokens=keep_special)  # fmt: skip
 
