@@ -27,7 +27,6 @@ from megatron_async_rl.config.checks import (
     require_number,
 )
 from megatron_async_rl.config.errors import ConfigError
-from megatron_async_rl.rollout.tool_calls import FORMATS as TOOL_FORMATS
 from megatron_async_rl.sandbox.config import SandboxConfig
 
 FORMATS = ("auto", "jsonl", "parquet")
@@ -147,6 +146,21 @@ class ValidationConfig:
             top_k=rollout.top_k if self.temperature > 0 else -1,
             use_chat_template=rollout.use_chat_template,
         )
+
+
+SGLANG_TOOL_FORMATS = (
+    "apertus2509", "beam", "cohere_command4", "deepseekv3", "deepseekv31", "deepseekv32",
+    "deepseekv4", "deepseekv41", "dots", "glm", "glm45", "glm47", "gpt-oss", "k2_horizon",
+    "kimi_k2", "kimi_k3", "lfm2", "ling3", "llama3", "mimo", "minicpm5", "mistral", "muse",
+    "poolside_v1", "pythonic", "qwen", "qwen25", "qwen3_coder", "spark25", "step3", "step3p5",
+    "minimax-m2", "minimax-m3", "nanbeige", "trinity", "interns1", "hunyuan", "gigachat3",
+    "gigachat35", "gemma4", "inkling", "iquest_q1",
+)  # fmt: skip
+"""SGLang 0.5.23's `FunctionCallParser.ToolCallParserEnum`, less `hermes` (ours) and
+`response_template` (not a format of its own): listed here so that a recipe is checked without
+importing SGLang (a test holds the list to the installed SGLang's)."""
+TOOL_FORMATS = ("hermes", *SGLANG_TOOL_FORMATS)
+"""`environment.tool_format`: this project's `hermes`, then SGLang's (`rollout.tool_calls`)."""
 
 
 @dataclass

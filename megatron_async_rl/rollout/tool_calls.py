@@ -20,18 +20,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-SGLANG_FORMATS = (
-    "apertus2509", "beam", "cohere_command4", "deepseekv3", "deepseekv31", "deepseekv32",
-    "deepseekv4", "deepseekv41", "dots", "glm", "glm45", "glm47", "gpt-oss", "k2_horizon",
-    "kimi_k2", "kimi_k3", "lfm2", "ling3", "llama3", "mimo", "minicpm5", "mistral", "muse",
-    "poolside_v1", "pythonic", "qwen", "qwen25", "qwen3_coder", "spark25", "step3", "step3p5",
-    "minimax-m2", "minimax-m3", "nanbeige", "trinity", "interns1", "hunyuan", "gigachat3",
-    "gigachat35", "gemma4", "inkling", "iquest_q1",
-)  # fmt: skip
-"""SGLang 0.5.23's `FunctionCallParser.ToolCallParserEnum`, less `hermes` (ours) and
-`response_template` (not a format of its own): listed here so that a recipe is checked without
-importing SGLang (a test holds the list to the installed SGLang's)."""
-FORMATS = ("hermes", *SGLANG_FORMATS)
+from megatron_async_rl.rollout.config import TOOL_FORMATS as FORMATS
 
 _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 

@@ -29,7 +29,8 @@ bottom first:
     layout          distributed/layout (pure rank arithmetic), distributed/collective_errors,
                     distributed/pg_options (the role groups' options, planned from flags)
     groups          distributed/groups, distributed/platform, compat (torch.distributed)
-    processes       processes/ (child processes with a time bound; imports nothing of ours)
+    processes       processes/ (child processes with a time bound; imports nothing of ours),
+                    sandbox/ (model-written code run in bubblewrap under limits)
     models          models/, moe/ (routed experts as data, their replay in Megatron routers)
     engines         engines/
     weight_sync     weight_sync/
@@ -162,7 +163,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 "algorithms.batch_ramp", "algorithms.critic_config", "*.config")),
     ("layout", ("distributed.layout", "distributed.collective_errors", "distributed.pg_options")),
     ("groups", ("distributed.groups", "distributed.platform", "distributed.devices", "compat")),
-    ("processes", ("processes",)),
+    ("processes", ("processes", "sandbox")),
     ("models", ("models", "moe")),
     ("engines", ("engines",)),
     ("weight_sync", ("weight_sync",)),
