@@ -20,6 +20,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from megatron_async_rl.rollout.config import SGLANG_TOOL_FORMATS as SGLANG_FORMATS  # noqa: F401
 from megatron_async_rl.rollout.config import TOOL_FORMATS as FORMATS
 
 _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
