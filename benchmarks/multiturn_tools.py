@@ -9,11 +9,14 @@ runs `yaml_configs/tiny-tools-cpu.yaml` through `launch/torchrun.sh` on 2 ranks:
   in-flight updates), `--steps` each; prints the reward of the first and last 5 steps and the
   wall time of each, and writes `<out>/learning.png` (reward against step and against time);
 - throughput: the asynchronous loop with `add` (instant) and with the same tool sleeping 100 ms
-  per call (`benchmarks/slow_tools.py:add`), `--throughput-steps` each, 16 tool workers, and
-  the ratio of their mean step times after 2 warm-up steps (overlap works when it is near 1).
+  per call (`benchmarks/slow_tools.py:add`), and adding in the sandbox in 200 ms
+  (`slow_tools.py:sandboxed_add`: a bubblewrap run that sleeps 200 ms), `--throughput-steps`
+  each, 16 tool workers, 128 trajectories a step, and the ratios of their mean step times
+  after 2 warm-up steps (overlap works when they are near 1).
 `--task price` is the two-step task instead (rows `pear+348=`: `price(item)`, then
 `add(price, n)`, then the answer; 3 turns, tools `price` and `add`).
-Last line: `RESULT sync_gain=<float> async_gain=<float> slow_tool_step_ratio=<float>`.
+Last line: `RESULT sync_gain=<float> async_gain=<float> slow_tool_step_ratio=<float>
+sandboxed_tool_step_ratio=<float>`.
 A benchmark, not a test: the runs share this machine's noise; read the ratios.
 """
 
@@ -133,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_throughput:
         steps = {}
         tools = (("instant", 29813, "megatron_async_rl.tasks.calculator:add"),
-                 ("slow", 29814, "benchmarks.slow_tools:add"))
+                 ("slow", 29814, "benchmarks.slow_tools:add"),
+                 ("sandboxed", 29815, "benchmarks.slow_tools:sandboxed_add"))
         for name, port, tool in tools:
             rows = _run(f"tool-{name}", out, warm, data, port,
                         f"trainer.num_steps={args.throughput_steps}",
@@ -145,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"async, {name} tool: mean step {steps[name]:.2f} s over {len(rows) - 2} steps "
                   f"({calls:.0f} tool calls per step)")  # fmt: skip
         result["slow_tool_step_ratio"] = steps["slow"] / steps["instant"]
+        result["sandboxed_tool_step_ratio"] = steps["sandboxed"] / steps["instant"]
     print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items()))
 
 
