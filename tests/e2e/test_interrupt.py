@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -45,26 +46,37 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
-def test_ctrl_c_saves_stops_and_leaves_nothing(task, tmp_path):
+def _launch(task, tmp_path, **popen) -> tuple[subprocess.Popen, Path, Path]:
+    """The launcher on the asynchronous loop (200 steps: it is stopped long before), in a
+    session of its own; (process, run directory, its log)."""
     run_dir = tmp_path / "run"
     sets = (f"model.hf_path={task.model}", f"data.path={task.data}", "trainer.num_steps=200",
             "scheduler.generate_ahead_steps=1")  # fmt: skip
     log = tmp_path / "launcher.log"
     proc = subprocess.Popen(
         launch_command(RECIPE, run_dir, *sets), env=launch_env(),
-        stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-        preexec_fn=_default_sigint,
+        stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, **popen,
     )  # fmt: skip
+    return proc, run_dir, log
+
+
+def _until_two_steps(proc, run_dir, log, seen: dict[int, psutil.Process]) -> None:
+    """Wait until the run has logged two steps, noting every process the launcher started."""
+    deadline = time.monotonic() + 600
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, "the run never logged two steps"
+        seen.update({p.pid: p for p in _descendants(proc.pid)})
+        time.sleep(0.5)
+    seen.update({p.pid: p for p in _descendants(proc.pid)})
+
+
+def test_ctrl_c_saves_stops_and_leaves_nothing(task, tmp_path):
+    proc, run_dir, log = _launch(task, tmp_path, preexec_fn=_default_sigint)
     seen: dict[int, psutil.Process] = {}
     try:
-        deadline = time.monotonic() + 600
-        metrics = run_dir / "metrics.jsonl"
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-            assert proc.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, "the run never logged two steps"
-            seen.update({p.pid: p for p in _descendants(proc.pid)})
-            time.sleep(0.5)
-        seen.update({p.pid: p for p in _descendants(proc.pid)})
+        _until_two_steps(proc, run_dir, log, seen)
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=180)
     finally:
@@ -90,25 +102,11 @@ def test_a_launcher_killed_with_sigkill_takes_its_job_with_it(task, tmp_path):
     """`kill -9` of the launcher mid-run (no signal handed on): within 30 s every process the
     run started (torchrun, ranks, engine host, SGLang's) is gone and `/dev/shm` holds nothing
     new: the launcher's watch stops the job as a preemption does."""
-    run_dir = tmp_path / "run"
-    sets = (f"model.hf_path={task.model}", f"data.path={task.data}", "trainer.num_steps=200",
-            "scheduler.generate_ahead_steps=1")  # fmt: skip
-    log = tmp_path / "launcher.log"
     shm_before = set(os.listdir("/dev/shm"))
-    proc = subprocess.Popen(
-        launch_command(RECIPE, run_dir, *sets), env=launch_env(),
-        stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+    proc, run_dir, log = _launch(task, tmp_path)
     seen: dict[int, psutil.Process] = {}
     try:
-        deadline = time.monotonic() + 600
-        metrics = run_dir / "metrics.jsonl"
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-            assert proc.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, "the run never logged two steps"
-            seen.update({p.pid: p for p in _descendants(proc.pid)})
-            time.sleep(0.5)
-        seen.update({p.pid: p for p in _descendants(proc.pid)})
+        _until_two_steps(proc, run_dir, log, seen)
         proc.kill()  # the launcher alone, as `kill -9 PID` does
         proc.wait()
         killed = time.monotonic()

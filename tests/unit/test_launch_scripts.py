@@ -35,7 +35,10 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
+
+from tests.processes import alive
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN_SH = REPO_ROOT / "launch" / "torchrun.sh"
@@ -471,9 +474,8 @@ def test_a_launcher_killed_with_sigkill_leaves_no_job_running(sandbox, ranks_sto
 
 
 def _alive(pid: int) -> bool:
+    """Running and not a zombie (`tests.processes.alive`)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return alive(psutil.Process(pid))
+    except psutil.NoSuchProcess:
         return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purpose
-        return f.read().rpartition(")")[2].split()[0] != "Z"
