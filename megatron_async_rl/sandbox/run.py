@@ -2,10 +2,8 @@
 what the program does: every outcome is a `SandboxResult`.
 
 The program's parent is a small reaper (`sandbox.reaper`), so that nothing is left as a zombie.
-Limits: CPU seconds, address space, open files and file size are rlimits set before bubblewrap
-starts (inherited by everything inside); processes by RLIMIT_NPROC, counted
-per user: a run as root drops to `nobody` first (then the count is the sandboxes' own), a run
-as another user allows its current task count plus `max_processes`; wall time and output size
+Limits: CPU seconds, address space, open files, file size and processes are rlimits set by the
+reaper before bubblewrap starts (`reaper.apply_limits`, inherited by everything inside); wall time and output size
 are watched here, and at either limit the whole sandbox is killed (its session, and with it
 its PID namespace).
 """
@@ -26,12 +24,8 @@ from pathlib import Path
 from megatron_async_rl.sandbox.command import ENV, bwrap_argv, find_bwrap, program_for
 from megatron_async_rl.sandbox.config import SandboxConfig
 
-NOBODY = 65534
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
-"""Where `python -I -m megatron_async_rl.sandbox.reaper` finds the package (isolated mode
-ignores PYTHONPATH; the working directory is on sys.path with -m)."""
-BWRAP_PROCESSES = 3
-"""Ours: the reaper (`sandbox.reaper`), bubblewrap's monitor, and the program's first process."""
+REAPER = str(Path(__file__).with_name("reaper.py"))
+"""Run by its path, standard library only (`python -I -S`): its start-up is part of every run."""
 
 
 @dataclasses.dataclass
@@ -70,11 +64,11 @@ def run_sandboxed(program: list[str], config: SandboxConfig | None = None) -> Sa
     if bwrap is None:
         return SandboxResult(None, "", "", error="bubblewrap (bwrap) is not installed")
     start, cpu_before = time.monotonic(), _children_cpu_s()
-    reaper = [sys.executable, "-I", "-m", "megatron_async_rl.sandbox.reaper"]
+    reaper = [sys.executable, "-I", "-S", REAPER]
     limits = json.dumps(dataclasses.asdict(config))
     proc = subprocess.Popen(
         [*reaper, limits, *bwrap_argv(bwrap, program, config)], stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=_PACKAGE_ROOT, env=dict(ENV),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/", env=dict(ENV),
         start_new_session=True, close_fds=True,
     )  # fmt: skip
     out, err, limit = _collect(proc, config, start)
@@ -133,39 +127,3 @@ def _kill(proc) -> None:
         proc.send_signal(signal.SIGTERM)
     except ProcessLookupError:
         pass
-
-
-def apply_limits(config: SandboxConfig) -> None:
-    """In bubblewrap's process, before it starts (`sandbox.reaper`): the rlimits, then (as
-    root) the user nobody."""
-    cpu = max(1, int(config.cpu_s + 0.999))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    memory = config.memory_mb << 20
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    size = config.max_file_mb << 20
-    resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if os.getuid() == 0:
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
-        tasks = 0  # the sandboxes' own
-    else:
-        tasks = _tasks_of(os.getuid())
-    nproc = tasks + config.max_processes + BWRAP_PROCESSES
-    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-
-
-def _tasks_of(uid: int) -> int:
-    """Processes and threads of `uid` now (what RLIMIT_NPROC counts)."""
-    count = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            if os.stat(f"/proc/{pid}").st_uid == uid:
-                count += len(os.listdir(f"/proc/{pid}/task"))
-        except OSError:
-            continue
-    return count
