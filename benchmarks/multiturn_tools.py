@@ -14,7 +14,9 @@ runs `yaml_configs/tiny-tools-cpu.yaml` through `launch/torchrun.sh` on 2 ranks:
   each, 16 tool workers, 128 trajectories a step, and the ratios of their mean step times
   after 2 warm-up steps (overlap works when they are near 1).
 `--task price` is the two-step task instead (rows `pear+348=`: `price(item)`, then
-`add(price, n)`, then the answer; 3 turns, tools `price` and `add`).
+`add(price, n)`, then the answer; 3 turns, tools `price` and `add`); `--task code` the code task
+(`yaml_configs/tiny-code-cpu.yaml`: rows `348*576=`, the model writes `print(348*576)` for the
+built-in `python` tool, run in the sandbox, then copies its output).
 Last line: `RESULT sync_gain=<float> async_gain=<float> slow_tool_step_ratio=<float>
 sandboxed_tool_step_ratio=<float>`.
 A benchmark, not a test: the runs share this machine's noise; read the ratios.
@@ -34,14 +36,16 @@ PY = sys.executable
 
 
 def _prepare(out: Path, task: str) -> tuple[Path, Path]:
-    model, data, warm = out / "tiny-llama", out / "calc.jsonl", out / "tiny-llama-tools-warm"
+    model, data, warm = (out / "tiny-llama", out / f"{task}.jsonl",
+                         out / f"tiny-llama-{task}-warm")  # fmt: skip
     if not (model / "config.json").exists():
         subprocess.run([PY, "-m", "megatron_async_rl.models.tiny", "--family", "llama",
                         "--out", str(model), "--seed", "0"], check=True, cwd=REPO)  # fmt: skip
     if not data.exists():
-        subprocess.run([PY, "-m", "megatron_async_rl.tasks.calculator", "--out", str(data),
-                        "--num-rows", "2000", "--seed", "0", "--task", task],
-                       check=True, cwd=REPO)  # fmt: skip
+        rows = ["megatron_async_rl.tasks.code_task"] if task == "code" else [
+            "megatron_async_rl.tasks.calculator", "--task", task]  # fmt: skip
+        subprocess.run([PY, "-m", rows[0], "--out", str(data), "--num-rows", "2000", "--seed",
+                        "0", *rows[1:]], check=True, cwd=REPO)  # fmt: skip
     if not (warm / "config.json").exists():
         subprocess.run([PY, "-m", "megatron_async_rl.tasks.tool_warm_start", "--model",
                         str(model), "--data", str(data), "--out", str(warm), "--seed", "0",
@@ -49,10 +53,11 @@ def _prepare(out: Path, task: str) -> tuple[Path, Path]:
     return warm, data
 
 
-def _run(name: str, out: Path, warm: Path, data: Path, port: int, *sets: str) -> list[dict]:
+def _run(name: str, out: Path, warm: Path, data: Path, port: int, *sets: str,
+         recipe: str = "tiny-tools-cpu.yaml") -> list[dict]:  # fmt: skip
     run_dir = out / name
-    cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), str(REPO / "yaml_configs" /
-           "tiny-tools-cpu.yaml"), "--run-dir", str(run_dir)]  # fmt: skip
+    cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), str(REPO / "yaml_configs" / recipe),
+           "--run-dir", str(run_dir)]  # fmt: skip
     for item in (f"model.hf_path={warm}", f"data.path={data}", *sets):
         cmd += ["--set", item]
     env = dict(os.environ, PYTHON=PY, NPROC_PER_NODE="2", MASTER_PORT=str(port),
@@ -69,7 +74,16 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def _plot(curves: dict[str, list[dict]], path: Path) -> None:
+def _step_up(rows: list[dict], gain: float) -> int | None:
+    """The first step whose mean reward over it and the 4 before is `gain` over step 0's."""
+    start = rows[0]["reward/mean"]
+    for i in range(4, len(rows)):
+        if _mean([r["reward/mean"] for r in rows[i - 4 : i + 1]]) >= start + gain:
+            return rows[i]["step"]
+    return None
+
+
+def _plot(curves: dict[str, list[dict]], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,7 +105,7 @@ def _plot(curves: dict[str, list[dict]], path: Path) -> None:
         ax.set_ylabel("reward/mean (final answer right)")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("tiny Llama + calculator tool, GRPO on 2 CPU ranks")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -103,17 +117,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="runs/bench-tools")
     parser.add_argument("--skip-learning", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
-    parser.add_argument("--task", choices=("sum", "price"), default="sum")
+    parser.add_argument("--task", choices=("sum", "price", "code"), default="sum")
     args = parser.parse_args(argv)
     out = (REPO / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     warm, data = _prepare(out, args.task)
-    task_sets = () if args.task == "sum" else (
+    task_sets = () if args.task != "price" else (
         "environment.tools=[megatron_async_rl.tasks.calculator:price,"
         "megatron_async_rl.tasks.calculator:add]",
         "environment.max_turns=3", "environment.max_total_tokens=256",
         "megatron.seq_length=320",
     )  # fmt: skip
+    recipe = "tiny-code-cpu.yaml" if args.task == "code" else "tiny-tools-cpu.yaml"
+    title = ("tiny Llama writing Python for the sandboxed python tool" if args.task == "code"
+             else "tiny Llama + calculator tool") + ", GRPO on 2 CPU ranks"  # fmt: skip
     result = {}
     if not args.skip_learning:
         curves = {}
@@ -123,17 +140,21 @@ def main(argv: list[str] | None = None) -> None:
                               "scheduler.weight_update_mode=in_flight")),
         ):  # fmt: skip
             rows = _run(name, out, warm, data, port, f"trainer.num_steps={args.steps}",
-                        *task_sets, *sets)
+                        *task_sets, *sets, recipe=recipe)
             curves[name] = rows
             first, last = (_mean([r["reward/mean"] for r in part])
                            for part in (rows[:5], rows[-5:]))  # fmt: skip
             wall = sum(r["timing/step_s"] for r in rows)
             print(f"{name}: reward first 5 steps {first:.3f}, last 5 {last:.3f} (gain "
-                  f"{last - first:+.3f}); {len(rows)} steps in {wall / 60:.1f} min")
+                  f"{last - first:+.3f}); {len(rows)} steps in {wall / 60:.1f} min; first step "
+                  f"{rows[0]['reward/mean']:.3f}, +0.3 over it (5-step mean) at step "
+                  f"{_step_up(rows, 0.3)}")  # fmt: skip
             result[f"{name}_gain"] = last - first
-        _plot(curves, out / "learning.png")
+        _plot(curves, out / "learning.png", title)
         print(f"curves: {out / 'learning.png'}")
-    if not args.skip_throughput:
+    if not args.skip_throughput and args.task != "sum":
+        print(f"throughput: measured on --task sum only (not {args.task}); skipped")
+    elif not args.skip_throughput:
         steps = {}
         tools = (("instant", 29813, "megatron_async_rl.tasks.calculator:add"),
                  ("slow", 29814, "benchmarks.slow_tools:add"),

@@ -3,9 +3,9 @@ what the program does: every outcome is a `SandboxResult`.
 
 The program's parent is a small reaper (`sandbox.reaper`), so that nothing is left as a zombie.
 Limits: CPU seconds, address space, open files, file size and processes are rlimits set by the
-reaper before bubblewrap starts (`reaper.apply_limits`, inherited by everything inside); wall time and output size
-are watched here, and at either limit the whole sandbox is killed (its session, and with it
-its PID namespace).
+reaper before bubblewrap starts (`reaper.apply_limits`, inherited by everything inside); wall
+time and output size are watched here, and at either limit the whole sandbox is killed (its
+session, and with it its PID namespace).
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ tokens only, as in RL. With label noise: the call's arguments are the prompt's w
 result with probability `copy_fraction` (else a random number). The model learns the format
 fully and the task a little, so GRPO groups see rewards from the first step and must learn to
 call the tool with the prompt's numbers and to copy its result. `--task price` (rows
-`pear+348=`) makes it two calls in two turns: `price(item)`, then `add(that price, n)`.
+`pear+348=`) makes it two calls in two turns: `price(item)`, then `add(that price, n)`; `--task
+code` (rows `348*576=`, `tasks/code_task.py`) a program, `print(348*576)`, for the built-in
+`python` tool, whose answer (`exit status 0`, `stdout:` and the number) the model copies.
 
 Measured (tiny llama, 2000 `sum` rows, 600 steps, ~60 s on one thread): with 0.75/0.75 greedy
 accuracy 1.0, sampled (T=1) call rate 0.95, argument rate 0.46, accuracy 0.33; with 0.6/0.6
@@ -44,12 +46,13 @@ from megatron_async_rl.rollout.tool_calls import parse_tool_calls
 from megatron_async_rl.rollout.turns import close_turn_ids, observation_ids
 from megatron_async_rl.tasks.arithmetic_reward import arithmetic_reward
 from megatron_async_rl.tasks.calculator import PRICES, add, price
+from megatron_async_rl.tasks.code_task import program, tool_answer
 from megatron_async_rl.tasks.warm_start import collate, generate, save_model, torch_threads
 
 logger = logging.getLogger(__name__)
 
 
-TASKS = ("sum", "price")
+TASKS = ("sum", "price", "code")
 
 
 def call_text(name: str, arguments: dict) -> str:
@@ -71,6 +74,13 @@ def plan(prompt: str, task: str, rng: random.Random | None = None, args_fraction
     def right(fraction: float) -> bool:
         return not noisy or rng.random() < fraction
 
+    if task == "code":
+        a, b = map(int, prompt.rstrip("=").split("*"))
+        if not right(args_fraction):
+            a, b = _noisy(a, rng), _noisy(b, rng)
+        calls = [("python", {"code": program(a, b)})]
+        final = str(a * b) if right(copy_fraction) else str(_noisy(a * b, rng))
+        return calls, final
     left, right_text = prompt.rstrip("=").split("+")
     if task == "sum":
         a, b = int(left), int(right_text)
@@ -92,6 +102,8 @@ def plan(prompt: str, task: str, rng: random.Random | None = None, args_fraction
 
 
 def _run_call(name: str, arguments: dict) -> str:
+    if name == "python" and isinstance(arguments.get("code"), str) and len(arguments) == 1:
+        return tool_answer(arguments["code"])
     try:
         return json.dumps({"add": add, "price": price}[name](**arguments))
     except (KeyError, TypeError, ValueError) as err:
@@ -201,7 +213,7 @@ def tool_warm_start(model_dir: str | Path, data_path: str | Path, out_dir: str |
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="HF model directory to start from")
-    parser.add_argument("--data", required=True, help="calculator JSONL (prompt a+b=, answer)")
+    parser.add_argument("--data", required=True, help="rows (tasks.calculator, tasks.code_task)")
     parser.add_argument("--out", required=True, help="HF directory to write")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--lr", type=float, default=3e-3)
