@@ -4,7 +4,10 @@
 #
 #     bash scripts/gpu_checks.sh [tests] [cpu] [bench]   # all three by default; logs under $OUT
 #
-# Wheels that the machine lacks travel in .whl/ (git-ignored): megatron-core at the high end of
+# What the machine lacks travels in .whl/ (git-ignored): `bash scripts/gpu_bundle.sh` writes
+# .whl/site.tar.xz (SGLang, what its engine imports that the image lacks, megatron-core 0.19.2,
+# transformers and tokenizers; computed, checked against the 64 MiB carry limit), unpacked into
+# /tmp/site here. Loose wheels in .whl/ are installed too, e.g. megatron-core at the high end of
 # the supported range (0.19.x: the GPU machine has Python 3.12, which 0.17+ require) and the
 # transformers/tokenizers pair of constraints/cpu.txt, fetched here with
 #     pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
@@ -21,12 +24,15 @@ set -u
 PARTS=${*:-tests cpu bench}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
+export PYTHONPATH=$PWD
+if [ -f .whl/site.tar.xz ]; then  # scripts/gpu_bundle.sh: SGLang and what it imports, unpacked
+    mkdir -p /tmp/site && tar -xJf .whl/site.tar.xz -C /tmp/site || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+fi
+if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 {
@@ -37,6 +43,8 @@ print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torc
     python3 -c "import transformer_engine" 2>/dev/null && echo "transformer_engine: yes" \
         || echo "transformer_engine: not installed"
     python3 -c "import apex" 2>/dev/null && echo "apex: yes" || echo "apex: not installed"
+    python3 -c "import sglang; print('sglang', sglang.__version__)" 2>/dev/null \
+        || echo "sglang: not installed (bash scripts/gpu_bundle.sh carries it)"
 } 2>&1 | tee "$OUT/machine.txt"
 python3 -c "import sys, megatron.core as m; v = m.__version__; want = '${MEGATRON_CORE_WANT:-0.19.}'; \
 sys.exit(0 if v.startswith(want) else f'megatron-core {v} installed, want {want}x: carry its wheel in .whl/')" \
