@@ -4,13 +4,16 @@ Owned here: `parse_tool_calls(text, fmt, tools)` -> `ParsedTurn` (the text outsi
 the calls, and one error message per malformed call), and `FORMATS`. Formats:
 - `hermes` (Qwen2.5/Qwen3, Hermes, and most chat templates with tools), this project's parser:
   each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; `arguments` may also
-  be a JSON string holding the object (some models write it so).
+  be a JSON string holding the object (some models write it so); a turn that ends after a
+  whole call without its closing tag (the model stopped there) keeps it, as vLLM's and SGLang's
+  Hermes parsers do.
 - every other format SGLang's `FunctionCallParser` knows, by SGLang's names (`SGLANG_FORMATS`:
   `deepseekv3`, `deepseekv31`, `llama3`, `qwen3_coder`, `gpt-oss`, `kimi_k2`, `glm45`,
   `mistral`, `pythonic`, ...): SGLang's detector of that family parses the finished turn
   (one-shot), with the tools declared to it. Their markers are often special tokens: the
   turn is then decoded with them (`decodes_special_tokens`).
-A malformed call (bad JSON, no name, arguments not an object, an unclosed tag) is not executed:
+A malformed call (bad JSON, no name, arguments not an object, an unclosed tag around a cut
+call) is not executed:
 its error goes back to the model as the tool's answer, and the environment counts it.
 """
 
@@ -57,13 +60,14 @@ def parse_tool_calls(text: str, fmt: str = "hermes", tools: list[dict] | None = 
     turn = ParsedTurn(text=_HERMES.sub("", text).strip())
     for match in _HERMES.finditer(text):
         body = match.group(1).strip()
-        if not match.group(0).endswith("</tool_call>"):
-            turn.errors.append(f"unclosed <tool_call>: {body[:80]!r}")
-            continue
         try:
             call = json.loads(body)
         except json.JSONDecodeError as err:
-            turn.errors.append(f"tool call is not JSON ({err.msg} at {err.pos}): {body[:80]!r}")
+            if not match.group(0).endswith("</tool_call>"):  # cut short: the length limit
+                turn.errors.append(f"unclosed <tool_call>: {body[:80]!r}")
+            else:
+                turn.errors.append(f"tool call is not JSON ({err.msg} at {err.pos}): "
+                                   f"{body[:80]!r}")  # fmt: skip
             continue
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             turn.errors.append(f"tool call needs a string 'name': {body[:80]!r}")

@@ -53,6 +53,12 @@ def test_malformed_calls_are_errors_not_calls(text, error):
         parse_tool_calls(text, "llama9")
 
 
+def test_a_whole_call_without_its_closing_tag_at_the_end_is_a_call():
+    turn = parse_tool_calls('Adding. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}')
+    assert turn.calls == [ToolCall("add", {"a": 1, "b": 2})] and not turn.errors
+    assert turn.text == "Adding."
+
+
 def test_tools_load_with_their_schema():
     tools = load_tools([ADD, tool_fixtures.slow])
     assert sorted(tools) == ["add", "slow"]
