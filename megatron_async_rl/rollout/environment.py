@@ -33,6 +33,7 @@ from typing import Any
 from megatron_async_rl.config.errors import ConfigError
 from megatron_async_rl.config.plugins import import_named
 from megatron_async_rl.rollout.tool_calls import parse_tool_calls
+from megatron_async_rl.rollout.turns import openai_calls
 
 
 @dataclass(frozen=True)
@@ -187,8 +188,12 @@ class ToolEnvironment:
             return StepResult(None, float(reward), True)
         self.malformed += len(turn.errors)
         messages = [{"role": "tool", "content": f"error: {e}"} for e in turn.errors]
-        messages += [{"role": "tool", "content": text} for text in self.runner.run(turn.calls)]
-        return StepResult(messages, 0.0, False, {"malformed_calls": len(turn.errors)})
+        calls = openai_calls(turn.calls)  # the chat template renders each answer from its call
+        for call, text in zip(calls, self.runner.run(turn.calls), strict=True):
+            messages.append({"role": "tool", "content": text, "tool_call_id": call["id"],
+                             "name": call["function"]["name"]})  # fmt: skip
+        return StepResult(messages, 0.0, False, {"malformed_calls": len(turn.errors),
+                                                 "tool_calls": calls})  # fmt: skip
 
 
 def load_environment(spec: str, key: str = "environment.name", **kwargs) -> Callable[[], Any]:

@@ -168,7 +168,8 @@ async def _trajectory(index, sample, env, trajectory, episode, own, generate, to
         messages = _as_messages(outcome.observation)
         env_ids = close_turn_ids(tokenizer, trajectory.ids)
         if messages:
-            env_ids += observation_ids(tokenizer, messages)
+            calls = (getattr(outcome, "info", None) or {}).get("tool_calls")
+            env_ids += observation_ids(tokenizer, messages, calls)
         room = limits.max_total_tokens - len(trajectory.ids)
         if limits.max_context_tokens is not None:
             room = min(room, limits.max_context_tokens - len(trajectory.context()))

@@ -15,6 +15,7 @@ end-of-turn tokens (a stop string, the length limit), `close_turn_ids` supplies 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,15 +61,50 @@ class Trajectory:
         return sum(self.loss_mask)
 
 
-def observation_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+def observation_ids(tokenizer: Any, messages: list[dict], calls: list[dict] | None = None
+                    ) -> list[int]:  # fmt: skip
     """The tokens the chat template puts after an assistant turn for `messages` (tool results,
-    a user's reply), ending with the prompt of the next assistant turn."""
-    before = _render(tokenizer, [{"role": "assistant", "content": _ANCHOR}], False)
-    after = _render(tokenizer, [{"role": "assistant", "content": _ANCHOR}, *messages], True)
-    if not after.startswith(before):
-        raise ValueError("the chat template renders an assistant turn differently when "
-                         "messages follow it: observation tokens cannot be appended")  # fmt: skip
-    return tokenizer.encode(after[len(before) :], add_special_tokens=False)
+    a user's reply), ending with the prompt of the next assistant turn.
+
+    `calls`: the turn's tool calls, OpenAI's form (`{"id", "type": "function", "function":
+    {"name", "arguments"}}`), for templates that render a tool message from its call (gpt-oss
+    names the function, Mistral's matches the call's id). Their arguments are tried as an
+    object (transformers' form, Qwen3-Coder's template), then as a JSON string (DeepSeek's
+    templates), then the turn is rendered without them; the first rendering that works is
+    kept. The model's own tokens stand for the turn: only what follows it is returned."""
+    failure: Exception | None = None
+    for anchor in _anchors(calls):
+        try:
+            before = _render(tokenizer, [anchor], False)
+            after = _render(tokenizer, [anchor, *messages], True)
+        except Exception as err:  # noqa: BLE001 - jinja's TemplateError, a filter's TypeError
+            failure = err
+            continue
+        if not after.startswith(before):
+            raise ValueError("the chat template renders an assistant turn differently "
+                             "when messages follow it: observation tokens cannot be "
+                             "appended")  # fmt: skip
+        return tokenizer.encode(after[len(before) :], add_special_tokens=False)
+    raise ValueError(f"the chat template cannot render the environment's messages after an "
+                     f"assistant turn: {failure}") from failure  # fmt: skip
+
+
+def _anchors(calls: list[dict] | None):
+    if calls:
+        yield {"role": "assistant", "content": _ANCHOR, "tool_calls": calls}
+        as_text = [{**c, "function": {**c["function"],
+                                      "arguments": json.dumps(c["function"]["arguments"])}}
+                   for c in calls]  # fmt: skip
+        yield {"role": "assistant", "content": _ANCHOR, "tool_calls": as_text}
+    yield {"role": "assistant", "content": _ANCHOR}
+
+
+def openai_calls(calls: list[Any]) -> list[dict]:
+    """`ToolCall`s as a chat template's `tool_calls`, with ids `call00001`, ... (9 characters,
+    what Mistral's templates require)."""
+    return [{"id": f"call{i:05d}", "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}}
+            for i, c in enumerate(calls, 1)]  # fmt: skip
 
 
 def close_turn_ids(tokenizer: Any, response_ids: list[int]) -> list[int]:

@@ -17,8 +17,8 @@ import pytest
 
 from megatron_async_rl.models.tiny import build_tokenizer
 from megatron_async_rl.rollout.turns import observation_ids
-from megatron_async_rl.tasks.calculator import PRICES
 from megatron_async_rl.sandbox.command import find_bwrap
+from megatron_async_rl.tasks.calculator import PRICES
 from megatron_async_rl.tasks.code_task import product_rows, tool_answer
 from megatron_async_rl.tasks.tool_warm_start import call_text, conversation, plan
 
