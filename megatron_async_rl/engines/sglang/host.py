@@ -65,9 +65,32 @@ def _scrub_launcher_env() -> None:
 CPU_ATTENTION_BACKEND = "torch_native"
 
 
-def engine_kwargs(config: SGLangEngineConfig) -> dict[str, Any]:
+KERNEL_FREE_ARGS = {
+    "attention_backend": "triton",  # SGLang's triton kernels: triton ships with CUDA torch
+    "sampling_backend": "pytorch",  # not flashinfer's sampling kernels
+    "disable_cuda_graph": True,  # its capture uses sgl-kernel's ops
+    "disable_custom_all_reduce": True,  # sgl-kernel's all-reduce; NCCL's instead
+}
+"""SGLang on a GPU without sgl-kernel (and flashinfer): its torch and triton paths."""
+
+
+def kernel_free_args(device: str, has_sgl_kernel: bool) -> dict[str, Any]:
+    """Server arguments for a CUDA engine where sgl-kernel cannot be imported (the GPU test
+    machine carries SGLang without its kernel wheels, `scripts/gpu_bundle.sh`): `KERNEL_FREE_ARGS`.
+    None on CPU (its own backend) or where sgl-kernel is there."""
+    return dict(KERNEL_FREE_ARGS) if device == "cuda" and not has_sgl_kernel else {}
+
+
+def _has_sgl_kernel() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("sgl_kernel") is not None
+
+
+def engine_kwargs(config: SGLangEngineConfig, has_sgl_kernel: bool | None = None
+                  ) -> dict[str, Any]:  # fmt: skip
     """The keyword arguments of `sglang.Engine` for `config`; the recipe's `server_args` win over
-    the optional ones."""
+    the optional ones. `has_sgl_kernel`: whether sgl-kernel imports here (None: look)."""
     cpu = config.device == "cpu"
     optional = {
         "max_total_tokens": config.max_total_tokens,
@@ -80,6 +103,9 @@ def engine_kwargs(config: SGLangEngineConfig) -> dict[str, Any]:
         "enable_return_routed_experts": True if config.routing is not None else None,
     }
     kwargs = {k: v for k, v in optional.items() if v is not None}
+    if not cpu:
+        has = _has_sgl_kernel() if has_sgl_kernel is None else has_sgl_kernel
+        kwargs.update(kernel_free_args(config.device, has))
     kwargs.update(config.server_args)
     return dict(  # a server_args key naming one of these is a TypeError, as in sglang.Engine
         model_path=config.model_path,
