@@ -46,15 +46,17 @@ def price(item: str) -> int:
     return PRICES[item]
 
 
-def sum_rows(num_rows: int, seed: int, digits: int = 3) -> list[dict]:
-    """`a+b=` rows with `digits`-digit operands."""
+def operand_pairs(num_rows: int, seed: int, digits: int = 3) -> list[tuple[int, int]]:
+    """`num_rows` pairs of `digits`-digit numbers, drawn from `seed`."""
     rng = random.Random(seed)
     low, high = 10 ** (digits - 1), 10**digits - 1
-    rows = []
-    for _ in range(num_rows):
-        a, b = rng.randint(low, high), rng.randint(low, high)
-        rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
-    return rows
+    return [(rng.randint(low, high), rng.randint(low, high)) for _ in range(num_rows)]
+
+
+def sum_rows(num_rows: int, seed: int, digits: int = 3) -> list[dict]:
+    """`a+b=` rows with `digits`-digit operands."""
+    return [{"prompt": f"{a}+{b}=", "answer": str(a + b)}
+            for a, b in operand_pairs(num_rows, seed, digits)]  # fmt: skip
 
 
 def price_rows(num_rows: int, seed: int, digits: int = 3) -> list[dict]:

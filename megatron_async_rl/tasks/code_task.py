@@ -20,23 +20,17 @@ sandbox for its ~20,000 examples; any other program runs in the sandbox.
 from __future__ import annotations
 
 import argparse
-import random
 import re
 
-from megatron_async_rl.tasks.calculator import write_rows
+from megatron_async_rl.tasks.calculator import operand_pairs, write_rows
 
 _PRODUCT = re.compile(r"print\((\d{1,6})\*(\d{1,6})\)")
 
 
 def product_rows(num_rows: int, seed: int, digits: int = 3) -> list[dict]:
     """`a*b=` rows with `digits`-digit operands."""
-    rng = random.Random(seed)
-    low, high = 10 ** (digits - 1), 10**digits - 1
-    rows = []
-    for _ in range(num_rows):
-        a, b = rng.randint(low, high), rng.randint(low, high)
-        rows.append({"prompt": f"{a}*{b}=", "answer": str(a * b)})
-    return rows
+    return [{"prompt": f"{a}*{b}=", "answer": str(a * b)}
+            for a, b in operand_pairs(num_rows, seed, digits)]  # fmt: skip
 
 
 def program(a: int, b: int) -> str:
