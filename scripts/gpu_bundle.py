@@ -122,6 +122,11 @@ def run_engine(python: str, hide: set[str] = frozenset()) -> tuple[bool, str]:
                    GPU_BUNDLE_HIDE=",".join(sorted(hide)))  # fmt: skip
         proc = subprocess.run([python, str(script), tmp], env=env, capture_output=True,
                               text=True, timeout=900)  # fmt: skip
+    # an engine that died starting (a hidden import) leaves its segments: the next start
+    # would sweep them, this script may not start another
+    from megatron_async_rl.engines.sglang.shm_sweep import remove_stale_segments
+
+    remove_stale_segments()
     return proc.returncode == 0 and "generated" in proc.stderr, proc.stderr
 
 
