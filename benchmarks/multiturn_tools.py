@@ -35,6 +35,19 @@ REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
+_CALC = "megatron_async_rl.tasks.calculator"
+TASKS = {
+    # task: (the rows' command line, recipe, the recipe's overrides, the plot's title)
+    "sum": ([_CALC, "--task", "sum"], "tiny-tools-cpu.yaml", (), "tiny Llama + calculator tool"),
+    "price": ([_CALC, "--task", "price"], "tiny-tools-cpu.yaml", (
+        f"environment.tools=[{_CALC}:price,{_CALC}:add]", "environment.max_turns=3",
+        "environment.max_total_tokens=256", "megatron.seq_length=320",
+    ), "tiny Llama + calculator tool"),
+    "code": (["megatron_async_rl.tasks.code_task"], "tiny-code-cpu.yaml", (),
+             "tiny Llama writing Python for the sandboxed python tool"),
+}  # fmt: skip
+
+
 def _prepare(out: Path, task: str) -> tuple[Path, Path]:
     model, data, warm = (out / "tiny-llama", out / f"{task}.jsonl",
                          out / f"tiny-llama-{task}-warm")  # fmt: skip
@@ -42,8 +55,7 @@ def _prepare(out: Path, task: str) -> tuple[Path, Path]:
         subprocess.run([PY, "-m", "megatron_async_rl.models.tiny", "--family", "llama",
                         "--out", str(model), "--seed", "0"], check=True, cwd=REPO)  # fmt: skip
     if not data.exists():
-        rows = ["megatron_async_rl.tasks.code_task"] if task == "code" else [
-            "megatron_async_rl.tasks.calculator", "--task", task]  # fmt: skip
+        rows = TASKS[task][0]
         subprocess.run([PY, "-m", rows[0], "--out", str(data), "--num-rows", "2000", "--seed",
                         "0", *rows[1:]], check=True, cwd=REPO)  # fmt: skip
     if not (warm / "config.json").exists():
@@ -117,20 +129,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="runs/bench-tools")
     parser.add_argument("--skip-learning", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
-    parser.add_argument("--task", choices=("sum", "price", "code"), default="sum")
+    parser.add_argument("--task", choices=tuple(TASKS), default="sum")
     args = parser.parse_args(argv)
     out = (REPO / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     warm, data = _prepare(out, args.task)
-    task_sets = () if args.task != "price" else (
-        "environment.tools=[megatron_async_rl.tasks.calculator:price,"
-        "megatron_async_rl.tasks.calculator:add]",
-        "environment.max_turns=3", "environment.max_total_tokens=256",
-        "megatron.seq_length=320",
-    )  # fmt: skip
-    recipe = "tiny-code-cpu.yaml" if args.task == "code" else "tiny-tools-cpu.yaml"
-    title = ("tiny Llama writing Python for the sandboxed python tool" if args.task == "code"
-             else "tiny Llama + calculator tool") + ", GRPO on 2 CPU ranks"  # fmt: skip
+    _, recipe, task_sets, title = TASKS[args.task]
+    title += ", GRPO on 2 CPU ranks"
     result = {}
     if not args.skip_learning:
         curves = {}
