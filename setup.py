@@ -7,8 +7,9 @@ setup(
     version="0.1.0",
     description="Asynchronous RL for LLMs on Megatron-core roles with embedded SGLang engines",
     packages=find_packages(include=["megatron_async_rl", "megatron_async_rl.*"]),
-    # CPU-only import shims for SGLang's engine processes (see engines/sglang/cpu_shims/README.md);
-    # plain folders on the engine's PYTHONPATH, not packages of ours.
+    # Import shims for SGLang's engine processes (engines/sglang/cpu_shims/README.md, and
+    # kernel_free_shims/ for CUDA without sgl-kernel): plain folders on the engine's PYTHONPATH,
+    # not packages of ours.
     package_data={
         "megatron_async_rl.config.megatron": ["megatron_lm_flags/*.json"],
         "megatron_async_rl.engines.sglang": [
@@ -16,6 +17,8 @@ setup(
             "cpu_shims/*/*",
             "cpu_shims/*/*/*",
             "cpu_shims/*/*/*/*",
+            "kernel_free_shims/*",
+            "kernel_free_shims/*/*",
         ]
     },
     include_package_data=True,

@@ -37,6 +37,7 @@ from megatron_async_rl.engines.protocol import (
     expand_version_spans,
 )
 from megatron_async_rl.engines.recovery.progress import ProgressReporter
+from megatron_async_rl.engines.sglang import kernel_free
 from megatron_async_rl.engines.sglang.tp_shards import assemble_hf_tensor
 
 logger = logging.getLogger(__name__)
@@ -81,12 +82,6 @@ def kernel_free_args(device: str, has_sgl_kernel: bool) -> dict[str, Any]:
     return dict(KERNEL_FREE_ARGS) if device == "cuda" and not has_sgl_kernel else {}
 
 
-def _has_sgl_kernel() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("sgl_kernel") is not None
-
-
 def engine_kwargs(config: SGLangEngineConfig, has_sgl_kernel: bool | None = None
                   ) -> dict[str, Any]:  # fmt: skip
     """The keyword arguments of `sglang.Engine` for `config`; the recipe's `server_args` win over
@@ -104,7 +99,7 @@ def engine_kwargs(config: SGLangEngineConfig, has_sgl_kernel: bool | None = None
     }
     kwargs = {k: v for k, v in optional.items() if v is not None}
     if not cpu:
-        has = _has_sgl_kernel() if has_sgl_kernel is None else has_sgl_kernel
+        has = kernel_free.has_sgl_kernel() if has_sgl_kernel is None else has_sgl_kernel
         kwargs.update(kernel_free_args(config.device, has))
     kwargs.update(config.server_args)
     return dict(  # a server_args key naming one of these is a TypeError, as in sglang.Engine
@@ -142,6 +137,8 @@ def host_main(conn, config: SGLangEngineConfig) -> None:
             # Without it SGLang's CPU TP asserts one NUMA node per TP rank.
             bind = cpu_threads_bind(config.tp_size, sorted(os.sched_getaffinity(0)))
             os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = bind
+    elif config.device == "cuda" and not kernel_free.has_sgl_kernel():
+        kernel_free.use_shims(os.environ)
     try:
         import sglang
 
