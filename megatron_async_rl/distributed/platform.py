@@ -27,6 +27,8 @@ class Platform:
     backend: str  # "gloo" or "nccl"
     local_rank: int = 0
     """This process's index on its node (torchrun's LOCAL_RANK): its GPU on CUDA."""
+    gpu: int | None = None
+    """Its CUDA device where that is not `local_rank` (`local_gpu`: ranks sharing GPUs)."""
 
     @property
     def use_cuda(self) -> bool:
@@ -36,8 +38,17 @@ class Platform:
         """The rank's device, the same from every thread (the current CUDA device is per
         thread; a worker thread would get GPU 0 from `torch.cuda.current_device()`)."""
         if self.use_cuda:
-            return torch.device("cuda", self.local_rank)
+            return torch.device("cuda", self.local_rank if self.gpu is None else self.gpu)
         return torch.device("cpu")
+
+
+def local_gpu(local_rank: int, device_count: int) -> int:
+    """The CUDA device of local rank `local_rank`: its own where the node has one per rank,
+    else they are shared in turn (`local_rank % device_count`: two ranks on one GPU, e.g. the
+    Megatron roles and an engine on a one-GPU machine)."""
+    if local_rank < device_count or device_count < 1:
+        return local_rank
+    return local_rank % device_count
 
 
 def detect_platform(device: str = "auto", backend: str = "auto") -> Platform:
@@ -54,7 +65,18 @@ def detect_platform(device: str = "auto", backend: str = "auto") -> Platform:
         backend = "nccl" if device == "cuda" else "gloo"
     if backend == "nccl" and device != "cuda":
         raise ValueError(f"platform.backend = nccl: NCCL needs platform.device=cuda, got {device}")
-    return Platform(device, backend, int(os.environ.get("LOCAL_RANK", "0")))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    gpu = None
+    if device == "cuda" and local_rank >= (count := torch.cuda.device_count()):
+        if backend == "nccl":
+            raise ValueError(
+                f"platform.backend = nccl: local rank {local_rank} has no GPU of its own "
+                f"({count} visible) and NCCL refuses two ranks on one GPU; use "
+                "platform.backend=gloo to share GPUs, or start at most one rank per GPU"
+            )
+        gpu = local_gpu(local_rank, count)
+        logger.warning("local rank %d shares GPU %d (%d visible)", local_rank, gpu, count)
+    return Platform(device, backend, local_rank, gpu)
 
 
 def init_distributed(

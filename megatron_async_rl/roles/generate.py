@@ -364,7 +364,13 @@ def engine_config(cfg, device_type: str) -> SGLangEngineConfig:
     config = cfg.engine.sglang_config(cfg.model.hf_path, device_type, cfg.seed)
     config = dataclasses.replace(config, routing=routing_capture(cfg))  # MoE: routed experts
     if device_type == "cuda":  # the engine's TP ranks start at our device
-        config.server_args.setdefault("base_gpu_id", int(os.environ.get("LOCAL_RANK", "0")))
+        import torch
+
+        from megatron_async_rl.distributed.platform import local_gpu
+
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        gpu = local_gpu(local_rank, torch.cuda.device_count())
+        config.server_args.setdefault("base_gpu_id", gpu)
     return config
 
 

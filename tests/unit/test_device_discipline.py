@@ -199,3 +199,20 @@ print("ok")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           cwd=PACKAGE.parent, timeout=300)  # fmt: skip
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_ranks_beyond_the_gpus_share_them_over_gloo_and_nccl_refuses(monkeypatch):
+    from megatron_async_rl.distributed.platform import detect_platform, local_gpu
+
+    assert [local_gpu(r, 1) for r in range(3)] == [0, 0, 0]
+    assert [local_gpu(r, 2) for r in range(4)] == [0, 1, 0, 1]
+    assert local_gpu(5, 8) == 5
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")  # a one-GPU machine: Megatron roles | the engine
+    platform = detect_platform("cuda", "gloo")
+    assert platform.device() == torch.device("cuda", 0) and platform.local_rank == 1
+    with pytest.raises(ValueError, match=r"platform.backend = nccl: local rank 1 .*1 visible"):
+        detect_platform("cuda", "nccl")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert detect_platform("cuda", "nccl").device() == torch.device("cuda", 0)
