@@ -2,7 +2,7 @@
 # The GPU checks, in one command, for a lent CUDA machine (one GPU, torch with CUDA, no SGLang,
 # no network). Run from the repository root:
 #
-#     bash scripts/gpu_checks.sh [tests] [cpu] [bench]   # all three by default; logs under $OUT
+#     bash scripts/gpu_checks.sh [tests] [cpu] [bench] [engine]   # all by default; logs under $OUT
 #
 # What the machine lacks travels in .whl/ (git-ignored): `bash scripts/gpu_bundle.sh` writes
 # .whl/site.tar.xz (SGLang, what its engine imports that the image lacks, megatron-core 0.19.2,
@@ -19,9 +19,26 @@
 #   2. CPU tests on a GPU node (the CPU recipes must work where CUDA is visible): one-rank and
 #      two-rank gloo parity and weight sync;
 #   3. benchmarks/checkpoint.py on the GPU (issue 13's save-time and async-stall targets), at two
-#      step sizes.
+#      step sizes;
+#   4. the engine on CUDA (issue 37; needs SGLang: .whl/site.tar.xz): tests/gpu/test_engine_cuda.py
+#      (generate and log-probs against transformers, a weight update by CUDA IPC read back, kill
+#      and restart, deterministic inference), then scripts/gpu_engine_checks.py (the quick start
+#      on one GPU with two ranks, synchronous and one step ahead, 20 steps each, and a killed
+#      and resumed run against an uninterrupted one).
+# The last lines (and $OUT/summary.txt) say which parts ran, passed, failed or were skipped.
 set -u
-PARTS=${*:-tests cpu bench}
+PARTS=${*:-tests cpu bench engine}
+SUMMARY=()
+note() {  # note PART STATUS: one line of the summary
+    SUMMARY+=("$1: $2")
+}
+pytest_status() {  # pytest_status EXIT LOG: passed / FAILED / nothing ran, and pytest's counts
+    local counts
+    counts=$(grep -E '(passed|failed|skipped|error).* in [0-9.]+s' "$2" | tail -1)
+    if [ "$1" != 0 ]; then echo "FAILED (exit $1); $counts"
+    elif [[ "$counts" == *passed* ]]; then echo "passed; $counts"
+    else echo "NOTHING RAN; $counts"; fi
+}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
@@ -52,9 +69,13 @@ sys.exit(0 if v.startswith(want) else f'megatron-core {v} installed, want {want}
 
 if [[ " $PARTS " == *" tests "* ]]; then
 echo "== 1. pytest -m gpu tests/gpu"
-timeout 300 python3 -m pytest -m gpu tests/gpu -q -s -rfEs -p no:cacheprovider 2>&1 \
+timeout 300 python3 -m pytest -m gpu tests/gpu -q -s -rA -p no:cacheprovider 2>&1 \
     | grep -v "UserWarning\|warnings.warn\|^DEBUG" | tee "$OUT/pytest_gpu.log"
-echo "pytest gpu exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest_gpu.log"
+rc=${PIPESTATUS[0]}
+echo "pytest gpu exit: $rc" | tee -a "$OUT/pytest_gpu.log"
+note "1 tests/gpu" "$(pytest_status "$rc" "$OUT/pytest_gpu.log")"
+else
+note "1 tests/gpu" "not asked for"
 fi
 
 if [[ " $PARTS " == *" cpu "* ]]; then
@@ -62,7 +83,11 @@ echo "== 2. CPU tests on a GPU node"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -x \
     tests/distributed/test_hf_parity.py tests/distributed/test_weight_sync_one_rank.py 2>&1 \
     | tail -15 | tee "$OUT/pytest_cpu_on_gpu_node.log"
-echo "pytest cpu exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest_cpu_on_gpu_node.log"
+rc=${PIPESTATUS[0]}
+echo "pytest cpu exit: $rc" | tee -a "$OUT/pytest_cpu_on_gpu_node.log"
+note "2 CPU tests on a GPU node" "$(pytest_status "$rc" "$OUT/pytest_cpu_on_gpu_node.log")"
+else
+note "2 CPU tests on a GPU node" "not asked for"
 fi
 
 if [[ " $PARTS " == *" bench "* ]]; then
@@ -73,4 +98,34 @@ for shape in "8 1024" "64 1024"; do
         --seq-len "$2" --profile-stall 2>&1 | grep -v "UserWarning\|warnings.warn" \
         | grep -v "^DEBUG\|Writing model shards" | tee -a "$OUT/checkpoint_bench.log"
 done
+note "3 checkpoint benchmark" "ran ($(grep -c RESULT "$OUT/checkpoint_bench.log" 2>/dev/null \
+    || echo 0) RESULT lines)"
+else
+note "3 checkpoint benchmark" "not asked for"
 fi
+
+if [[ " $PARTS " == *" engine "* ]]; then
+echo "== 4. the engine on CUDA"
+if python3 -c "import sglang" 2>/dev/null; then
+    python3 -c "import shutil; print('nvcc (SGLang JIT kernels):', shutil.which('nvcc') or 'absent')"
+    timeout 480 python3 -m pytest -m gpu tests/gpu/test_engine_cuda.py -q -s -rA \
+        -p no:cacheprovider 2>&1 | grep -v "UserWarning\|warnings.warn\|^DEBUG" \
+        | tee "$OUT/engine_tests.log"
+    rc=${PIPESTATUS[0]}
+    note "4a engine tests on CUDA" "$(pytest_status "$rc" "$OUT/engine_tests.log")"
+    timeout 1500 python3 scripts/gpu_engine_checks.py --out "$OUT/engine" --steps 20 2>&1 \
+        | grep -v "UserWarning\|warnings.warn" | tee "$OUT/engine_checks.log"
+    rc=${PIPESTATUS[0]}
+    note "4b quick start on one GPU, resume" "$( [ "$rc" = 0 ] && echo passed || echo \
+        "FAILED (exit $rc)" ); $(grep '^RESULT' "$OUT/engine_checks.log" | tail -1)"
+else
+    echo "skipped: SGLang is not importable (bash scripts/gpu_bundle.sh on the CPU machine \
+writes .whl/site.tar.xz, carried with the tree)"
+    note "4 engine on CUDA" "SKIPPED: no SGLang (carry .whl/site.tar.xz)"
+fi
+else
+note "4 engine on CUDA" "not asked for"
+fi
+
+echo "== summary"
+printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.txt"
