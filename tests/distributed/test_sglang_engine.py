@@ -44,9 +44,18 @@ from megatron_async_rl.engines.protocol import (
     GenerateRequest,
     SamplingParams,
 )
-from megatron_async_rl.engines.sglang.engine import HostLaunch, SGLangEngine, SGLangEngineConfig
+from megatron_async_rl.engines.sglang.engine import HostLaunch, SGLangEngine
 from megatron_async_rl.engines.sglang.host import CPU_ATTENTION_BACKEND, CPU_SHIMS_DIR
 from megatron_async_rl.roles.generate import EngineHeadStart
+from tests.harness.engine import (
+    CHECKED_WEIGHTS,
+    PROMPTS,
+    Served,
+    engine_config,
+    greedy,
+    hf_logprob_diff,
+    hf_model,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -55,43 +64,6 @@ pytestmark = [
         reason="sglang is not installed; run scripts/install_sglang_cpu.sh",
     ),
 ]
-
-PROMPTS = ([1, 10, 11, 12, 13], [1, 20, 21], [1, 30, 31, 32, 33, 34, 35])
-CHECKED_WEIGHTS = (
-    "model.embed_tokens.weight",
-    "model.layers.0.self_attn.q_proj.weight",
-    "model.layers.0.self_attn.k_proj.weight",
-    "model.layers.1.self_attn.v_proj.weight",
-    "model.layers.1.self_attn.o_proj.weight",
-    "model.layers.0.mlp.gate_proj.weight",
-    "model.layers.1.mlp.up_proj.weight",
-    "model.layers.0.mlp.down_proj.weight",
-    "model.layers.1.input_layernorm.weight",
-    "model.norm.weight",
-    "lm_head.weight",
-)
-
-
-def _config(model_dir: Path, **overrides) -> SGLangEngineConfig:
-    fields = dict(
-        model_path=str(model_dir),
-        dtype="float32",
-        max_total_tokens=4096,
-        startup_timeout_s=300,
-        call_timeout_s=120,
-        generate_timeout_s=300,
-    )
-    return SGLangEngineConfig(**{**fields, **overrides})
-
-
-@dataclasses.dataclass
-class Served:
-    """The module's engine and what it is serving now (tests that update weights record it)."""
-
-    engine: SGLangEngine
-    model_dir: Path
-    state: dict[str, torch.Tensor]
-    version: str = INITIAL_VERSION
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +78,7 @@ def served(model_dir):
 
     # Started as an engine host rank starts its first engine: launched early (the host starts
     # SGLang while the rank builds its world and roles), then adopted by the engine.
-    config = _config(model_dir)
+    config = engine_config(model_dir)
     head_start = EngineHeadStart(HostLaunch(config, rank_in_role=0, global_rank=5))
     launch = head_start.take(config)
     assert launch is not None
@@ -117,44 +89,6 @@ def served(model_dir):
     print(f"\nengine startup: {engine.startup_s:.1f} s")
     yield Served(engine, model_dir, load_file(model_dir / "model.safetensors"))
     engine.shutdown()
-
-
-def _greedy(max_new_tokens: int, tag: str) -> list[GenerateRequest]:
-    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    return [GenerateRequest(p, sampling, f"{tag}-{i}") for i, p in enumerate(PROMPTS)]
-
-
-def _hf_model(served: Served):
-    """`transformers`' model of `served.state`, loaded the way it loads a checkpoint: the state
-    is written next to the model's config, so transformers converts checkpoint names itself
-    (its MoE models keep experts fused, e.g. DeepSeek-V3's `experts.gate_up_proj`)."""
-    import tempfile
-
-    import transformers
-    from safetensors.torch import save_file
-
-    with tempfile.TemporaryDirectory() as tmp:
-        for path in served.model_dir.iterdir():
-            if not path.name.startswith("model.safetensors"):
-                os.symlink(path, Path(tmp) / path.name)
-        save_file({n: t.contiguous() for n, t in served.state.items()}, f"{tmp}/model.safetensors")
-        return transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-
-
-def _hf_logprob_diff(served: Served, results, requests) -> float:
-    """Mean |engine log-prob - transformers log-prob| over all generated tokens."""
-    model = _hf_model(served)
-    diffs = []
-    with torch.no_grad():
-        for request, result in zip(requests, results):
-            ids = torch.tensor([request.input_ids + result.output_ids])
-            logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
-            start = len(request.input_ids) - 1
-            ref = logp[start : start + len(result.output_ids)].gather(
-                1, torch.tensor(result.output_ids)[:, None]
-            )[:, 0]
-            diffs.append((ref - torch.tensor(result.output_logprobs)).abs())
-    return torch.cat(diffs).mean().item()
 
 
 def _update(served: Served, version: str, flush_cache: bool = True) -> float:
@@ -169,7 +103,7 @@ def _update(served: Served, version: str, flush_cache: bool = True) -> float:
 
 
 def test_generate_greedy_with_logprobs_matches_transformers(served):
-    requests = _greedy(24, "greedy")
+    requests = greedy(24, "greedy")
     start = time.perf_counter()
     results = served.engine.generate(requests)
     print(f"generate 3 x 24 tokens: {time.perf_counter() - start:.2f} s")
@@ -183,7 +117,7 @@ def test_generate_greedy_with_logprobs_matches_transformers(served):
     assert [r.output_ids for r in again] == [r.output_ids for r in results]
     for first, second in zip(results, again):
         torch.testing.assert_close(first.output_logprobs, second.output_logprobs, atol=1e-5, rtol=0)
-    diff = _hf_logprob_diff(served, results, requests)
+    diff = hf_logprob_diff(served, results, requests)
     print(f"log-prob mean abs diff vs transformers: {diff:.2e}")
     assert diff <= 1e-3
 
@@ -197,10 +131,10 @@ def test_weight_update_is_bit_exact_and_versioned(served):
         # SGLang pads the vocab dimension (embedding, LM head) to a multiple of 64.
         assert torch.equal(got[: sent.shape[0]], sent), name
         assert not got[sent.shape[0] :].any(), name
-    requests = _greedy(16, "after-v1")
+    requests = greedy(16, "after-v1")
     results = served.engine.generate(requests)
     assert all(r.token_versions == ["v1"] * len(r.output_ids) for r in results)
-    diff = _hf_logprob_diff(served, results, requests)
+    diff = hf_logprob_diff(served, results, requests)
     print(f"log-prob mean abs diff vs transformers after update: {diff:.2e}")
     assert diff <= 1e-3
 
@@ -227,7 +161,7 @@ def test_weight_update_from_one_shared_buffer_is_bit_exact(served):
         sent, got = served.state[name], served.engine.get_weights_by_name(name)
         assert torch.equal(got[: sent.shape[0]], sent), name
         assert not got[sent.shape[0] :].any(), name
-    results = served.engine.generate(_greedy(8, "after-flat"))
+    results = served.engine.generate(greedy(8, "after-flat"))
     assert all(r.token_versions == ["flat"] * len(r.output_ids) for r in results)
 
 
@@ -242,7 +176,7 @@ def test_misuse_is_rejected(served):
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 def test_pause_update_resume_switches_version_mid_sequence(served, mode):
-    requests = _greedy(600, f"pause-{mode}")
+    requests = greedy(600, f"pause-{mode}")
     box = {}
     worker = threading.Thread(target=lambda: box.update(out=served.engine.generate(requests)))
     worker.start()
@@ -296,8 +230,8 @@ def test_tp2_engine_reads_back_full_tensors_generates_like_tp1_and_reports_its_d
         name: t + 0.01 * torch.randn(t.shape, generator=generator)
         for name, t in start_state.items()
     }
-    requests = _greedy(16, "tp")
-    config = _config(served.model_dir, tp_size=2, process_start="spawn")
+    requests = greedy(16, "tp")
+    config = engine_config(served.model_dir, tp_size=2, process_start="spawn")
     engine = SGLangEngine(config, rank_in_role=1, global_rank=7)
     pids = [engine.host_pid, *engine.engine_child_pids]
     try:
@@ -324,7 +258,7 @@ def test_tp2_engine_reads_back_full_tensors_generates_like_tp1_and_reports_its_d
             match=rf"rank in role 1, global rank 7.*scheduler_0 \(pid {scheduler}\) exited "
             r"with code -9.*exit code 3",
         ):
-            engine.generate(_greedy(8, "dead"))
+            engine.generate(greedy(8, "dead"))
         print(f"engine death reported after {time.monotonic() - start:.2f} s")
         assert not engine.health()
         with pytest.raises(EngineDiedError, match="cannot call weight_version"):
@@ -353,11 +287,11 @@ def test_generate_timeout_is_reported_and_engine_recovers(served):
     served.engine.config = dataclasses.replace(config, generate_timeout_s=0.2)
     try:
         with pytest.raises(EngineTimeoutError, match="did not answer generate within 0.2 s"):
-            served.engine.generate(_greedy(200, "timeout"))
+            served.engine.generate(greedy(200, "timeout"))
     finally:
         served.engine.config = config
     assert served.engine.health()
-    assert len(served.engine.generate(_greedy(4, "recovered"))[0].output_ids) >= 1
+    assert len(served.engine.generate(greedy(4, "recovered"))[0].output_ids) >= 1
 
 
 def test_multiturn_on_the_real_engine(served):
@@ -381,7 +315,7 @@ def test_multiturn_on_the_real_engine(served):
         sampling, MultiTurnLimits(max_turns=4),
     )  # fmt: skip
     assert [e.finish_reason for e in episodes] == ["done", "done"] and counts["turns"] == 6
-    model = _hf_model(served)
+    model = hf_model(served)
     diffs = []
     with torch.no_grad():
         for traj in trajs:
@@ -428,13 +362,13 @@ def test_shutdown_leaves_no_processes(served):
     assert not any(os.path.exists(f) for f in files), "the engine left files in /dev/shm"
     assert not served.engine.health()
     with pytest.raises(RuntimeError, match="was shut down; cannot call generate"):
-        served.engine.generate(_greedy(4, "after-shutdown"))
+        served.engine.generate(greedy(4, "after-shutdown"))
 
 
 def test_a_launch_nobody_adopts_is_killed_with_what_it_started(model_dir):
     """A run that stops before its early-launched engine is adopted (a checkpoint of another
     recipe, a bad data file) kills the launch: the host and any SGLang process it started."""
-    launch = HostLaunch(_config(model_dir), rank_in_role=0, global_rank=5)
+    launch = HostLaunch(engine_config(model_dir), rank_in_role=0, global_rank=5)
     host = psutil.Process(launch.proc.pid)
     deadline = time.monotonic() + 120
     while not host.children() and time.monotonic() < deadline:  # SGLang's scheduler started
@@ -449,7 +383,7 @@ def test_a_launch_nobody_adopts_is_killed_with_what_it_started(model_dir):
 def test_failed_start_raises_engine_died_error(tmp_path):
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(EngineDiedError, match=r"failed to start \(role generate, rank in role 2"):
-        SGLangEngine(_config(tmp_path / "no-model"), rank_in_role=2, global_rank=9)
+        SGLangEngine(engine_config(tmp_path / "no-model"), rank_in_role=2, global_rank=9)
     new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert all("resource_tracker" in " ".join(p.cmdline()) for p in new), new
 
@@ -577,19 +511,19 @@ def test_deepseek_v3_family_on_the_real_engine(tiny_model):
     from safetensors.torch import load_file
 
     model_dir = tiny_model("deepseek_v3", max_position_embeddings=1024)
-    engine = SGLangEngine(_config(model_dir), rank_in_role=0, global_rank=5)
+    engine = SGLangEngine(engine_config(model_dir), rank_in_role=0, global_rank=5)
     try:
         assert engine.attention_backend == CPU_ATTENTION_BACKEND
         served = Served(engine, model_dir, load_file(model_dir / "model.safetensors"))
-        requests = _greedy(16, "ds")
-        diff = _hf_logprob_diff(served, engine.generate(requests), requests)
+        requests = greedy(16, "ds")
+        diff = hf_logprob_diff(served, engine.generate(requests), requests)
         print(f"\ndeepseek_v3 log-prob mean abs diff vs transformers: {diff:.2e}")
         assert diff <= 1e-3
         _update(served, "v1")
-        requests = _greedy(16, "ds-v1")
+        requests = greedy(16, "ds-v1")
         results = engine.generate(requests)
         assert all(r.token_versions == ["v1"] * len(r.output_ids) for r in results)
-        diff = _hf_logprob_diff(served, results, requests)
+        diff = hf_logprob_diff(served, results, requests)
         print(f"deepseek_v3 after a weight update: {diff:.2e}")
         assert diff <= 1e-3
     finally:

@@ -30,13 +30,13 @@ from megatron_async_rl.engines.protocol import GenerateRequest, SamplingParams
 from megatron_async_rl.engines.sglang import kernel_free
 from megatron_async_rl.engines.sglang.engine import SGLangEngine
 from megatron_async_rl.engines.sglang.handover import serialize
-from tests.distributed.test_sglang_engine import (
+from tests.harness.engine import (
     CHECKED_WEIGHTS,
     PROMPTS,
     Served,
-    _config,
-    _greedy,
-    _hf_logprob_diff,
+    engine_config,
+    greedy,
+    hf_logprob_diff,
 )
 
 pytestmark = [
@@ -49,7 +49,7 @@ GPU_SHARE = 0.3  # of the GPU's memory for SGLang's weights and KV cache: leaves
 
 
 def _cuda_config(model_dir, **overrides):
-    return _config(model_dir, device="cuda", mem_fraction_static=GPU_SHARE, **overrides)
+    return engine_config(model_dir, device="cuda", mem_fraction_static=GPU_SHARE, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +75,12 @@ def _read_back(engine, state: dict[str, torch.Tensor]) -> None:
 
 
 def test_generate_on_cuda_matches_transformers(served):
-    requests = _greedy(24, "cuda-greedy")
+    requests = greedy(24, "cuda-greedy")
     start = time.perf_counter()
     results = served.engine.generate(requests)
     seconds = time.perf_counter() - start
     assert all(1 <= len(r.output_ids) <= 24 for r in results)
-    diff = _hf_logprob_diff(served, results, requests)
+    diff = hf_logprob_diff(served, results, requests)
     print(f"generate 3 x 24 tokens on CUDA: {seconds:.2f} s; log-prob mean abs diff vs "
           f"transformers: {diff:.2e}")  # fmt: skip
     assert diff <= 1e-3
@@ -107,7 +107,7 @@ def test_a_weight_update_of_cuda_tensors_goes_by_cuda_ipc_and_reads_back(served)
           f"(a raw on-GPU copy of the same bytes: {raw:.4f} s)")  # fmt: skip
     assert served.engine.weight_version() == "cuda-v1"
     _read_back(served.engine, new)
-    results = served.engine.generate(_greedy(8, "after-cuda-v1"))
+    results = served.engine.generate(greedy(8, "after-cuda-v1"))
     assert all(r.token_versions == ["cuda-v1"] * len(r.output_ids) for r in results)
 
 

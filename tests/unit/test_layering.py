@@ -242,10 +242,11 @@ def test_loading_a_recipe_loads_config_modules_only(loaded):
 
 
 def _modules() -> dict[str, Path]:
-    """Every module of the package (the engine's CPU shims are top-level modules, not ours)."""
+    """Every module of the package (the engine's shims, for CPU and for CUDA without
+    sgl-kernel, are top-level modules of the engine processes, not ours)."""
     out = {}
     for path in sorted(PACKAGE_DIR.rglob("*.py")):
-        if "cpu_shims" in path.parts:
+        if "cpu_shims" in path.parts or "kernel_free_shims" in path.parts:
             continue
         parts = path.relative_to(REPO_ROOT).with_suffix("").parts
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
