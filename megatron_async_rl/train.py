@@ -70,14 +70,17 @@ def main(argv: list[str] | None = None) -> int:
         exit_on_config_error(preflight.check_batches, cfg, layout)
         device, backend = cfg.platform.device, cfg.platform.backend
         auto = " (auto: cuda/nccl where a GPU is visible)" if "auto" in (device, backend) else ""
+        from megatron_async_rl.algorithms import passes
         from megatron_async_rl.roles import memory
 
         memory_lines = memory.describe(
-            memory.plan_memory(cfg, layout), cfg.engine.mem_fraction_static or 0.8
-        )
+            memory.plan_memory(cfg, layout), cfg.engine.mem_fraction_static or 0.8,
+            memory.saved(cfg, layout),
+        )  # fmt: skip
         leader_print(
             f"recipe {cli.config}: valid for {world_size} ranks on platform {device}/{backend}"
             f"{auto}\n{layout.describe()}\n{memory_lines}"
+            + (f"\n{passes.describe(cfg)}" if cfg.trainer.job == "grpo" else "")
         )
         return 0
     platform = exit_on_config_error(_platform, cfg)

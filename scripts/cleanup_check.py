@@ -5,7 +5,7 @@ rank, or of an engine's scheduler.
         [--out runs/cleanup-check] [--grace-s 45]
 
 For each target, on the quick-start task (written where missing) with
-`yaml_configs/tiny-grpo-async-cpu.yaml` on 2 ranks (train+logp+ref | one SGLang engine),
+`yaml_configs/tiny-grpo-async-cpu.yaml` on 2 ranks (train+logp | one SGLang engine),
 `engine.max_restarts=0` (a dead engine ends the run: nothing restarts what was killed):
 1. note the processes of ours or SGLang's and the `/dev/shm` entries that exist;
 2. launch, and once a step is logged, SIGKILL the target: the torchrun agent (the launcher's

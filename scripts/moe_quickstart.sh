@@ -5,7 +5,7 @@
 #   1. install (scripts/setup_env.sh, first time only)
 #   2. write the tiny MoE with a locally made tokenizer (nothing from a hub) and the task data
 #   3. warm-start the model on the answer format (as the quick start does for its Llama)
-#   4. run the recipe on 2 ranks (train+logp+ref | SGLang engine returning routed experts)
+#   4. run the recipe on 2 ranks (train+logp | SGLang engine returning routed experts)
 # Outputs in runs/tiny-moe-r3: metrics.jsonl (moe/routing_agreement, moe/replay_agreement,
 # mismatch/*), reward.png. Extra arguments go to the entry point (e.g. --set
 # moe.routing_replay=off, or --set faults.allow=true --set faults.router_noise=1.0 for an

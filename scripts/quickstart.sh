@@ -4,7 +4,7 @@
 #   2. write a tiny Llama-style HF model with a locally made tokenizer (nothing from a hub)
 #   3. write the task data ("3+5=" -> "8") and warm-start the model on the answer FORMAT only
 #      (digits then <eos>, trained on mostly wrong answers: it starts well below 50% correct)
-#   4. run yaml_configs/tiny-grpo-cpu.yaml on 2 ranks (train+logp+ref | SGLang engine)
+#   4. run yaml_configs/tiny-grpo-cpu.yaml on 2 ranks (train+logp | SGLang engine)
 # Outputs in runs/tiny-grpo: metrics.jsonl, reward.png, config.resolved.yaml, tensorboard/.
 # Extra arguments go to the entry point (e.g. --set trainer.num_steps=10, -- --lr 5e-4).
 set -euo pipefail

@@ -6,7 +6,7 @@
 #   3. write the task data ("348+576=" -> "924") and warm-start the model on the CALL FORMAT
 #      (<tool_call>{"name": "add", ...}</tool_call>, the tool's answer, the final answer), with
 #      the prompt's numbers in 75% of the calls and the tool's result copied in 75% of answers
-#   4. run the recipe on 2 ranks (train+logp+ref | SGLang engine and the tool's workers)
+#   4. run the recipe on 2 ranks (train+logp | SGLang engine and the tool's workers)
 # Outputs in runs/tiny-tools: metrics.jsonl, reward.png, rollouts/ (each conversation).
 # Extra arguments go to the entry point (e.g. --set scheduler.generate_ahead_steps=1).
 # TASK=code: the code task instead (yaml_configs/tiny-code-cpu.yaml, outputs in runs/tiny-code):

@@ -27,6 +27,7 @@ KL_MODES = ("loss", "reward")
 OFF_POLICY_CORRECTIONS = ("none", "tis_token", "tis_seq", "decoupled")
 REFILL_EXHAUSTED = ("pad", "error")
 OFF_POLICY_MASKS = ("none", "token", "seq", "geo_mean")
+OLD_LOGPROBS = ("auto", "logp", "trainer", "engine")
 POLICY_LOSSES = ("ppo", "gspo")
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 DR_GRPO_AGG_MODES = ("seq-mean-token-sum-norm", "seq-mean-token-sum")
@@ -61,7 +62,16 @@ class GRPOConfig:
     `losses.aggregate`). None: the one the policy loss and estimator define (gspo:
     seq-mean-token-mean, dr_grpo: seq-mean-token-sum-norm, else token-mean); stored resolved."""
     kl_coef: float = 0.0
-    """Weight of the KL to the reference policy; 0 disables it (and the ref role is not needed)."""
+    """Weight of the KL to the reference policy; 0 disables it (and the ref role is not needed:
+    place none, and no reference model is loaded or run)."""
+    kl_metrics_every: int = 1
+    """With a placed ref role and no KL term (kl_coef 0): its pass runs every this many steps,
+    for the kl/* metrics alone; 0: never (the dry run then warns that nothing uses the role)."""
+    old_logprobs: str = "auto"
+    """Where the old log-probs of the PPO ratio come from: logp (the logp role's pass), trainer
+    (the train forward's own, detached: exact for one optimizer step at zero steps ahead, no
+    extra pass), engine (the engine's, the behaviour policy: no extra pass), or auto (logp where
+    placed, else trainer where exact, else engine); stored resolved (`algorithms.passes`)."""
     kl_estimator: str = "k3"
     """k1, k2 or k3 (alias low_var_kl, stored as k3); see `kl_penalty`."""
     kl_mode: str = "loss"
@@ -144,6 +154,8 @@ class GRPOConfig:
         if self.kl_estimator == "low_var_kl":
             self.kl_estimator = "k3"
         require_choice("kl_mode", self.kl_mode, KL_MODES)
+        require_int("kl_metrics_every", self.kl_metrics_every, 0, hint="0: never")
+        require_choice("old_logprobs", self.old_logprobs, OLD_LOGPROBS)
         require_number("entropy_coef", self.entropy_coef, ge=0)
         require_bool("dynamic_filtering", self.dynamic_filtering)
         if self.dynamic_filtering and n == 1:

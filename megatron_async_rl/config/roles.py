@@ -13,9 +13,10 @@ from megatron_async_rl.config.errors import ConfigError
 
 ROLES = ("train", "logp", "ref", "generate", "critic", "reward_model")
 MEGATRON_ROLES = ("train", "logp", "ref", "critic", "reward_model")
-REQUIRED_MEGATRON_ROLES = ("train", "logp", "ref")
-"""Placed in every recipe; `critic` (PPO's value model) and `reward_model` (a scalar-head scorer)
-only when the recipe uses them."""
+REQUIRED_MEGATRON_ROLES = ("train",)
+"""Placed in every recipe. The others only where the run uses them: `logp` for the old
+log-probs' own pass, `ref` for a KL term (`algorithms.passes`), `critic` (PPO's value model),
+`reward_model` (a scalar-head scorer)."""
 TRAINED_ROLES = ("train", "critic")
 """Megatron roles with an optimizer (the others are forward-only)."""
 

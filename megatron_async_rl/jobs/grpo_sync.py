@@ -36,12 +36,13 @@ GENERATE_STAGES = (Stage.DATALOADER, Stage.GENERATE, Stage.REWARD, Stage.VALIDAT
 
 def learn_stages(cfg) -> tuple[Stage, ...]:
     """The learn side's stages of a run, in order (each a `LearnSide` method:
-    `learn_stage_methods`): logp, ref_logp, then with a placed reward model or critic its
-    stages, train, and the critic's train after the actor's."""
+    `learn_stage_methods`): logp (the batch laid out, and the logp role's pass where
+    `algorithm.old_logprobs` is logp), with a placed ref role ref_logp, then with a placed
+    reward model or critic its stages, train, and the critic's train after the actor's."""
     placed = cfg.roles.placed_roles()
     return tuple(
         stage for stage, role in (
-            (Stage.LOGP, None), (Stage.REF_LOGP, None), (Stage.REWARD_MODEL, "reward_model"),
+            (Stage.LOGP, None), (Stage.REF_LOGP, "ref"), (Stage.REWARD_MODEL, "reward_model"),
             (Stage.CRITIC_VALUES, "critic"), (Stage.TRAIN, None), (Stage.CRITIC_TRAIN, "critic"),
         ) if role is None or role in placed
     )  # fmt: skip

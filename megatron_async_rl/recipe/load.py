@@ -176,6 +176,7 @@ def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True)
     fields["trainer"] = dataclasses.replace(
         run.trainer, num_steps=_num_steps(tree, run, resolved["train"], flags)
     )
+    fields["algorithm"] = _with_old_logprobs(run, resolved["train"])
     resolved_config = ResolvedConfig(**fields, role_megatron_args=resolved)
     resolved_config.collective_timeout_s()  # the keys that set it agree
     role_checks.check_routing_replay(run.moe.routing_replay, resolved, run.roles.placed_roles())
@@ -184,6 +185,25 @@ def build_config(tree: dict, megatron_argv: list[str], check_paths: bool = True)
         role_checks.check_reward_model(run.reward_model.hf_path,
                             policy if policy and Path(policy).is_dir() else None)  # fmt: skip
     return resolved_config
+
+
+def _with_old_logprobs(run: RunConfig, train_args: dict[str, Any]):
+    """`algorithm` with `old_logprobs` resolved (`algorithms.passes.resolve_old_logprobs`)."""
+    from megatron_async_rl.algorithms import minibatch, passes
+
+    algo = run.algorithm
+    steps = minibatch.optimizer_steps_per_rl_step(
+        run.rollout.num_prompts_per_step * algo.num_samples_per_prompt,
+        train_args.get("global_batch_size"), algo.ppo_epochs,
+    )  # fmt: skip
+    if train_args.get("rampup_batch_size") is not None or \
+            train_args.get("decrease_batch_size_if_needed"):  # fmt: skip
+        steps = max(steps, 2)  # G changes along the run: not one step per RL step throughout
+    mode = passes.resolve_old_logprobs(
+        algo, run.roles.placed_roles(), run.scheduler.generate_ahead_steps, steps,
+        run.moe.routing_replay,
+    )  # fmt: skip
+    return dataclasses.replace(algo, old_logprobs=mode)
 
 
 def _upcycling(

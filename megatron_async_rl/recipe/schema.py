@@ -316,9 +316,17 @@ class RunConfig:
 
 
     def _check_value_roles(self) -> None:
-        """A critic role exactly when advantages are GAE's; a reward_model role exactly when
-        the recipe has a `reward_model:` section, and then no refill."""
+        """A ref role where a KL term needs it; a critic role exactly when advantages are GAE's;
+        a reward_model role exactly when the recipe has a `reward_model:` section, and then no
+        refill."""
         placed = self.roles.placed_roles()
+        if self.algorithm.kl_coef > 0 and "ref" not in placed:
+            raise ConfigError(
+                "algorithm.kl_coef", self.algorithm.kl_coef,
+                f"the KL term (in the {self.algorithm.kl_mode}) needs the reference policy's "
+                "log-probs, and no ref role is placed",
+                "add ref to a group (e.g. [train, logp, ref]), or set algorithm.kl_coef: 0",
+            )  # fmt: skip
         gae = self.algorithm.advantage_estimator == "gae"
         if gae and "critic" not in placed:
             raise ConfigError(

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from megatron_async_rl.algorithms import advantages, corrections, grpo, losses, minibatch
+from megatron_async_rl.algorithms import advantages, corrections, grpo, losses, minibatch, passes
 from megatron_async_rl.algorithms.config import check_overlong_budget, response_budget
 from megatron_async_rl.distributed import devices
 from megatron_async_rl.models.names import chunk_name
@@ -66,11 +66,17 @@ def train_on_batch(role, work: StepWork, cfg) -> dict:
     mbs = int(role.args.get("micro_batch_size") or 1)  # trainer.micro_batch_size is folded in
     plan = minibatch.plan_role_step(role.args, batch["tokens"].shape[0], algo, cfg.seed,
                                     work.step, dp_size)  # fmt: skip
+    if work.logp_BT is None and len(plan) != 1:  # old_logprobs trainer: checked at load
+        raise RuntimeError(
+            f"step {work.step}: algorithm.old_logprobs is trainer, and this step plans "
+            f"{len(plan)} optimizer steps: only the first would have its old log-probs"
+        )  # fmt: skip
     fields = {
         "tokens": batch["tokens"], "mask": work.loss_mask_BT, "adv": work.adv_B,
         "old_logp": work.logp_BT, "ref_logp": work.ref_logp_BT,
         "behaviour_logp": batch["behaviour_logp"],
     }  # fmt: skip
+    fields = {k: v for k, v in fields.items() if v is not None}  # trainer: no old_logp
     fields.update(_replay_fields(cfg.moe.routing_replay, batch))
     if role.mask_moe_padding or role.args.get("mtp_num_layers"):  # MoE routers, MTP targets
         fields["padding"] = padding_BT(batch)
@@ -116,9 +122,11 @@ def _optimizer_step(
     micro = [{k: v[chunk] for k, v in fields.items()} for chunk in rows.split(mbs)]
 
     def loss_fn(logp, entropy, mb):
+        # old_logprobs trainer: this forward is the old policy's (one step, the same weights)
+        old = mb["old_logp"] if "old_logp" in mb else logp.detach()
         return losses.total_loss(
-            logp, mb["old_logp"], mb["adv"], mb["mask"], algo,
-            behaviour_logp_BT=mb["behaviour_logp"], ref_logp_BT=mb["ref_logp"],
+            logp, old, mb["adv"], mb["mask"], algo,
+            behaviour_logp_BT=mb["behaviour_logp"], ref_logp_BT=mb.get("ref_logp"),
             entropy_BT=entropy, num_tokens_global=num_tokens, num_seqs_global=num_seqs,
             token_sum_norm=token_sum_norm,
         )  # fmt: skip
@@ -216,8 +224,8 @@ class LearnSide:
     # -- guards ----------------------------------------------------------------------------
     def logp_waits_for(self, work: StepWork) -> str | None:
         """What the logp stage still waits for before `work` (None: nothing): the logp role
-        must hold the version that step `work.step` trains from."""
-        if "logp" in self.roles and self.logp_version < work.step:
+        must hold the version that step `work.step` trains from (where its pass runs)."""
+        if self._logp_pass and self.logp_version < work.step:
             return f"logp weights v{work.step} (logp holds v{self.logp_version})"
         return None
 
@@ -233,15 +241,23 @@ class LearnSide:
         self.logp_version = version
 
     # -- stages ----------------------------------------------------------------------------
+    @property
+    def _logp_pass(self) -> bool:
+        return "logp" in self.roles and self.cfg.algorithm.old_logprobs in ("logp", "auto")
+
     def logp(self, work: StepWork) -> StepWork:
-        """logp: the batch laid out, and the old policy's log-probs (on the logp ranks)."""
+        """logp: the batch laid out, and the old policy's log-probs (on the logp ranks, where
+        `algorithm.old_logprobs` is logp; else `train` takes them: `_old_logprobs`)."""
         work.batch = build_batch(work.samples, self.pad_id)
-        work.logp_BT = self._forward("logp", work)
+        if self._logp_pass:
+            work.logp_BT = self._forward("logp", work)
         return work
 
     def ref(self, work: StepWork) -> StepWork:
-        """ref_logp: the reference policy's log-probs (on the ref ranks)."""
-        work.ref_logp_BT = self._forward("ref", work)
+        """ref_logp: the reference policy's log-probs (on the ref ranks), on the steps that use
+        them (`algorithms.passes.ref_runs`: a KL term, or every kl_metrics_every steps)."""
+        if passes.ref_runs(self.cfg.algorithm, work.step):
+            work.ref_logp_BT = self._forward("ref", work)
         return work
 
     def reward_model(self, work: StepWork) -> StepWork:
@@ -336,7 +352,7 @@ class LearnSide:
         parts = [None] * len(self.groups.megatron_ranks)
         devices.all_gather_object(parts, mine, group=self.groups.megatron)
         merged = {k: v for part in parts for k, v in part.items()}
-        work.logp_BT, work.ref_logp_BT = merged["logp"], merged["ref"]
+        work.logp_BT, work.ref_logp_BT = self._old_logprobs(merged, batch), merged.get("ref")
         batch["replay_routing"] = merged.get("replay_routing")
         batch.update({k: merged[k] for k in ("old_values", "rm_scores") if k in merged})
         rewards, mask = batch["rewards"], batch["mask"]
@@ -361,7 +377,8 @@ class LearnSide:
         if algo.dynamic_filtering:
             keep, dropped = grpo.dynamic_filter(rewards, n)
             mask = mask * keep[:, None]
-        accept = corrections.behaviour_mask(work.logp_BT, batch["behaviour_logp"], mask, algo)
+        accept = corrections.behaviour_mask(work.logp_BT, batch["behaviour_logp"], mask, algo) \
+            if work.logp_BT is not None else torch.ones_like(mask, dtype=torch.bool)  # fmt: skip
         rejected = corrections.rejection_metrics(mask, accept)
         mask = mask * accept
         work.loss_mask_BT = mask
@@ -390,12 +407,7 @@ class LearnSide:
         work.batch_metrics.update({
             **summarize(batch["rewards"].tolist(), "reward"),
             **summarize(batch["response_len"].tolist(), "response_len"),
-            "logprob/engine_vs_train_abs_diff": (
-                (batch["behaviour_logp"] - work.logp_BT).abs()[real].mean().item()
-            ),
-            **corrections.mismatch_metrics(work.logp_BT, batch["behaviour_logp"], real),
-            **corrections.mismatch_metrics(work.logp_BT, batch["behaviour_logp"], mask > 0,
-                                           "/trained"),
+            **self._mismatch_metrics(work, real, mask),
             **rejected,
             "reward/overlong_penalty_mean": penalty.mean().item(),
             "samples/masked_truncated": float(truncated.sum()) if algo.mask_truncated else 0.0,
@@ -405,6 +417,31 @@ class LearnSide:
             "data/zero_variance_groups": self._zero_variance_share(batch["rewards"], n, work.step),
         })  # fmt: skip
         return work
+
+    def _old_logprobs(self, merged: dict, batch: dict) -> torch.Tensor | None:
+        """The step's old log-probs by `algorithm.old_logprobs`: the logp pass's, the engine's
+        (behaviour), or None (trainer: the train forward's own, `train_on_batch`)."""
+        source = self.cfg.algorithm.old_logprobs
+        if source == "logp" or (source == "auto" and "logp" in merged):  # auto: logp if placed
+            return merged["logp"]
+        if source == "engine":
+            return batch["behaviour_logp"]
+        if source == "trainer":
+            return None
+        raise ValueError(f"algorithm.old_logprobs {source!r} was not resolved (recipe.load)")
+
+    def _mismatch_metrics(self, work: StepWork, real, mask) -> dict[str, float]:
+        """Engine vs trainer log-probs over the step's tokens, where a trainer pass measured
+        them before training (the logp role's; with trainer, the loss's offpolicy/logp_*_gap
+        are the same comparison, with engine there is none)."""
+        if work.logp_BT is None or work.logp_BT is work.batch["behaviour_logp"]:
+            return {}  # no trainer pass before the step (trainer, engine)
+        engine = work.batch["behaviour_logp"]
+        return {
+            "logprob/engine_vs_train_abs_diff": (engine - work.logp_BT).abs()[real].mean().item(),
+            **corrections.mismatch_metrics(work.logp_BT, engine, real),
+            **corrections.mismatch_metrics(work.logp_BT, engine, mask > 0, "/trained"),
+        }
 
     def _zero_variance_share(self, rewards, n: int, step: int) -> float:
         """Share of the step's GRPO groups whose samples all got the same reward (advantage 0:

@@ -125,6 +125,28 @@ def plan_memory(cfg, layout) -> list[RankMemory]:
     return out
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB // 10 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def saved(cfg, layout) -> list[str]:
+    """What the run does not hold because it does not place a role it needs no pass of
+    (`algorithms.passes`): the forward-only logp and ref roles, each sized as a copy of the
+    train role's weights on its busiest rank."""
+    placed = cfg.roles.placed_roles()
+    if "train" not in layout.parallelism:
+        return []
+    args = cfg.role_megatron_args["train"]
+    per_rank = stage_numel(ModelDims.from_megatron_args(args), layout.grid("train")) \
+        * _dtype_bytes(args)  # fmt: skip
+    why = {"ref": "no KL term", "logp": f"old log-probs from the {cfg.algorithm.old_logprobs}"}
+    return [
+        f"  {role}: not placed ({why[role]}): {_size(per_rank)} of weights per rank not held "
+        f"(sized as train's), and no {role} forward pass per step"
+        for role in ("logp", "ref") if role not in placed
+    ]  # fmt: skip
+
+
 def staging_bytes(cfg) -> int:
     """Shared memory an engine host stages weights in: the whole model in the train dtype on
     the asynchronous loop (received while generation runs), none on the synchronous one (it
@@ -151,10 +173,12 @@ def check_shared_memory(need: int, path: str = "/dev/shm") -> None:
         )  # fmt: skip
 
 
-def describe(plans: list[RankMemory], engine_fraction: float | None = None) -> str:
+def describe(plans: list[RankMemory], engine_fraction: float | None = None,
+             saved_lines: list[str] = ()) -> str:  # fmt: skip
     lines = ["memory per rank (busiest rank of each role; activations and KV cache not counted):"]
     lines += [p.line() for p in plans]
     if engine_fraction is not None:
         lines.append(f"  generate: plus SGLang's KV pool, mem_fraction_static={engine_fraction} "
                      "of each engine GPU")  # fmt: skip
+    lines += saved_lines
     return "\n".join(lines)

@@ -2,7 +2,7 @@
 synchronous loop (below) and the asynchronous one (`test_the_asynchronous_loop_...`: its
 docstring).
 
-Contract, on the real stack through `launch/torchrun.sh` (2 ranks: train+logp+ref | a real
+Contract, on the real stack through `launch/torchrun.sh` (2 ranks: train+logp | a real
 SGLang engine), with `checkpoint.every_steps=2` and 6 steps:
 1. once `step_00000002` is published, one rank chosen at random is killed with SIGKILL: the
    world ends (non-zero) and nothing newer than a complete checkpoint is kept;

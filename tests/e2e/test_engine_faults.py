@@ -1,7 +1,7 @@
 """Faults in the middle of an asynchronous run: engines restarted in place, a corrupted weight
 message sent again, reward faults scored 0, a killed rank restarted by torchrun; the run ends.
 
-Contract, on the real stack through `launch/torchrun.sh` (2 ranks: train+logp+ref | a real
+Contract, on the real stack through `launch/torchrun.sh` (2 ranks: train+logp | a real
 SGLang engine), `yaml_configs/tiny-grpo-async-cpu.yaml` with weights loaded in flight, a
 checkpoint every 2 steps and `MAX_RESTARTS=1`, 8 steps:
 - once step 1 is logged, the engine's scheduler process is killed with SIGKILL from outside;

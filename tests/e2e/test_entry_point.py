@@ -161,3 +161,24 @@ def test_dry_run_prints_the_layout(tiny_llama, main_in_process):
     code, out, err = main_in_process(_dry_run_argv(tiny_llama, []))
     assert code == 0, err
     assert "valid for 4 ranks" in out and "train" in out
+
+
+def test_dry_run_says_which_passes_a_step_runs_and_what_was_saved(tiny_llama, main_in_process):
+    """The quick start places no ref (no KL term): the plan says so and what it saves; placed
+    anyway with no use of it, the dry run warns; the train role alone takes its own log-probs."""
+    quick = ["--config", str(REPO / "yaml_configs" / "tiny-grpo-cpu.yaml"), "--set",
+             f"model.hf_path={tiny_llama}", "--dry-run", "--world-size", "2"]  # fmt: skip
+    code, out, err = main_in_process(quick)
+    assert code == 0, err
+    assert "old log-probs: the logp role's pass" in out
+    assert "ref: not placed (no KL term):" in out and "reference log-probs: not placed" in out
+    sets = ["--set", "roles.groups[0].roles=[train, logp, ref]",
+            "--set", "algorithm.kl_metrics_every=0"]  # fmt: skip
+    code, out, err = main_in_process([*quick, *sets])
+    assert code == 0, err
+    assert "warning: ref: no KL term" in out
+    sets = ["--set", "roles.groups[0].roles=[train]"]
+    code, out, err = main_in_process([*quick, *sets])
+    assert code == 0, err
+    assert "old log-probs: the train forward's own, detached" in out
+    assert "logp: not placed (old log-probs from the trainer)" in out

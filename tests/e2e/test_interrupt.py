@@ -1,7 +1,7 @@
 """Ctrl-C stops a run cleanly: one line, exit 130, outputs written, a checkpoint, no process left;
 a launcher killed with SIGKILL takes its whole job with it.
 
-Contract, on the real stack through `launch/torchrun.sh` (2 ranks: train+logp+ref | a real
+Contract, on the real stack through `launch/torchrun.sh` (2 ranks: train+logp | a real
 SGLang engine), the asynchronous loop (N = 1: its threads wait in collectives, the harder case;
 the synchronous loop takes the same path through `checkpoint.manager.SignalFlag`): once two
 steps are logged, SIGINT to the launcher's whole process group (what a terminal sends on

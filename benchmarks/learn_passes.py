@@ -1,0 +1,114 @@
+"""The learn side's time with and without the passes the algorithm does not need (issue 38).
+
+    .venv/bin/python benchmarks/learn_passes.py [--hidden 384] [--layers 6] [--steps 6]
+                                                [--max-new-tokens 48] [--out runs/bench-passes]
+
+Runs the synchronous quick start (`yaml_configs/tiny-grpo-cpu.yaml`, 2 ranks: Megatron roles |
+one SGLang engine, 16 prompts x 8 samples, one optimizer step per RL step, KL coefficient 0)
+on a locally made Llama of the given size, three times, one after another with the same seed:
+  placed [train, logp, ref]   the old recipe: a logp pass and a ref pass every step;
+  placed [train, logp]        no reference model (no KL term);
+  placed [train]              no extra pass (`algorithm.old_logprobs` resolves to trainer).
+For each it prints the medians over steps 1+ of the step, the learn side's busy time (the
+Megatron rank's `utilization/*/busy_s`), and its stages. It also checks that the three runs log
+the same `actor/loss` and `reward/mean` at every step: what they leave out changes no update.
+Last line: `RESULT learn_busy_s_all=.. learn_busy_s_no_ref=.. learn_busy_s_train_only=..
+learn_busy_cut=..`, where the cut is 1 - train only / all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.harness.recipes import launch_command, launch_env  # noqa: E402
+
+RECIPE = REPO / "yaml_configs" / "tiny-grpo-cpu.yaml"
+PLACEMENTS = {"all": "[train, logp, ref]", "no_ref": "[train, logp]", "train_only": "[train]"}
+
+
+def _model(out: Path, hidden: int, layers: int) -> Path:
+    path = out / f"llama-h{hidden}-l{layers}"
+    if not (path / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "megatron_async_rl.models.tiny", "--family", "llama",
+                        "--out", str(path), "--seed", "0", "--hidden-size", str(hidden),
+                        "--num-layers", str(layers)], check=True, cwd=REPO)  # fmt: skip
+    return path
+
+
+def _data(out: Path) -> Path:
+    path = out / "arith.jsonl"
+    if not path.exists():
+        cmd = [sys.executable, "-m", "megatron_async_rl.tasks.arithmetic", "--out", str(path),
+               "--num-rows", "2000", "--seed", "0"]  # fmt: skip
+        subprocess.run(cmd, check=True, cwd=REPO)
+    return path
+
+
+def _run(name: str, model: Path, data: Path, out: Path, steps: int, tokens: int) -> list[dict]:
+    run_dir = out / name
+    sets = [f"model.hf_path={model}", f"data.path={data}", f"trainer.num_steps={steps}",
+            f"rollout.max_new_tokens={tokens}", f"megatron.seq_length={tokens + 16}",
+            f"roles.groups[0].roles={PLACEMENTS[name]}", "checkpoint.every_steps=0"]  # fmt: skip
+    done = subprocess.run(launch_command(RECIPE, run_dir, *sets), env=launch_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=3600)  # fmt: skip
+    if done.returncode != 0:
+        sys.exit(f"{name}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _median(rows: list[dict], pick) -> float:
+    values = [v for v in (pick(r) for r in rows[1:] or rows) if v is not None]
+    return statistics.median(values) if values else 0.0
+
+
+def _busy(row: dict) -> float | None:
+    """The Megatron rank's busy seconds (its group's `utilization/<roles>/busy_s`)."""
+    keys = [k for k in row if k.startswith("utilization/train") and k.endswith("/busy_s")]
+    return row[keys[0]] if keys else None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=384)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench-passes")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model, data = _model(args.out, args.hidden, args.layers), _data(args.out)
+    runs = {name: _run(name, model, data, args.out, args.steps, args.max_new_tokens)
+            for name in PLACEMENTS}  # fmt: skip
+    busy = {}
+    print(f"model hidden {args.hidden} x {args.layers} layers, {args.max_new_tokens} new tokens, "
+          f"{args.steps} steps; medians over steps 1+:")  # fmt: skip
+    for name, rows in runs.items():
+        busy[name] = _median(rows, _busy)
+        stages = {s: _median(rows, lambda r, s=s: r.get(f"timing/{s}_s"))
+                  for s in ("generate", "logp", "ref", "train", "weight_sync")}  # fmt: skip
+        print(f"  {PLACEMENTS[name]:20s} step {_median(rows, lambda r: r['timing/step_s']):7.3f} s"
+              f"  learn busy {busy[name]:7.3f} s  "
+              + "  ".join(f"{s} {v:.3f}" for s, v in stages.items()))  # fmt: skip
+    same = all(
+        [(r["actor/loss"], r["reward/mean"]) for r in rows]
+        == [(r["actor/loss"], r["reward/mean"]) for r in runs["all"]]
+        for rows in runs.values()
+    )
+    print(f"actor/loss and reward/mean equal at every step in all three: {same}")
+    cut = 1 - busy["train_only"] / busy["all"] if busy["all"] else float("nan")
+    print(f"RESULT learn_busy_s_all={busy['all']:.3f} learn_busy_s_no_ref={busy['no_ref']:.3f} "
+          f"learn_busy_s_train_only={busy['train_only']:.3f} learn_busy_cut={cut:.3f} "
+          f"same_updates={same}")  # fmt: skip
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
