@@ -12,8 +12,9 @@ on a locally made Llama of the given size, three times, one after another with t
 For each it prints the medians over steps 1+ of the step, the learn side's busy time (the
 Megatron rank's `utilization/*/busy_s`), and its stages. It also checks that the three runs log
 the same `actor/loss` and `reward/mean` at every step: what they leave out changes no update.
-Last line: `RESULT learn_busy_s_all=.. learn_busy_s_no_ref=.. learn_busy_s_train_only=..
-learn_busy_cut=..`, where the cut is 1 - train only / all.
+The Megatron rank's peak resident memory is sampled while each runs (a reference model left out
+is memory not held). Last line: `RESULT learn_busy_s_all=.. learn_busy_s_no_ref=..
+learn_busy_s_train_only=.. learn_busy_cut=.. rss_MiB_...`, where the cut is 1 - train only / all.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -52,16 +56,34 @@ def _data(out: Path) -> Path:
     return path
 
 
-def _run(name: str, model: Path, data: Path, out: Path, steps: int, tokens: int) -> list[dict]:
+def _megatron_rank_rss(stop: threading.Event, peak: list[int]) -> None:
+    """The peak resident memory of the Megatron rank (global rank 0), sampled every 0.2 s."""
+    while not stop.wait(0.2):
+        for proc in psutil.process_iter(["cmdline"]):
+            try:
+                if "megatron_async_rl.train" in " ".join(proc.info["cmdline"] or ()) and \
+                        proc.environ().get("RANK") == "0":  # fmt: skip
+                    peak[0] = max(peak[0], proc.memory_info().rss)
+            except psutil.Error:
+                continue
+
+
+def _run(name: str, model: Path, data: Path, out: Path, steps: int, tokens: int):
     run_dir = out / name
     sets = [f"model.hf_path={model}", f"data.path={data}", f"trainer.num_steps={steps}",
             f"rollout.max_new_tokens={tokens}", f"megatron.seq_length={tokens + 16}",
             f"roles.groups[0].roles={PLACEMENTS[name]}", "checkpoint.every_steps=0"]  # fmt: skip
+    stop, peak = threading.Event(), [0]
+    sampler = threading.Thread(target=_megatron_rank_rss, args=(stop, peak), daemon=True)
+    sampler.start()
     done = subprocess.run(launch_command(RECIPE, run_dir, *sets), env=launch_env(), cwd=REPO,
                           capture_output=True, text=True, timeout=3600)  # fmt: skip
+    stop.set()
+    sampler.join()
     if done.returncode != 0:
         sys.exit(f"{name}: exit {done.returncode}\n{done.stderr[-3000:]}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return rows, peak[0]
 
 
 def _median(rows: list[dict], pick) -> float:
@@ -85,8 +107,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     model, data = _model(args.out, args.hidden, args.layers), _data(args.out)
-    runs = {name: _run(name, model, data, args.out, args.steps, args.max_new_tokens)
-            for name in PLACEMENTS}  # fmt: skip
+    runs, rss = {}, {}
+    for name in PLACEMENTS:
+        runs[name], rss[name] = _run(name, model, data, args.out, args.steps, args.max_new_tokens)
     busy = {}
     print(f"model hidden {args.hidden} x {args.layers} layers, {args.max_new_tokens} new tokens, "
           f"{args.steps} steps; medians over steps 1+:")  # fmt: skip
@@ -95,7 +118,8 @@ def main(argv=None) -> int:
         stages = {s: _median(rows, lambda r, s=s: r.get(f"timing/{s}_s"))
                   for s in ("generate", "logp", "ref", "train", "weight_sync")}  # fmt: skip
         print(f"  {PLACEMENTS[name]:20s} step {_median(rows, lambda r: r['timing/step_s']):7.3f} s"
-              f"  learn busy {busy[name]:7.3f} s  "
+              f"  learn busy {busy[name]:7.3f} s  Megatron rank peak RSS "
+              f"{rss[name] / 2**20:6.0f} MiB  "
               + "  ".join(f"{s} {v:.3f}" for s, v in stages.items()))  # fmt: skip
     same = all(
         [(r["actor/loss"], r["reward/mean"]) for r in rows]
@@ -106,7 +130,8 @@ def main(argv=None) -> int:
     cut = 1 - busy["train_only"] / busy["all"] if busy["all"] else float("nan")
     print(f"RESULT learn_busy_s_all={busy['all']:.3f} learn_busy_s_no_ref={busy['no_ref']:.3f} "
           f"learn_busy_s_train_only={busy['train_only']:.3f} learn_busy_cut={cut:.3f} "
-          f"same_updates={same}")  # fmt: skip
+          f"rss_MiB_all={rss['all'] / 2**20:.0f} rss_MiB_no_ref={rss['no_ref'] / 2**20:.0f} "
+          f"rss_MiB_train_only={rss['train_only'] / 2**20:.0f} same_updates={same}")  # fmt: skip
     return 0 if same else 1
 
 

@@ -197,7 +197,7 @@ ENGINE_PATH = (
 def test_every_sgl_kernel_call_on_the_engines_cuda_path_is_covered():
     root = Path(importlib.util.find_spec("sglang").origin).parent.parent
     found = [s for rel in ENGINE_PATH for s in sites(root / rel, rel)]
-    assert len(found) >= 15, found  # the reader still finds them: 22 on SGLang 0.5.23
+    assert len(found) >= 15, found  # the reader still finds them: 21 on SGLang 0.5.23
 
     def uncovered(covered):
         return [s for s in found if not s.fused_op_forward and s.name not in covered]
