@@ -4,11 +4,13 @@
                                                 [--max-new-tokens 48] [--out runs/bench-passes]
 
 Runs the synchronous quick start (`yaml_configs/tiny-grpo-cpu.yaml`, 2 ranks: Megatron roles |
-one SGLang engine, 16 prompts x 8 samples, one optimizer step per RL step, KL coefficient 0)
-on a locally made Llama of the given size, three times, one after another with the same seed:
+one SGLang engine, 16 prompts x 8 samples, one optimizer step per RL step, KL coefficient 0;
+`--loop ahead`: its one-step-ahead twin) on a locally made Llama of the given size, three
+times, one after another with the same seed:
   placed [train, logp, ref]   the old recipe: a logp pass and a ref pass every step;
   placed [train, logp]        no reference model (no KL term);
-  placed [train]              no extra pass (`algorithm.old_logprobs` resolves to trainer).
+  placed [train]              no extra pass (`algorithm.old_logprobs` resolves to trainer;
+                              one step ahead, to engine).
 For each it prints the medians over steps 1+ of the step, the learn side's busy time (the
 Megatron rank's `utilization/*/busy_s`), and its stages. It also checks that the three runs log
 the same `actor/loss` and `reward/mean` at every step: what they leave out changes no update.
@@ -34,7 +36,8 @@ sys.path.insert(0, str(REPO))
 
 from tests.harness.recipes import launch_command, launch_env  # noqa: E402
 
-RECIPE = REPO / "yaml_configs" / "tiny-grpo-cpu.yaml"
+RECIPES = {"sync": REPO / "yaml_configs" / "tiny-grpo-cpu.yaml",
+           "ahead": REPO / "yaml_configs" / "tiny-grpo-async-cpu.yaml"}
 PLACEMENTS = {"all": "[train, logp, ref]", "no_ref": "[train, logp]", "train_only": "[train]"}
 
 
@@ -68,15 +71,17 @@ def _megatron_rank_rss(stop: threading.Event, peak: list[int]) -> None:
                 continue
 
 
-def _run(name: str, model: Path, data: Path, out: Path, steps: int, tokens: int):
-    run_dir = out / name
+def _run(name: str, model: Path, data: Path, out: Path, steps: int, tokens: int, loop: str):
+    run_dir = out / f"{loop}-{name}"
     sets = [f"model.hf_path={model}", f"data.path={data}", f"trainer.num_steps={steps}",
+            "scheduler.validation_every=0",
             f"rollout.max_new_tokens={tokens}", f"megatron.seq_length={tokens + 16}",
             f"roles.groups[0].roles={PLACEMENTS[name]}", "checkpoint.every_steps=0"]  # fmt: skip
     stop, peak = threading.Event(), [0]
     sampler = threading.Thread(target=_megatron_rank_rss, args=(stop, peak), daemon=True)
     sampler.start()
-    done = subprocess.run(launch_command(RECIPE, run_dir, *sets), env=launch_env(), cwd=REPO,
+    done = subprocess.run(launch_command(RECIPES[loop], run_dir, *sets), env=launch_env(),
+                          cwd=REPO,
                           capture_output=True, text=True, timeout=3600)  # fmt: skip
     stop.set()
     sampler.join()
@@ -104,15 +109,19 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench-passes")
+    parser.add_argument("--loop", choices=sorted(RECIPES), default="sync",
+                        help="ahead: the one-step-ahead recipe (without logp, old log-probs "
+                        "are the engine's: the updates then differ by design)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     model, data = _model(args.out, args.hidden, args.layers), _data(args.out)
     runs, rss = {}, {}
     for name in PLACEMENTS:
-        runs[name], rss[name] = _run(name, model, data, args.out, args.steps, args.max_new_tokens)
+        runs[name], rss[name] = _run(name, model, data, args.out, args.steps,
+                                     args.max_new_tokens, args.loop)
     busy = {}
-    print(f"model hidden {args.hidden} x {args.layers} layers, {args.max_new_tokens} new tokens, "
-          f"{args.steps} steps; medians over steps 1+:")  # fmt: skip
+    print(f"{args.loop}: model hidden {args.hidden} x {args.layers} layers, "
+          f"{args.max_new_tokens} new tokens, {args.steps} steps; medians over steps 1+:")
     for name, rows in runs.items():
         busy[name] = _median(rows, _busy)
         stages = {s: _median(rows, lambda r, s=s: r.get(f"timing/{s}_s"))
@@ -126,7 +135,12 @@ def main(argv=None) -> int:
         == [(r["actor/loss"], r["reward/mean"]) for r in runs["all"]]
         for rows in runs.values()
     )
-    print(f"actor/loss and reward/mean equal at every step in all three: {same}")
+    vacuous = all(r["reward/mean"] == 0 for rows in runs.values() for r in rows)
+    print(f"actor/loss and reward/mean equal at every step in all three: {same}"
+          + (" (says little here: reward 0 throughout, so every advantage is 0)"
+             if vacuous else ""))  # fmt: skip
+    if args.loop == "ahead":
+        same = True  # without logp the old log-probs are the engine's: not the same update
     cut = 1 - busy["train_only"] / busy["all"] if busy["all"] else float("nan")
     print(f"RESULT learn_busy_s_all={busy['all']:.3f} learn_busy_s_no_ref={busy['no_ref']:.3f} "
           f"learn_busy_s_train_only={busy['train_only']:.3f} learn_busy_cut={cut:.3f} "
