@@ -25,7 +25,12 @@ import torch
 
 from megatron_async_rl.engines.config import SGLangEngineConfig
 from megatron_async_rl.engines.sglang import kernel_free
-from megatron_async_rl.engines.sglang.host import CPU_SHIMS_DIR, KERNEL_FREE_ARGS, engine_kwargs
+from megatron_async_rl.engines.sglang.host import (
+    CPU_SHIMS_DIR,
+    engine_kwargs,
+    use_kernel_free_shims,
+)
+from megatron_async_rl.engines.sglang.kernel_free import KERNEL_FREE_ARGS
 from tests.unit.sgl_kernel_sites import sites
 
 REPO = Path(__file__).resolve().parents[2]
@@ -156,7 +161,7 @@ def test_the_stand_in_resolves_every_name_and_submodule():
 def test_host_puts_the_stand_in_first_and_keeps_the_kernel_free_args(monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))
     environ = {"PYTHONPATH": "/elsewhere"}
-    kernel_free.use_shims(environ)
+    use_kernel_free_shims(environ)
     assert environ["PYTHONPATH"] == f"{kernel_free.SHIMS_DIR}{os.pathsep}/elsewhere"
     assert {k: environ[k] for k in kernel_free.ENGINE_ENV} == kernel_free.ENGINE_ENV
     assert sys.path[0] == str(kernel_free.SHIMS_DIR)

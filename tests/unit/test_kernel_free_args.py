@@ -1,5 +1,6 @@
 """SGLang on a GPU without its kernel wheels: the server arguments the engine chooses
-(`engines.sglang.host.kernel_free_args`), by what is importable.
+(`engines.sglang.kernel_free.kernel_free_args`, through `host.engine_kwargs`), by what is
+importable.
 
 Contracts: on CUDA without sgl-kernel, triton attention, torch sampling, no CUDA graphs and no
 custom all-reduce; on CUDA with sgl-kernel and on CPU, none of them (CPU keeps its torch-native
@@ -14,7 +15,8 @@ import importlib.util
 import pytest
 
 from megatron_async_rl.engines.config import SGLangEngineConfig
-from megatron_async_rl.engines.sglang.host import KERNEL_FREE_ARGS, engine_kwargs
+from megatron_async_rl.engines.sglang.host import engine_kwargs
+from megatron_async_rl.engines.sglang.kernel_free import KERNEL_FREE_ARGS
 
 
 def _config(device: str, **server_args) -> SGLangEngineConfig:

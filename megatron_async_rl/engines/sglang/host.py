@@ -66,22 +66,6 @@ def _scrub_launcher_env() -> None:
 CPU_ATTENTION_BACKEND = "torch_native"
 
 
-KERNEL_FREE_ARGS = {
-    "attention_backend": "triton",  # SGLang's triton kernels: triton ships with CUDA torch
-    "sampling_backend": "pytorch",  # not flashinfer's sampling kernels
-    "disable_cuda_graph": True,  # its capture uses sgl-kernel's ops
-    "disable_custom_all_reduce": True,  # sgl-kernel's all-reduce; NCCL's instead
-}
-"""SGLang on a GPU without sgl-kernel (and flashinfer): its torch and triton paths."""
-
-
-def kernel_free_args(device: str, has_sgl_kernel: bool) -> dict[str, Any]:
-    """Server arguments for a CUDA engine where sgl-kernel cannot be imported (the GPU test
-    machine carries SGLang without its kernel wheels, `scripts/gpu_bundle.sh`): `KERNEL_FREE_ARGS`.
-    None on CPU (its own backend) or where sgl-kernel is there."""
-    return dict(KERNEL_FREE_ARGS) if device == "cuda" and not has_sgl_kernel else {}
-
-
 def engine_kwargs(config: SGLangEngineConfig, has_sgl_kernel: bool | None = None
                   ) -> dict[str, Any]:  # fmt: skip
     """The keyword arguments of `sglang.Engine` for `config`; the recipe's `server_args` win over
@@ -100,7 +84,7 @@ def engine_kwargs(config: SGLangEngineConfig, has_sgl_kernel: bool | None = None
     kwargs = {k: v for k, v in optional.items() if v is not None}
     if not cpu:
         has = kernel_free.has_sgl_kernel() if has_sgl_kernel is None else has_sgl_kernel
-        kwargs.update(kernel_free_args(config.device, has))
+        kwargs.update(kernel_free.kernel_free_args(config.device, has))
     kwargs.update(config.server_args)
     return dict(  # a server_args key naming one of these is a TypeError, as in sglang.Engine
         model_path=config.model_path,
@@ -124,12 +108,8 @@ def host_main(conn, config: SGLangEngineConfig) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _scrub_launcher_env()
     if config.device == "cpu":
-        shims = str(CPU_SHIMS_DIR)
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            p for p in (shims, os.environ.get("PYTHONPATH")) if p
-        )
-        sys.path.insert(0, shims)  # spawn copied the parent's sys.path over PYTHONPATH
+        _put_first_on_path(CPU_SHIMS_DIR, os.environ)
         # Its SGLang patches (import hooks), which a process gets at start-up from PYTHONPATH:
         # this one started before, and forked processes start from it.
         _run_cpu_shims_site()
@@ -138,7 +118,7 @@ def host_main(conn, config: SGLangEngineConfig) -> None:
             bind = cpu_threads_bind(config.tp_size, sorted(os.sched_getaffinity(0)))
             os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = bind
     elif config.device == "cuda" and not kernel_free.has_sgl_kernel():
-        kernel_free.use_shims(os.environ)
+        use_kernel_free_shims(os.environ)
     try:
         import sglang
 
@@ -149,6 +129,22 @@ def host_main(conn, config: SGLangEngineConfig) -> None:
         kill_tree(os.getpid(), include_root=False)
         os._exit(1)
     engine.loop.run_until_complete(_EngineHost(engine, conn, config).serve())
+
+
+def _put_first_on_path(directory: Path, environ) -> None:
+    """`directory` first on this process's path and, through `environ`'s PYTHONPATH, on that
+    of the SGLang processes it starts."""
+    environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(directory), environ.get("PYTHONPATH")) if p
+    )
+    sys.path.insert(0, str(directory))  # spawn copied the parent's sys.path over PYTHONPATH
+
+
+def use_kernel_free_shims(environ) -> None:
+    """On CUDA without sgl-kernel, before SGLang is imported: SGLang's switches
+    (`kernel_free.ENGINE_ENV`) in `environ`, the `sgl_kernel` stand-in first on the path."""
+    environ.update(kernel_free.ENGINE_ENV)
+    _put_first_on_path(kernel_free.SHIMS_DIR, environ)
 
 
 def _run_cpu_shims_site() -> None:

@@ -7,8 +7,8 @@ runs the engine on SGLang's own torch and triton code. Three parts make that wor
   switches. The first skips the start-up assertion of sglang-kernel's version. The second,
   `SGLANG_FORCE_FUSED_OP_BACKEND=torch`, makes every `BaseFusedOp` run its `forward_native`:
   the norms, activations and rotary embedding, whose `forward_cuda` calls sgl-kernel.
-- `KERNEL_FREE_ARGS` in `host.py`: triton attention, pytorch sampling, no CUDA graphs, no
-  custom all-reduce.
+- `KERNEL_FREE_ARGS`: triton attention, pytorch sampling, no CUDA graphs, no custom
+  all-reduce.
 - `kernel_free_shims/sgl_kernel`, first on the engine processes' path, stands in for the
   wheel. SGLang imports many of its names at module level under `if is_cuda()`, so each name
   must resolve. A name resolves to what `select` picks for it:
@@ -38,6 +38,14 @@ import torch
 import torch.nn.functional as F
 
 SHIMS_DIR = Path(__file__).resolve().parent / "kernel_free_shims"
+
+KERNEL_FREE_ARGS = {
+    "attention_backend": "triton",  # SGLang's triton kernels: triton ships with CUDA torch
+    "sampling_backend": "pytorch",  # not flashinfer's sampling kernels
+    "disable_cuda_graph": True,  # its capture uses sgl-kernel's ops
+    "disable_custom_all_reduce": True,  # sgl-kernel's all-reduce; NCCL's instead
+}
+"""SGLang's server arguments for its torch and triton paths (no sgl-kernel, no flashinfer)."""
 
 ENGINE_ENV = {
     "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1",  # Engine start asserts sglang-kernel >= 0.4.9
@@ -108,11 +116,10 @@ def is_arch_support_pdl() -> bool:
 
 @dataclass(frozen=True)
 class Op:
-    """One sgl-kernel name: SGLang's own implementation (`module:attr`, needs `needs`), if it
-    has one, then the torch fallback here."""
+    """One sgl-kernel name: SGLang's own triton implementation (`module:attr`), if it has one,
+    then the torch fallback here."""
 
     sglang: str | None = None
-    needs: str = "triton"
     torch: Callable | None = None
 
 
@@ -149,6 +156,13 @@ def importable(module: str) -> bool:
         return False
 
 
+def kernel_free_args(device: str, has_sgl_kernel: bool) -> dict:
+    """Server arguments for a CUDA engine where sgl-kernel cannot be imported (the GPU test
+    machine carries SGLang without its kernel wheels, `scripts/gpu_bundle.sh`): `KERNEL_FREE_ARGS`.
+    None on CPU (its own backend) or where sgl-kernel is there."""
+    return dict(KERNEL_FREE_ARGS) if device == "cuda" and not has_sgl_kernel else {}
+
+
 def has_sgl_kernel() -> bool:
     """Whether the real sgl-kernel wheel imports here (the stand-in in `SHIMS_DIR` does not
     count, so the answer holds after the engine host put it on the path)."""
@@ -159,19 +173,6 @@ def has_sgl_kernel() -> bool:
     return spec is not None and SHIMS_DIR not in Path(spec.origin or "").parents
 
 
-def use_shims(environ: dict) -> None:
-    """In an engine host process on CUDA without sgl-kernel, before SGLang is imported: the
-    stand-in first on this process's path and, through PYTHONPATH, its children's; SGLang's
-    switches (`ENGINE_ENV`) in its environment."""
-    import os
-    import sys
-
-    shims = str(SHIMS_DIR)
-    environ.update(ENGINE_ENV)
-    environ["PYTHONPATH"] = os.pathsep.join(p for p in (shims, environ.get("PYTHONPATH")) if p)
-    sys.path.insert(0, shims)
-
-
 def select(name: str, *, has_sgl_kernel: bool, has_triton: bool) -> str:
     """Which implementation `sgl_kernel.<name>` runs: "sgl_kernel", "sglang" (SGLang's own
     triton code), "torch" (this module) or "none" (raises when called)."""
@@ -180,7 +181,7 @@ def select(name: str, *, has_sgl_kernel: bool, has_triton: bool) -> str:
     op = OPS.get(name)
     if op is None:
         return "none"
-    if op.sglang is not None and (op.needs != "triton" or has_triton):
+    if op.sglang is not None and has_triton:
         return "sglang"
     return "torch" if op.torch is not None else "none"
 
@@ -203,7 +204,7 @@ def _missing(name: str) -> Callable:
         raise NotImplementedError(
             f"sgl_kernel.{name} was called on a CUDA engine without sgl-kernel ({why}): "
             "install sglang-kernel, or keep the engine to the kernel-free server arguments "
-            "(engines/sglang/host.py KERNEL_FREE_ARGS)"
+            "(engines/sglang/kernel_free.py KERNEL_FREE_ARGS)"
         )
 
     kernel.__name__ = name.rsplit(".", 1)[-1]

@@ -20,16 +20,20 @@ __version__ = "0.0.0+megatron_async_rl.kernel_free"
 KERNEL_FREE = True  # tells this stand-in from the wheel
 
 
-def _resolver(prefix: str):
+def _resolver(prefix: str, namespace: dict):
+    """A module `__getattr__` that resolves a name once and keeps it in `namespace` (the
+    module's globals), so later lookups (`sgl_kernel.op(...)` on a hot path) are plain ones."""
+
     def __getattr__(name: str):
         if name.startswith("__"):
             raise AttributeError(name)
-        return kernel_free.resolve(prefix + name)
+        value = namespace[name] = kernel_free.resolve(prefix + name)
+        return value
 
     return __getattr__
 
 
-__getattr__ = _resolver("")
+__getattr__ = _resolver("", globals())
 
 
 class _Submodules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -43,7 +47,7 @@ class _Submodules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec):
         module = types.ModuleType(spec.name)
         module.__path__ = []
-        module.__getattr__ = _resolver(spec.name[len(__name__) + 1 :] + ".")
+        module.__getattr__ = _resolver(spec.name[len(__name__) + 1 :] + ".", module.__dict__)
         return module
 
     def exec_module(self, module):
