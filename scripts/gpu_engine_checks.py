@@ -29,13 +29,18 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.harness.recipes import launch_command, launch_env, logged_steps, wait_for  # noqa: E402
+from tests.harness.recipes import (  # noqa: E402
+    launch_command,
+    launch_env,
+    launcher_ranks,
+    logged_steps,
+    wait_for,
+)
 
 SYNC = REPO / "yaml_configs/tiny-grpo-cpu.yaml"
 AHEAD = REPO / "yaml_configs/tiny-grpo-async-cpu.yaml"
@@ -124,18 +129,6 @@ def raw_copy_s(gigabytes: float, device: str) -> tuple[float, float]:
     return timed(src.clone), timed(lambda: host.to(device, non_blocking=True))
 
 
-def _ranks(proc) -> list[psutil.Process]:
-    def cmd(p):
-        try:
-            return " ".join(p.cmdline())
-        except psutil.Error:
-            return ""
-
-    agents = [p for p in psutil.Process(proc.pid).children(recursive=True)
-              if "torch.distributed.run" in cmd(p)]  # fmt: skip
-    return [p for a in agents for p in a.children() if "megatron_async_rl.train" in cmd(p)]
-
-
 def resume_check(paths, device: str, out: Path) -> tuple[bool, list[str]]:
     sets = [*base_sets(paths, device), "trainer.num_steps=6", "checkpoint.every_steps=3"]
     if device == "cuda":
@@ -147,7 +140,7 @@ def resume_check(paths, device: str, out: Path) -> tuple[bool, list[str]]:
     proc = run(SYNC, broken, sets, out / "resume-killed.log")
     wait_for(lambda: (broken / "checkpoints/step_00000003/manifest.json").exists(), proc,
              "checkpoint v3")  # fmt: skip
-    random.choice(_ranks(proc)).send_signal(signal.SIGKILL)
+    random.choice(launcher_ranks(proc)).send_signal(signal.SIGKILL)
     proc.wait(timeout=300)
     if finish(run(SYNC, broken, sets, out / "resume-resumed.log"), "resumed") != 0:
         return False, ["the resumed run failed"]

@@ -26,7 +26,6 @@ import signal
 import subprocess
 import time
 
-import psutil
 import pytest
 
 from tests.harness.recipes import (
@@ -34,6 +33,7 @@ from tests.harness.recipes import (
     end_of_run,
     launch_command,
     launch_env,
+    launcher_ranks,
     logged_steps,
     wait_for,
 )
@@ -54,26 +54,6 @@ def _start(task, run_dir, log):
     return proc
 
 
-def _cmdline(p) -> str:
-    try:
-        return " ".join(p.cmdline())
-    except psutil.Error:  # gone, or a zombie (a rank's finished checkpoint writer)
-        return ""
-
-
-def _ranks(proc):
-    """The torchrun workers (the ranks) under the launcher: the agent's own children, not the
-    processes a rank forks (checkpoint writers share its command line)."""
-    agents = [
-        p for p in psutil.Process(proc.pid).children(recursive=True)
-        if "torch.distributed.run" in _cmdline(p)
-    ]  # fmt: skip
-    return [
-        p for agent in agents for p in agent.children()
-        if "megatron_async_rl.train" in _cmdline(p)
-    ]  # fmt: skip
-
-
 @pytest.mark.fault_soak  # minutes: scripts/fault_checks.sh runs it
 def test_a_crash_and_a_preemption_resume_to_the_end(task, tmp_path):
     run_dir = tmp_path / "run"
@@ -81,7 +61,7 @@ def test_a_crash_and_a_preemption_resume_to_the_end(task, tmp_path):
     # 1. SIGKILL one rank once version 2 is published.
     proc = _start(task, run_dir, tmp_path / "crash.log")
     wait_for(lambda: (ckpts / "step_00000002" / "manifest.json").exists(), proc, "checkpoint v2")
-    victim = random.choice(_ranks(proc))
+    victim = random.choice(launcher_ranks(proc))
     victim.send_signal(signal.SIGKILL)
     out = end_of_run(proc)
     assert proc.returncode != 0, out
@@ -199,7 +179,7 @@ def test_the_asynchronous_loop_loses_nothing_through_a_kill_during_a_save(task, 
                             text=True)  # fmt: skip
     proc.log = tmp_path / "run.log"
     wait_for(lambda: (ckpts / ".partial_step_00000004").exists(), proc, "the save of v4")
-    random.choice(_ranks(proc)).send_signal(signal.SIGKILL)
+    random.choice(launcher_ranks(proc)).send_signal(signal.SIGKILL)
     out = end_of_run(proc)
     assert proc.returncode == 0, out
     rows = logged_steps(run_dir)

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from tests.harness.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,3 +105,24 @@ def logged_steps(run_dir):
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _cmdline(p) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:  # gone, or a zombie (a rank's finished checkpoint writer)
+        return ""
+
+
+def launcher_ranks(proc) -> list:
+    """The torchrun workers (the ranks, `psutil.Process`) under the launcher `proc`: the
+    agent's own children, not the processes a rank forks (checkpoint writers share its command
+    line)."""
+    agents = [
+        p for p in psutil.Process(proc.pid).children(recursive=True)
+        if "torch.distributed.run" in _cmdline(p)
+    ]  # fmt: skip
+    return [
+        p for agent in agents for p in agent.children()
+        if "megatron_async_rl.train" in _cmdline(p)
+    ]  # fmt: skip
