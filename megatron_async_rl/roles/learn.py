@@ -434,8 +434,8 @@ class LearnSide:
         """Engine vs trainer log-probs over the step's tokens, where a trainer pass measured
         them before training (the logp role's; with trainer, the loss's offpolicy/logp_*_gap
         are the same comparison, with engine there is none)."""
-        if work.logp_BT is None or work.logp_BT is work.batch["behaviour_logp"]:
-            return {}  # no trainer pass before the step (trainer, engine)
+        if self.cfg.algorithm.old_logprobs in ("trainer", "engine"):
+            return {}  # no trainer pass before the step
         engine = work.batch["behaviour_logp"]
         return {
             "logprob/engine_vs_train_abs_diff": (engine - work.logp_BT).abs()[real].mean().item(),

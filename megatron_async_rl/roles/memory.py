@@ -134,9 +134,7 @@ def saved(cfg, layout) -> list[str]:
     (`algorithms.passes`): the forward-only logp and ref roles, each sized as a copy of the
     train role's weights on its busiest rank."""
     placed = cfg.roles.placed_roles()
-    if "train" not in layout.parallelism:
-        return []
-    args = cfg.role_megatron_args["train"]
+    args = cfg.role_megatron_args["train"]  # train is placed in every recipe
     per_rank = stage_numel(ModelDims.from_megatron_args(args), layout.grid("train")) \
         * _dtype_bytes(args)  # fmt: skip
     why = {"ref": "no KL term", "logp": f"old log-probs from the {cfg.algorithm.old_logprobs}"}
