@@ -13,9 +13,9 @@
 #     pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
 #         megatron-core==0.19.2 transformers==<constraints> tokenizers==<constraints>
 # They are installed into /tmp/site; MEGATRON_CORE_WANT (default 0.19.) is checked. What runs:
-#   1. the GPU test suite, `pytest -m gpu tests/gpu` (CUDA parity fp32/bf16, PPO mini-batch steps
-#      fp32/bf16 and MoE, weight sync on CUDA,
-#      the pinned staging arena, two NCCL ranks where there are two GPUs);
+#   1. the GPU test suite, `pytest -m gpu tests/gpu` but the engine's (part 4): CUDA parity
+#      fp32/bf16, PPO mini-batch steps fp32/bf16 and MoE, weight sync on CUDA, the pinned
+#      staging arena, two NCCL ranks where there are two GPUs;
 #   2. CPU tests on a GPU node (the CPU recipes must work where CUDA is visible): one-rank and
 #      two-rank gloo parity and weight sync;
 #   3. benchmarks/checkpoint.py on the GPU (issue 13's save-time and async-stall targets), at two
@@ -69,7 +69,9 @@ sys.exit(0 if v.startswith(want) else f'megatron-core {v} installed, want {want}
 
 if [[ " $PARTS " == *" tests "* ]]; then
 echo "== 1. pytest -m gpu tests/gpu"
-timeout 300 python3 -m pytest -m gpu tests/gpu -q -s -rA -p no:cacheprovider 2>&1 \
+# the engine's GPU tests are part 4's (with SGLang's check), not run twice
+timeout 300 python3 -m pytest -m gpu tests/gpu --ignore tests/gpu/test_engine_cuda.py -q -s -rA \
+    -p no:cacheprovider 2>&1 \
     | grep -v "UserWarning\|warnings.warn\|^DEBUG" | tee "$OUT/pytest_gpu.log"
 rc=${PIPESTATUS[0]}
 echo "pytest gpu exit: $rc" | tee -a "$OUT/pytest_gpu.log"
@@ -98,8 +100,8 @@ for shape in "8 1024" "64 1024"; do
         --seq-len "$2" --profile-stall 2>&1 | grep -v "UserWarning\|warnings.warn" \
         | grep -v "^DEBUG\|Writing model shards" | tee -a "$OUT/checkpoint_bench.log"
 done
-note "3 checkpoint benchmark" "ran ($(grep -c RESULT "$OUT/checkpoint_bench.log" 2>/dev/null \
-    || echo 0) RESULT lines)"
+results=$(grep -c RESULT "$OUT/checkpoint_bench.log" 2>/dev/null)
+note "3 checkpoint benchmark" "ran (${results:-0} RESULT lines)"
 else
 note "3 checkpoint benchmark" "not asked for"
 fi
