@@ -128,7 +128,7 @@ class FakeEngine:
 
     def _generate_one(self, request: GenerateRequest) -> GenerateResult:
         stop_ids = set(request.sampling.stop_token_ids)
-        if self.eos_token_id is not None:
+        if self.eos_token_id is not None and not request.sampling.ignore_eos:
             stop_ids.add(self.eos_token_id)
         output_ids, versions = [], []
         finish_reason = "length"

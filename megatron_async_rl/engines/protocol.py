@@ -69,6 +69,9 @@ class SamplingParams:
     """Per-request sampling seed; None lets the engine choose."""
     stop_token_ids: tuple[int, ...] = ()
     """Generation stops after emitting any of these (the model's EOS is always one)."""
+    ignore_eos: bool = False
+    """Never stop at the model's EOS: every response is `max_new_tokens` long (give no
+    `stop_token_ids` with it)."""
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -79,6 +82,9 @@ class SamplingParams:
             raise ValueError(f"top_p = {self.top_p}: must be in (0, 1]")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k = {self.top_k}: must be -1 (all) or >= 1")
+        if self.ignore_eos and self.stop_token_ids:
+            raise ValueError(f"ignore_eos with stop_token_ids = {self.stop_token_ids}: a "
+                             "response that ignores EOS has no stop tokens")
 
 
 @dataclasses.dataclass(frozen=True)

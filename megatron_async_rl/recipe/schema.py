@@ -306,6 +306,13 @@ class RunConfig:
             )
         check_overlong_budget(self.algorithm, *response_budget(self))
         self._check_value_roles()
+        if self.rollout.ignore_eos and self.environment.multi_turn:
+            raise ConfigError(
+                "rollout.ignore_eos", True,
+                f"environment.name is {self.environment.name!r}: a multi-turn episode ends a "
+                "turn at EOS or a stop sequence, which ignore_eos turns off",
+                "set rollout.ignore_eos: false",
+            )  # fmt: skip
         if self.scheduler.validation_every > 0 and self.environment.multi_turn:
             raise ConfigError(
                 "scheduler.validation_every", self.scheduler.validation_every,

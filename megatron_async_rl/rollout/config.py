@@ -104,6 +104,10 @@ class RolloutConfig:
     """Top-k sampling (-1: off)."""
     use_chat_template: bool = False
     """Wrap plain-text prompts in the tokenizer's chat template."""
+    ignore_eos: bool = False
+    """Never stop at EOS: every response is exactly `max_new_tokens` long. For benchmarks that
+    need equal response lengths on both sides of a comparison, not for learning (the model
+    is trained on what follows its answer). Single-turn only."""
 
     def __post_init__(self) -> None:
         require_int("num_prompts_per_step", self.num_prompts_per_step, 1)
@@ -113,6 +117,7 @@ class RolloutConfig:
         if self.top_k != -1:
             require_int("top_k", self.top_k, 1, hint="-1 turns top-k off")
         require_bool("use_chat_template", self.use_chat_template)
+        require_bool("ignore_eos", self.ignore_eos)
 
 
 @dataclass

@@ -352,6 +352,30 @@ def test_one_token_requests_and_requests_at_the_engines_limits(served):
                                          "too-long")])  # fmt: skip
 
 
+def test_ignore_eos_on_the_real_engine(served):
+    """`SamplingParams.ignore_eos` (`rollout.ignore_eos`): sampled responses that would stop at
+    EOS run to `max_new_tokens`, EOS tokens and all (the fake engine's twin:
+    `tests/unit/test_ignore_eos.py`)."""
+    eos = 2  # `<eos>` of the tiny tokenizer (models/tiny.SPECIAL_TOKENS)
+
+    def requests(ignore: bool) -> list[GenerateRequest]:
+        return [GenerateRequest(PROMPTS[i % len(PROMPTS)], SamplingParams(
+            max_new_tokens=24, temperature=1.0, seed=100 + i, ignore_eos=ignore,
+            stop_token_ids=() if ignore else (eos,)), f"eos-{ignore}-{i}") for i in range(32)]
+
+    natural = served.engine.generate(requests(False))
+    stopped = [r for r in natural if r.finish_reason == "stop"]
+    print(f"stopped at EOS without ignore_eos: {len(stopped)} of 32, lengths "
+          f"{sorted(len(r.output_ids) for r in stopped)}, last tokens "
+          f"{sorted({r.output_ids[-1] for r in stopped})}")
+    assert stopped and all(r.output_ids[-1] == eos for r in stopped)
+    assert any(len(r.output_ids) < 24 for r in stopped)
+    forced = served.engine.generate(requests(True))
+    assert all(len(r.output_ids) == len(r.output_logprobs) == 24 for r in forced)
+    assert {r.finish_reason for r in forced} == {"length"}
+    assert any(eos in r.output_ids[:-1] for r in forced)
+
+
 def test_shutdown_leaves_no_processes(served):
     pids = [served.engine.host_pid, *served.engine.engine_child_pids]
     files = served.engine._engine_files  # SGLang's load-snapshot file in /dev/shm

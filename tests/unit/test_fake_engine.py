@@ -72,6 +72,11 @@ def test_sampling_params_reject_bad_values(kwargs, match):
         SamplingParams(**kwargs)
 
 
+def test_ignore_eos_takes_no_stop_tokens():
+    with pytest.raises(ValueError, match="ignore_eos with stop_token_ids = \\(7,\\)"):
+        SamplingParams(stop_token_ids=(7,), ignore_eos=True)
+
+
 def test_records_reject_inconsistent_fields():
     with pytest.raises(ValueError, match="input_ids is empty"):
         GenerateRequest([], SamplingParams(), "r")
@@ -102,6 +107,9 @@ def test_fake_engine_stops_at_stop_and_eos_tokens():
     assert stopped.output_ids[-1] == third and len(stopped.output_ids) <= 3
     eos = FakeEngine(eos_token_id=third).generate([_request()])[0]
     assert eos.finish_reason == "stop" and eos.output_ids[-1] == third
+    ignored = FakeEngine(eos_token_id=third).generate([_request(ignore_eos=True)])[0]
+    assert ignored.finish_reason == "length" and len(ignored.output_ids) == 6
+    assert ignored.output_ids[2] == third  # emitted, not stopped at
 
 
 def test_fake_engine_weight_update_ordering_and_versions():

@@ -488,6 +488,8 @@ def _sampling_dict(request: GenerateRequest) -> dict[str, Any]:
         params["sampling_seed"] = s.seed
     if s.stop_token_ids:
         params["stop_token_ids"] = list(s.stop_token_ids)
+    if s.ignore_eos:
+        params["ignore_eos"] = True
     return params
 
 
