@@ -41,7 +41,7 @@ RECIPES = {"sync": REPO / "yaml_configs" / "tiny-grpo-cpu.yaml",
 PLACEMENTS = {"all": "[train, logp, ref]", "no_ref": "[train, logp]", "train_only": "[train]"}
 
 
-def _model(out: Path, hidden: int, layers: int) -> Path:
+def llama_model(out: Path, hidden: int, layers: int) -> Path:
     path = out / f"llama-h{hidden}-l{layers}"
     if not (path / "config.json").exists():
         subprocess.run([sys.executable, "-m", "megatron_async_rl.models.tiny", "--family", "llama",
@@ -50,7 +50,7 @@ def _model(out: Path, hidden: int, layers: int) -> Path:
     return path
 
 
-def _data(out: Path) -> Path:
+def arith_data(out: Path) -> Path:
     path = out / "arith.jsonl"
     if not path.exists():
         cmd = [sys.executable, "-m", "megatron_async_rl.tasks.arithmetic", "--out", str(path),
@@ -96,7 +96,7 @@ def _median(rows: list[dict], pick) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def _busy(row: dict) -> float | None:
+def learn_busy(row: dict) -> float | None:
     """The Megatron rank's busy seconds (its group's `utilization/<roles>/busy_s`)."""
     keys = [k for k in row if k.startswith("utilization/train") and k.endswith("/busy_s")]
     return row[keys[0]] if keys else None
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
                         "are the engine's: the updates then differ by design)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    model, data = _model(args.out, args.hidden, args.layers), _data(args.out)
+    model, data = llama_model(args.out, args.hidden, args.layers), arith_data(args.out)
     runs, rss = {}, {}
     for name in PLACEMENTS:
         runs[name], rss[name] = _run(name, model, data, args.out, args.steps,
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     print(f"{args.loop}: model hidden {args.hidden} x {args.layers} layers, "
           f"{args.max_new_tokens} new tokens, {args.steps} steps; medians over steps 1+:")
     for name, rows in runs.items():
-        busy[name] = _median(rows, _busy)
+        busy[name] = _median(rows, learn_busy)
         stages = {s: _median(rows, lambda r, s=s: r.get(f"timing/{s}_s"))
                   for s in ("generate", "logp", "ref", "train", "weight_sync")}  # fmt: skip
         print(f"  {PLACEMENTS[name]:20s} step {_median(rows, lambda r: r['timing/step_s']):7.3f} s"

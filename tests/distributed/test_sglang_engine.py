@@ -500,6 +500,9 @@ exec_config = SimpleNamespace(deterministic=SimpleNamespace(enable_deterministic
 with mock.patch.object(handlers, "get_exec", lambda: exec_config):
     out["mla_handler"] = handler.__name__
     out["mla_prefill_form"] = handler(SimpleNamespace(), batch).name
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+runner = SimpleNamespace(device="cpu", req_to_token_pool=None, token_to_kv_pool=None)
+out["torch_native_backend"] = type(ATTENTION_BACKENDS["torch_native"](runner)).__name__
 print(json.dumps(out))
 """
 
@@ -509,7 +512,8 @@ def test_cpu_shims_patches_show_the_upstream_defects_and_fix_them():
     fails without CUDA, and SGLang's MLA models run an uncached prefill in the "MHA" form under
     `torch_native` (the Triton backend's answer; that backend then reads per-head keys from a
     latent KV cache: a shape error); patched, pinning does nothing and the form is the absorbed
-    "MLA" one, which the torch-native backend serves (the DeepSeek-V3 test below)."""
+    "MLA" one, which the torch-native backend serves (the DeepSeek-V3 test below); and
+    `torch_native` builds the batched backend (`batched_attention.py`)."""
     import importlib.metadata
     import importlib.util
 
@@ -522,9 +526,11 @@ def test_cpu_shims_patches_show_the_upstream_defects_and_fix_them():
     assert "not compiled with CUDA" in upstream["pin_host_buffer"], upstream
     assert upstream["mla_handler"] == "handle_attention_triton"
     assert upstream["mla_prefill_form"] == "MHA"
+    assert upstream["torch_native_backend"] == "TorchNativeAttnBackend"  # a loop per request
     patched = _probe(_PATCH_PROBE)
     assert patched == {"pin_host_buffer": "ok", "mla_handler": "handle_attention_torch_native",
-                       "mla_prefill_form": "MLA"}  # fmt: skip
+                       "mla_prefill_form": "MLA",
+                       "torch_native_backend": "BatchedTorchNativeAttnBackend"}  # fmt: skip
 
 
 def test_deepseek_v3_family_on_the_real_engine(tiny_model):

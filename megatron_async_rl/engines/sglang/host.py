@@ -64,6 +64,9 @@ def _scrub_launcher_env() -> None:
 # to `torch_native` only after probing for those kernels. Named here, the backend is the same on
 # every CPU; cpu_shims/sitecustomize.py makes multi-latent attention (DeepSeek) run on it.
 CPU_ATTENTION_BACKEND = "torch_native"
+CPU_ATTENTION_ENV = "MEGATRON_ASYNC_RL_CPU_ATTENTION"
+"""`engine.cpu_attention` for the engine's processes: `cpu_shims/sitecustomize.py` installs the
+batched torch-native backend (`batched_attention.py`) unless it is `per_request`."""
 
 
 def engine_kwargs(config: SGLangEngineConfig, has_sgl_kernel: bool | None = None
@@ -109,6 +112,7 @@ def host_main(conn, config: SGLangEngineConfig) -> None:
     _scrub_launcher_env()
     if config.device == "cpu":
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+        os.environ[CPU_ATTENTION_ENV] = config.cpu_attention
         _put_first_on_path(CPU_SHIMS_DIR, os.environ)
         # Its SGLang patches (import hooks), which a process gets at start-up from PYTHONPATH:
         # this one started before, and forked processes start from it.

@@ -1,4 +1,4 @@
-"""CPU engine processes only (this directory is on their PYTHONPATH): two SGLang patches.
+"""CPU engine processes only (this directory is on their PYTHONPATH): three SGLang patches.
 
 Both apply to SGLang 0.5.21 to 0.5.23 (`PATCHED_VERSIONS`: measured on 0.5.21 and 0.5.23; 0.5.22
 has the same code); with any other version nothing is patched. Each is installed as an import
@@ -17,11 +17,16 @@ GPU path, where this directory is never on the path) are untouched. See README.m
   which holds the latent; "Expected size for first two dimensions of batch2 tensor to be:
   [4, 24] but got: [4, 40]"). For `torch_native` the registry here answers SGLang's own
   absorbed-MLA form for every batch, which reads the latent cache as the backend does.
+- `sglang.srt.layers.attention.attention_registry`: `torch_native` builds
+  `megatron_async_rl.engines.sglang.batched_attention.BatchedTorchNativeAttnBackend` (one SDPA
+  call per layer for the batch, not one per request), unless `MEGATRON_ASYNC_RL_CPU_ATTENTION`
+  is `per_request` (`engine.cpu_attention`).
 """
 
 import importlib.abc
 import importlib.metadata
 import importlib.util
+import os
 import sys
 
 PATCHED_VERSIONS = ("0.5.21", "0.5.22", "0.5.23")
@@ -42,7 +47,21 @@ def _patch_mla_handler(module):
     module.AttentionBackendRegistry.register("torch_native", handle_attention_torch_native)
 
 
+def _patch_attention_registry(module):
+    if os.environ.get("MEGATRON_ASYNC_RL_CPU_ATTENTION", "batched") == "per_request":
+        return
+
+    @module.register_attention_backend("torch_native")
+    def create_batched_torch_native_backend(runner):
+        from megatron_async_rl.engines.sglang.batched_attention import (
+            BatchedTorchNativeAttnBackend,
+        )
+
+        return BatchedTorchNativeAttnBackend(runner)
+
+
 _PATCHES = {
+    "sglang.srt.layers.attention.attention_registry": _patch_attention_registry,
     "sglang.srt.mem_cache.pool_host.common": _patch_host_register,
     "sglang.srt.models.deepseek_common.attention_backend_handler": _patch_mla_handler,
 }
