@@ -19,7 +19,8 @@ GPU path, where this directory is never on the path) are untouched. See README.m
   absorbed-MLA form for every batch, which reads the latent cache as the backend does.
 - `sglang.srt.layers.attention.attention_registry`: `torch_native` builds
   `megatron_async_rl.engines.sglang.batched_attention.BatchedTorchNativeAttnBackend` (one SDPA
-  call per layer for the batch, not one per request), unless `MEGATRON_ASYNC_RL_CPU_ATTENTION`
+  call per layer for each group of equal-length requests, not one per request), unless
+  `MEGATRON_ASYNC_RL_CPU_ATTENTION`
   is `per_request` (`engine.cpu_attention`).
 """
 
