@@ -91,7 +91,7 @@ def _run(name: str, model: Path, data: Path, out: Path, steps: int, tokens: int,
     return rows, peak[0]
 
 
-def _median(rows: list[dict], pick) -> float:
+def median_after_first(rows: list[dict], pick) -> float:
     values = [v for v in (pick(r) for r in rows[1:] or rows) if v is not None]
     return statistics.median(values) if values else 0.0
 
@@ -123,10 +123,11 @@ def main(argv=None) -> int:
     print(f"{args.loop}: model hidden {args.hidden} x {args.layers} layers, "
           f"{args.max_new_tokens} new tokens, {args.steps} steps; medians over steps 1+:")
     for name, rows in runs.items():
-        busy[name] = _median(rows, learn_busy)
-        stages = {s: _median(rows, lambda r, s=s: r.get(f"timing/{s}_s"))
+        busy[name] = median_after_first(rows, learn_busy)
+        stages = {s: median_after_first(rows, lambda r, s=s: r.get(f"timing/{s}_s"))
                   for s in ("generate", "logp", "ref", "train", "weight_sync")}  # fmt: skip
-        print(f"  {PLACEMENTS[name]:20s} step {_median(rows, lambda r: r['timing/step_s']):7.3f} s"
+        step = median_after_first(rows, lambda r: r["timing/step_s"])
+        print(f"  {PLACEMENTS[name]:20s} step {step:7.3f} s"
               f"  learn busy {busy[name]:7.3f} s  Megatron rank peak RSS "
               f"{rss[name] / 2**20:6.0f} MiB  "
               + "  ".join(f"{s} {v:.3f}" for s, v in stages.items()))  # fmt: skip

@@ -58,11 +58,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.learn_passes import arith_data, learn_busy, llama_model  # noqa: E402
+from benchmarks.learn_passes import (  # noqa: E402
+    RECIPES,
+    arith_data,
+    learn_busy,
+    llama_model,
+    median_after_first,
+)
 from tests.harness.recipes import launch_command, launch_env  # noqa: E402
 
-RECIPES = {"sync": REPO / "yaml_configs" / "tiny-grpo-cpu.yaml",
-           "ahead": REPO / "yaml_configs" / "tiny-grpo-async-cpu.yaml"}  # fmt: skip
 SIZES = {  # name: (hidden, layers, new tokens, timed steps); hidden None: the quick start's
     "quickstart": (None, None, 4, 12),
     "h384": (384, 6, 48, 5),
@@ -188,8 +192,8 @@ def run_trl(name, model, data, out, steps, tokens, forced, trl_site, threads, se
 
 
 def run_ours(name, loop, model, data, out, steps, tokens, forced, placement, threads=1,
-             seed=1234):
-    run_dir = out / f"ours-{name}-{loop}"
+             seed=1234, label=None):
+    run_dir = out / f"ours-{name}-{label or loop}"
     sets = [f"model.hf_path={model}", f"data.path={data}", f"trainer.num_steps={steps}",
             "scheduler.validation_every=0", "checkpoint.every_steps=0", f"seed={seed}",
             f"rollout.max_new_tokens={tokens}", f"megatron.seq_length={tokens + 16}"]  # fmt: skip
@@ -198,7 +202,7 @@ def run_ours(name, loop, model, data, out, steps, tokens, forced, placement, thr
     if placement:
         sets.append(f"roles.groups[0].roles={placement}")
     env = dict(launch_env(), OMP_NUM_THREADS=str(threads))
-    done = subprocess.run(launch_command(RECIPES[loop.split("-")[0]], run_dir, *sets), env=env,
+    done = subprocess.run(launch_command(RECIPES[loop], run_dir, *sets), env=env,
                           cwd=REPO, capture_output=True, text=True, timeout=7200)  # fmt: skip
     if done.returncode != 0:
         sys.exit(f"ours {name} {loop}: exit {done.returncode}\n{done.stderr[-4000:]}")
@@ -222,8 +226,8 @@ def fastest(runs: list[list[dict]]) -> list[dict]:
 
 
 def median(rows, key):
-    values = [r[key] for r in (rows[1:] or rows) if r.get(key) is not None]
-    return statistics.median(values) if values else float("nan")
+    """The median of `key` over steps 1+ (step 0 warms up)."""
+    return median_after_first(rows, lambda r: r.get(key))
 
 
 def lengths(rows) -> tuple[float, float]:
@@ -278,7 +282,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench-vs-trl")
     parser.add_argument("--trl-site", type=Path, default=DEFAULT_TRL_SITE)
     parser.add_argument("--placement", default="[train]",
-                        help="roles of the Megatron group in the timed runs ('' keeps the recipe's)")
+                        help="roles of the Megatron group in the timed runs ('' keeps the "
+                        "recipe's)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps at every size")
     parser.add_argument("--curve-steps", type=int, default=60,
                         help="steps of the learning-curve runs (0: none)")
@@ -318,8 +323,10 @@ def main(argv=None) -> int:
                                args.trl_site, threads) for threads in trl_threads])  # fmt: skip
         loops = ["sync"] if name == "quickstart" else ["sync", "ahead"]
         ours = {loop: run_ours(name, loop, model, data, args.out, steps, tokens, True,
-                               args.placement, args.threads_per_rank) for loop in loops}  # fmt: skip
-        print(f"\n{name}: {'quick start model' if hidden is None else f'hidden {hidden} x {layers}'}"
+                               args.placement, args.threads_per_rank)
+                for loop in loops}  # fmt: skip
+        what = "quick start model" if hidden is None else f"hidden {hidden} x {layers}"
+        print(f"\n{name}: {what}"
               f", {tokens} new tokens forced, {steps} steps; medians over steps 1+:")
         print(show("TRL", trl))
         for loop, rows in ours.items():
@@ -337,8 +344,9 @@ def main(argv=None) -> int:
         if name == "h768":
             result["learn_side_h768_s"] = median(ours["ahead"], "learn_busy_s")
             if args.baseline_placement:
-                base = run_ours(name, "ahead-baseline", model, data, args.out, steps, tokens,
-                                True, args.baseline_placement, args.threads_per_rank)  # fmt: skip
+                base = run_ours(name, "ahead", model, data, args.out, steps, tokens, True,
+                                args.baseline_placement, args.threads_per_rank,
+                                label="ahead-baseline")  # fmt: skip
                 print(show(f"ours ahead {args.baseline_placement}", base))
                 result["learn_side_h768_baseline_s"] = median(base, "learn_busy_s")
                 result["learn_side_h768_cut"] = 1 - (result["learn_side_h768_s"]

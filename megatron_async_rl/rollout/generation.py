@@ -86,9 +86,8 @@ def generate_samples(
     from megatron_async_rl.engines.recovery import prefixes as continuing
 
     prefixes = prefixes or {}
-    ignore_eos = cfg.ignore_eos
-    stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
-    stop = () if ignore_eos else stop
+    stops_at_eos = tokenizer.eos_token_id is not None and not cfg.ignore_eos
+    stop = (tokenizer.eos_token_id,) if stops_at_eos else ()
     requests, owners = [], []
     for index in indices:
         record = records[index]
@@ -100,7 +99,7 @@ def generate_samples(
                 top_k=cfg.top_k,
                 seed=request_seed(run_seed, step, record.uid, k),
                 stop_token_ids=stop,
-                ignore_eos=ignore_eos,
+                ignore_eos=cfg.ignore_eos,
             )
             rid = request_id(step, index, k)
             requests.append(GenerateRequest(prompt_ids[index], sampling, rid))

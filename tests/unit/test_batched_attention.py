@@ -32,7 +32,8 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from megatron_async_rl.engines.sglang.batched_attention import BatchedTorchNativeAttnBackend
 
 torch.manual_seed(0)
-loop, batched = object.__new__(TorchNativeAttnBackend), object.__new__(BatchedTorchNativeAttnBackend)
+loop = object.__new__(TorchNativeAttnBackend)
+batched = object.__new__(BatchedTorchNativeAttnBackend)
 heads, kv_heads, dim, slots = 4, 2, 16, 512
 k_cache = torch.randn(slots, kv_heads, dim)
 v_cache = torch.randn(slots, kv_heads, dim)
@@ -71,16 +72,16 @@ q = torch.randn(batch, heads, dim)
 a = loop._run_sdpa_forward_decode(q, torch.empty_like(q), k_cache, v_cache, req_to_token, pool,
                                   seq_lens, scaling=scale, enable_gqa=True, sliding_window_size=3)
 b = batched._run_sdpa_forward_decode(q, torch.empty_like(q), k_cache, v_cache, req_to_token, pool,
-                                     seq_lens, scaling=scale, enable_gqa=True, sliding_window_size=3)
+                                     seq_lens, scaling=scale, enable_gqa=True,
+                                     sliding_window_size=3)
 out["decode_sliding_window_goes_to_the_loop"] = (a - b).abs().max().item()
 print("RESULT " + json.dumps(out))
 """
 
 
 def test_batched_attention_equals_sglangs_loop():
-    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(CPU_SHIMS_DIR),
-                                                      os.environ.get("PYTHONPATH")) if p))  # fmt: skip
+    path = os.pathsep.join(p for p in (str(CPU_SHIMS_DIR), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", OMP_NUM_THREADS="1", PYTHONPATH=path)
     done = subprocess.run([sys.executable, "-W", "ignore", "-c", SCRIPT], env=env, text=True,
                           capture_output=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -106,8 +107,12 @@ def test_the_shims_register_the_batched_backend_unless_asked(monkeypatch, choice
     else:
         monkeypatch.setenv(CPU_ATTENTION_ENV, choice)
     names = []
-    registry = SimpleNamespace(register_attention_backend=lambda name: (names.append(name),
-                                                                        lambda fn: fn)[1])  # fmt: skip
+
+    def register_attention_backend(name):
+        names.append(name)
+        return lambda factory: factory
+
+    registry = SimpleNamespace(register_attention_backend=register_attention_backend)
     site._PATCHES["sglang.srt.layers.attention.attention_registry"](registry)
     assert names == (["torch_native"] if registered else [])
 

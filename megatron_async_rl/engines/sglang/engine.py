@@ -34,8 +34,8 @@ puts `cpu_shims/` first on its `sys.path` and on `PYTHONPATH` for the engine's c
 `torch_native` attention backend, whatever the CPU (`host.CPU_ATTENTION_BACKEND`: SGLang
 would otherwise probe for AMX; DeepSeek's multi-latent attention runs on it with the shims'
 patch; the shims register `batched_attention.py` under that name, one SDPA call per layer for
-each group of equal-length requests, unless `engine.cpu_attention: per_request`); `SGLangEngine.attention_backend`
-reports the one SGLang resolved. Private CPU tensors
+each group of equal-length requests, unless `engine.cpu_attention: per_request`);
+`SGLangEngine.attention_backend` reports the one SGLang resolved. Private CPU tensors
 sent to `update_weights` are moved to shared memory by torch's multiprocessing pickler.
 `get_weights_by_name` returns the full HF-named parameter as float32, vocab rows padded
 (to a multiple of 64, times the TP size under TP) for the embedding and LM head; SGLang 0.5.21
