@@ -21,32 +21,28 @@ def build_batch(samples, pad_id: int, multiple: int = 8) -> dict[str, torch.Tens
     routing_valid_BT (`moe.routing.routing_batch`; else None)."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     seq_len = -(-max(lengths) // multiple) * multiple
-    batch_size = len(samples)
-    tokens = torch.full((batch_size, seq_len), pad_id, dtype=torch.long)
-    mask = torch.zeros(batch_size, seq_len - 1)
-    behaviour = torch.zeros(batch_size, seq_len - 1)
-    versions = torch.zeros(batch_size, seq_len - 1, dtype=torch.long)
-    for i, s in enumerate(samples):
+    # Rows as Python lists, one tensor each at the end: a step's 128 short samples took ~20 ms
+    # as per-sample tensor slices, on the learn side's critical path.
+    tokens, mask, behaviour, versions = [], [], [], []
+    for s, length in zip(samples, lengths):
         p, r = len(s.prompt_ids), len(s.response_ids)
-        tokens[i, :p] = torch.tensor(s.prompt_ids)
-        if r:
-            tokens[i, p : p + r] = torch.tensor(s.response_ids)
-            # response token j sits at position p + j and is predicted by column p + j - 1
-            # (a multi-turn trajectory's environment tokens are not trained: mask 0)
-            trained = s.loss_mask if s.loss_mask is not None else [1.0] * r
-            mask[i, p - 1 : p - 1 + r] = torch.tensor(trained, dtype=mask.dtype)
-            behaviour[i, p - 1 : p - 1 + r] = torch.tensor(s.response_logprobs)
-            versions[i, p - 1 : p - 1 + r] = torch.tensor(
-                [version_number(v) for v in s.token_versions]  # "" (environment): 0, masked
-            )
+        tokens.append([*s.prompt_ids, *s.response_ids, *[pad_id] * (seq_len - length)])
+        # response token j sits at position p + j and is predicted by column p + j - 1
+        # (a multi-turn trajectory's environment tokens are not trained: mask 0)
+        before, after = [0] * (p - 1), [0] * (seq_len - p - r)
+        trained = s.loss_mask if s.loss_mask is not None else [1] * r
+        mask.append([*before, *trained, *after])
+        behaviour.append([*before, *s.response_logprobs, *after])
+        # "" (an environment's token): version 0, masked
+        versions.append([*before, *(version_number(v) for v in s.token_versions), *after])
     routing, routing_valid = _routing(samples, seq_len)
     return {
         "routing": routing,
         "routing_valid": routing_valid,
-        "tokens": tokens,
-        "mask": mask,
-        "behaviour_logp": behaviour,
-        "versions": versions,
+        "tokens": torch.tensor(tokens, dtype=torch.long),
+        "mask": torch.tensor(mask, dtype=torch.get_default_dtype()),
+        "behaviour_logp": torch.tensor(behaviour, dtype=torch.get_default_dtype()),
+        "versions": torch.tensor(versions, dtype=torch.long),
         "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),
         "response_len": torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32),
         "prompt_len": torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.float32),
