@@ -48,7 +48,10 @@ class Sample:
         return [v for v, m in zip(self.token_versions, self.loss_mask, strict=True) if m]
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields by name, for pickling (the step's exchange, a checkpoint): shallow, the
+        lists shared with this sample (`dataclasses.asdict` copies each deeply: 11 ms a step
+        of 128 short samples, on the learn side's critical path)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def served_prompts(num_prompts: int, rank_in_role: int, num_generate_ranks: int) -> list[int]:
