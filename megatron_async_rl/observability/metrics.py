@@ -95,12 +95,21 @@ class MetricsWriter:
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
         if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and value is not None:
-                    self._tb.add_scalar(key, value, global_step=step)
-            self._tb.flush()
+            self._tb_scalars(step, record)
         if self._wandb is not None:
             self._wandb.log(step, record)
+
+    def _tb_scalars(self, step: int, record: dict) -> None:
+        """The step's scalars as one TensorBoard event, flushed: `add_scalar` writes an event
+        each, 15 ms for a step's ~110 metrics against 1 ms (measured), on the learn leader's
+        part of every step. TensorBoard reads it as the same scalars (`test_metrics.py`)."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from torch.utils.tensorboard.summary import scalar
+
+        values = [v for key, value in record.items() if key != "step" and value is not None
+                  for v in scalar(key, value).value]  # fmt: skip
+        self._tb._get_file_writer().add_summary(Summary(value=values), step)
+        self._tb.flush()
 
     def truncate_from(self, step: int) -> int:
         """Drop the records of steps >= `step` (a resumed run continues at `step`: what a

@@ -98,13 +98,35 @@ def test_tensorboard_events_written(tmp_path):
 
     with MetricsWriter(tmp_path, tensorboard=None) as writer:
         for step in range(3):
-            writer.log(step, {"reward/mean": 0.25 * step, "loss/nan": math.nan})
+            writer.log(step, {"reward/mean": 0.25 * step, "loss/nan": math.nan,
+                              "actor/optimizer_steps": step + 1, "flag": step == 1})
     events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert len(events) == 1
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
-    assert acc.Tags()["scalars"] == ["reward/mean"]  # null values are not sent
+    # null values are not sent; a step's scalars go as one event, read back as each scalar's
+    assert sorted(acc.Tags()["scalars"]) == ["actor/optimizer_steps", "flag", "reward/mean"]
     assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(0, 0), (1, 0.25), (2, 0.5)]
+    assert [(e.step, e.value) for e in acc.Scalars("actor/optimizer_steps")] == [
+        (0, 1), (1, 2), (2, 3)]
+    assert [e.value for e in acc.Scalars("flag")] == [0, 1, 0]
+
+
+def test_tensorboard_resume_purges_the_steps_done_again(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsWriter(tmp_path, tensorboard=None) as writer:
+        for step in range(4):
+            writer.log(step, {"reward/mean": float(step), "timing/step_s": 1.0})
+        assert writer.truncate_from(2) == 2
+        for step in (2, 3):
+            writer.log(step, {"reward/mean": 10.0 + step, "timing/step_s": 2.0})
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [
+        (0, 0), (1, 1), (2, 12), (3, 13)]
+    assert [e.value for e in acc.Scalars("timing/step_s")] == [1, 1, 2, 2]
 
 
 def test_tensorboard_requested_but_missing_warns(tmp_path, monkeypatch, caplog):
