@@ -68,7 +68,7 @@ from benchmarks.learn_passes import (  # noqa: E402
 from tests.harness.recipes import launch_command, launch_env  # noqa: E402
 
 SIZES = {  # name: (hidden, layers, new tokens, timed steps); hidden None: the quick start's
-    "quickstart": (None, None, 4, 12),
+    "quickstart": (None, None, 4, 30),
     "h384": (384, 6, 48, 5),
     "h768": (768, 12, 48, 4),
 }
