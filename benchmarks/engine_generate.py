@@ -9,7 +9,8 @@ side in one run.
         --server-args '{"disable_radix_cache": true}'
 
 Starts two real SGLang engines on one core (`taskset` of this process: the core a generate rank
-has), one per `cpu_attention`, on the same local Llama, and calls them in turn, `--reps` times
+has), one per `cpu_attention` (or: SGLang's defaults, and with `--server-args`), on the same
+local Llama, and calls them in turn, `--reps` times
 each: one quick-start batch a call (16 prompts x 8 samples, temperature 1, every response
 `--tokens` long: `ignore_eos`). Prints each call's seconds and the medians; last line
 `RESULT per_request_s=.. batched_s=.. speedup=..` (per_request / batched), or with

@@ -1,6 +1,6 @@
 """CPU engine processes only (this directory is on their PYTHONPATH): three SGLang patches.
 
-Both apply to SGLang 0.5.21 to 0.5.23 (`PATCHED_VERSIONS`: measured on 0.5.21 and 0.5.23; 0.5.22
+All apply to SGLang 0.5.21 to 0.5.23 (`PATCHED_VERSIONS`: measured on 0.5.21 and 0.5.23; 0.5.22
 has the same code); with any other version nothing is patched. Each is installed as an import
 hook that runs once its module has been imported, so processes that never import it (and the
 GPU path, where this directory is never on the path) are untouched. See README.md.
@@ -20,8 +20,7 @@ GPU path, where this directory is never on the path) are untouched. See README.m
 - `sglang.srt.layers.attention.attention_registry`: `torch_native` builds
   `megatron_async_rl.engines.sglang.batched_attention.BatchedTorchNativeAttnBackend` (one SDPA
   call per layer for each group of equal-length requests, not one per request), unless
-  `MEGATRON_ASYNC_RL_CPU_ATTENTION`
-  is `per_request` (`engine.cpu_attention`).
+  `MEGATRON_ASYNC_RL_CPU_ATTENTION` is `per_request` (`engine.cpu_attention`).
 """
 
 import importlib.abc
