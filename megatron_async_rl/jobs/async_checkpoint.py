@@ -16,10 +16,12 @@ Called by `jobs/grpo_async.py`.
 The learner reaches boundary v as soon as version v exists; the engine host's boundary thread
 waits for it there without holding the main thread, so generation goes on, and only a save
 takes the main thread. A generation in progress when a save is due is cut (`GenerateSide.cut`:
-the engine aborts its requests, which come back as prefixes); the generate stage records the
-step as partial, runs the save itself once the engine holds v, and then continues the
-responses from their prefixes. So the learner waits for the save only, not for a generation,
-and no generated token is lost or done twice. A signal anywhere makes every rank save at the
+the engine aborts its requests, which come back as prefixes) unless it is of step v, which the
+learner trains next and waits for anyway; the generate stage records the step as partial, runs
+the save itself once the engine holds v, and then continues the responses from their prefixes.
+So the learner waits for the save and for the step it needs, not for a later step's
+generation, and no generated token is lost or done twice. A stop (a signal) cuts step v too:
+the learner will not train it in this run. A signal anywhere makes every rank save at the
 same boundary and stop.
 """
 
@@ -69,8 +71,8 @@ class Boundaries(threading.Thread):
                 if save:
                     self.saves.put(version, None)
                     self.wake()
-                    if self.cut is not None:
-                        self.cut()
+                    if self.cut is not None:  # a stop cuts any generation; a save, a later step's
+                        self.cut(None if preempted else version)
                     with self.cond:  # the next boundary's collective after this save's
                         while self.saved_version < version:
                             self.cond.wait()

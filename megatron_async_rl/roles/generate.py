@@ -66,6 +66,8 @@ class GenerateSide:
         set by the job when the recipe asks for some."""
         self._cut_lock = threading.Lock()
         self._generating = self._cut = False
+        self._generating_step: int | None = None
+        """The step of the generation in progress (read by `cut`)."""
         self.trace = None
         """The rank's `TraceRecorder`, set by the job: multi-turn environment spans go there."""
         if rounds is None and num_engines == 1:
@@ -105,7 +107,7 @@ class GenerateSide:
         kept = self._prefixes(work, oldest)
         for attempt in range(1, 4):
             with self._cut_lock:
-                self._generating, self._cut = True, False
+                self._generating, self._cut, self._generating_step = True, False, work.step
             try:
                 work.samples = generate_samples(
                     self.engine, self.tokenizer, records, ids, mine,
@@ -140,7 +142,7 @@ class GenerateSide:
         if isinstance(self.engine, ManagedEngine):
             self.engine.set_step(work.step, max(0, work.step - cfg.scheduler.generate_ahead_steps))
         with self._cut_lock:
-            self._generating, self._cut = True, False
+            self._generating, self._cut, self._generating_step = True, False, work.step
 
         def cut_asked() -> bool:
             with self._cut_lock:
@@ -246,11 +248,17 @@ class GenerateSide:
             len(plan.kept), plan.target, plan.rounds, plan.max_rounds - 1, plan.padded,
         )  # fmt: skip
 
-    def cut(self) -> bool:
+    def cut(self, unless_step: int | None = None) -> bool:
         """Stop the generation in progress (from another thread): its responses come back as
-        prefixes and `generate` returns the work partial. False when none was running."""
+        prefixes and `generate` returns the work partial. False when none was running, or when
+        it is of step `unless_step`: the step the learner trains next (a save at the boundary
+        after version v passes v), which the learner waits for anyway. Cutting that one would
+        gain nothing and change the step: responses continued from their prefixes are
+        prefilled again, so their log-probs (and, rarely, a sampled token) differ in the last
+        bits from the uncut generation's, where at N = 0 the asynchronous loop must equal the
+        synchronous one."""
         with self._cut_lock:
-            if not self._generating:
+            if not self._generating or self._generating_step == unless_step:
                 return False
             self._cut = True
             # Under the lock: no next generation starts before the abort has gone out.

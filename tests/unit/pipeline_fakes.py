@@ -296,12 +296,17 @@ class SyncCheckpoints:
     """Meets the learner and the engine host at every boundary (a barrier each), saves when
     `due`, and at `stop_at` saves and stops both; keeps what each side saved."""
 
-    def __init__(self, steps: int, due=(), stop_at: int | None = None):
+    def __init__(self, steps: int, due=(), stop_at: int | None = None, learner_late_s=0.0):
         self.steps, self.due_at, self.stop_at = steps, set(due), stop_at
+        self.learner_late_s = learner_late_s
+        """Seconds the learner takes to reach each boundary after its version exists (logging,
+        say): the engine host loads the version and starts generating meanwhile."""
         self.barrier = threading.Barrier(2, timeout=60)
         self.saved: dict[int, dict] = {}
 
     def boundary(self, version):
+        if threading.current_thread().name != "checkpoint-boundaries":  # the learner
+            time.sleep(self.learner_late_s)
         self.barrier.wait()
         stop = version == self.stop_at
         return stop or version in self.due_at or version == self.steps, stop

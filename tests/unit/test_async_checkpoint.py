@@ -36,6 +36,7 @@ from tests.unit.pipeline_fakes import (
     make_cfg,
     make_generate_side,
     run_generate,
+    stable,
 )
 
 
@@ -185,20 +186,55 @@ def test_a_restart_without_a_complete_checkpoint_drops_what_it_logged(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["wait", "in_flight"])
+def test_at_n0_a_save_waits_for_the_step_the_learner_trains_next(tmp_path, mode):
+    """N = 0, a save at every boundary, the learner 0.1 s late to each: by then the engine host
+    has loaded version v and is generating step v, the learner's next step. The save waits for
+    that generation instead of cutting it, so the run is the run without saves: every step's
+    metrics equal, no prefix continued (a continued response is prefilled again, and on a real
+    engine its log-probs differ from the uncut one's in the last bits: found by
+    tests/cluster/test_multihost.py). Each save holds step v generated whole. A stop still cuts
+    it: the learner will not train it in that run."""
+    steps = 4
+    cfg = make_cfg(tmp_path, steps=steps, ahead=0, mode=mode, prompts=2, max_new_tokens=12)
+    engine = lambda: TimedEngine(token_s=0.02)  # noqa: E731  (0.24 s a generation)
+    reference = LedgerLearner()
+    assert _run(cfg, reference, engine(), SyncCheckpoints(steps)) == {}
+
+    learner = LedgerLearner()
+    checkpoints = SyncCheckpoints(steps, due=(1, 2, 3), learner_late_s=0.1)
+    assert _run(cfg, learner, engine(), checkpoints) == {}
+    assert [stable(m) for m in learner.logged] == [stable(m) for m in reference.logged]
+    assert not any("rollout/prefix_tokens_kept" in m for m in learner.logged)
+    for version in (1, 2, 3):
+        kept = {entry["work"]["step"]: entry["stage"]
+                for entry in checkpoints.saved[version]["gen"]["pending"]["steps"]}  # fmt: skip
+        assert kept[version] == GENERATED and PARTIAL not in kept.values(), (version, kept)
+
+    stopped = SyncCheckpoints(steps, stop_at=2, learner_late_s=0.1)
+    errors = _run(cfg, LedgerLearner(), engine(), stopped)
+    assert all(isinstance(e, Preempted) for e in errors.values()) and len(errors) == 2, errors
+    kept = {entry["work"]["step"]: entry["stage"]
+            for entry in stopped.saved[2]["gen"]["pending"]["steps"]}  # fmt: skip
+    assert kept[2] == PARTIAL, kept
+
+
+@pytest.mark.parametrize("mode", ["wait", "in_flight"])
 def test_a_save_cuts_the_generation_in_progress_and_the_prefixes_are_continued(tmp_path, mode):
-    """Generation slower than training: every save lands while a step is being generated.
-    The generation is cut, the step saved as partial (its prefixes, log-probs and versions),
-    then continued in the same run; the run preempted at version 3 resumes from those prefixes.
-    Every prompt is trained once, each token within the window, prefixes counted."""
+    """One step ahead, training (0.3 s) slower than generation (0.24 s), the learner 0.1 s
+    late to each boundary: every save lands while step v + 1 is being generated, which the
+    learner does not need yet. The generation is cut, the step saved as partial (its prefixes,
+    log-probs and versions), then continued in the same run; the run preempted at version 3
+    resumes from those prefixes. Every prompt is trained once, each token within the window,
+    prefixes counted."""
     steps, stop = 6, 3
     cfg = make_cfg(tmp_path, steps=steps, ahead=1, mode=mode, prompts=2, max_new_tokens=12)
     engine = lambda: TimedEngine(token_s=0.02)  # noqa: E731  (0.24 s a generation)
-    train_s = lambda stage, step: 0.1 if stage == "train" else 0.0  # noqa: E731
+    train_s = lambda stage, step: 0.3 if stage == "train" else 0.0  # noqa: E731
     reference = LedgerLearner()
     assert _run(cfg, reference, engine(), SyncCheckpoints(steps)) == {}
 
     first = LedgerLearner(durations=train_s)
-    checkpoints = SyncCheckpoints(steps, due=(1, 2), stop_at=stop)
+    checkpoints = SyncCheckpoints(steps, due=(1, 2), stop_at=stop, learner_late_s=0.1)
     errors = _run(cfg, first, engine(), checkpoints)
     assert all(isinstance(e, Preempted) for e in errors.values()) and len(errors) == 2, errors
     partial = [
@@ -207,6 +243,10 @@ def test_a_save_cuts_the_generation_in_progress_and_the_prefixes_are_continued(t
         if entry["stage"] == PARTIAL
     ]  # fmt: skip
     assert partial, "no save found a generation in progress"
+    for version in (1, 2):  # cut: step v + 1; not cut: step v, the learner's next
+        kept = {entry["work"]["step"]: entry["stage"]
+                for entry in checkpoints.saved[version]["gen"]["pending"]["steps"]}  # fmt: skip
+        assert kept[version + 1] == PARTIAL and kept[version] != PARTIAL, (version, kept)
     for entry in partial:
         samples = entry["work"]["samples"]
         assert all(s["finish_reason"] == "abort" for s in samples)
