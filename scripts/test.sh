@@ -10,7 +10,12 @@
 #      megatron-core). Left to the low end: a rank-local error reported once and the four-window
 #      run one step ahead (tests/e2e/test_async_job.py), which exercise this package's code,
 #      not megatron-core's.
-# Extra arguments go to pytest, in both runs (e.g. -x, -k EXPR); HIGH_END=0 skips the second run.
+#   Without extra arguments, the longest tests that never import megatron-core (`engine_only`:
+#   the SGLang engine's own distributed tests; `balanced_unit`: the math grader, the engine's
+#   CPU kernels) run once, in the second run instead of the first, so that the two runs side
+#   by side end together (the suite's wall time, 2 cores).
+# Extra arguments go to pytest, in both runs (e.g. -x, -k EXPR), and leave the first run the
+# whole suite; HIGH_END=0 skips the second run.
 # pytest's exit code 5 (no test collected) fails like any error.
 set -euo pipefail
 repo_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -26,22 +31,31 @@ if [[ ${HIGH_END:-1} == 0 ]]; then
     exec .venv/bin/python -m pytest "$@"
 fi
 
-# The engine-only distributed files (SGLang, no Megatron role) are the same in both runs.
+# The engine-only distributed files (SGLang, no Megatron role): megatron-core is not in them.
+engine_only=(
+    tests/distributed/test_sglang_engine.py tests/distributed/test_engine_restart.py
+    tests/distributed/test_reshard_sglang.py tests/distributed/test_reshard_engine_tp2.py
+    tests/distributed/test_collective_faults.py tests/distributed/test_engine_groups.py
+)
 high_tests=(
     tests/unit/test_compat_versions.py tests/unit/test_megatron_fixes.py
     tests/unit/test_megatron_lm_flags.py tests/unit/test_megatron_flags.py
     tests/unit/test_megatron_lm_examples_by_release.py tests/unit/test_mtp_flags.py
     tests/unit/test_cuda_graph_refusal.py tests/unit/test_batch_ramp.py
     tests/unit/test_device_discipline.py tests/distributed
-    --ignore tests/distributed/test_sglang_engine.py
-    --ignore tests/distributed/test_engine_restart.py
-    --ignore tests/distributed/test_reshard_sglang.py
-    --ignore tests/distributed/test_reshard_engine_tp2.py
-    --ignore tests/distributed/test_collective_faults.py
-    --ignore tests/distributed/test_engine_groups.py
     tests/e2e/test_grpo_job.py tests/cluster/test_multihost.py tests/e2e/test_checkpoint_resume.py
     --deselect "tests/e2e/test_grpo_job.py::test_an_error_only_a_non_leader_rank_finds_is_printed_once"
 )
+# Run once, in the second run, when no extra argument is given (see the top).
+balanced_unit=(tests/unit/test_math_grade.py tests/unit/test_kernel_free.py
+               tests/unit/test_batched_attention.py)
+low_args=("$@")
+if (($# == 0)); then  # the second run's tests/distributed holds the engine-only files then
+    low_args=("${engine_only[@]/#/--ignore=}" "${balanced_unit[@]/#/--ignore=}")
+    high_tests+=("${balanced_unit[@]}")
+else
+    high_tests+=("${engine_only[@]/#/--ignore=}")
+fi
 high_run() {  # its own temporary root and no cache: it may run beside the other session
     PYTEST_DEBUG_TEMPROOT=$high_tmp ".venv-megatron-core-$high/bin/python" -m pytest \
         -p no:cacheprovider "${high_tests[@]}" "$@"
@@ -51,11 +65,11 @@ high_tmp=$(mktemp -d "${TMPDIR:-/tmp}/megatron-core-$high-tests.XXXXXX")
 # The two runs share the 2 cores side by side unless TEST_SEQUENTIAL=1: a run keeps a core
 # about a quarter idle (start-ups, waits on engines), and the second run takes it up.
 if [[ ${TEST_SEQUENTIAL:-0} == 1 ]]; then
-    echo "== the whole suite, megatron-core $low (.venv)"
+    echo "== the suite, megatron-core $low (.venv)"
     set +e
-    .venv/bin/python -m pytest "$@"
+    .venv/bin/python -m pytest "${low_args[@]}"
     low_rc=$?
-    echo "== the tests that exercise megatron-core, megatron-core $high (.venv-megatron-core-$high)"
+    echo "== the tests that exercise megatron-core (and those balanced), megatron-core $high (.venv-megatron-core-$high)"
     high_run "$@"
     high_rc=$?
 else
@@ -63,13 +77,13 @@ else
     high_run "$@" >"$high_log" 2>&1 &
     high_pid=$!
     trap 'pkill -TERM -P "$high_pid" 2>/dev/null; kill "$high_pid" 2>/dev/null || true' INT TERM
-    echo "== the whole suite, megatron-core $low (.venv); megatron-core $high beside it"
+    echo "== the suite, megatron-core $low (.venv); megatron-core $high beside it"
     set +e
-    .venv/bin/python -m pytest "$@"
+    .venv/bin/python -m pytest "${low_args[@]}"
     low_rc=$?
     wait "$high_pid"
     high_rc=$?
-    echo "== the tests that exercise megatron-core, megatron-core $high (.venv-megatron-core-$high)"
+    echo "== the tests that exercise megatron-core (and those balanced), megatron-core $high (.venv-megatron-core-$high)"
     cat "$high_log"
 fi
 rm -rf "$high_tmp"
