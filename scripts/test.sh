@@ -12,8 +12,9 @@
 #      not megatron-core's.
 #   Without extra arguments, the longest tests that never import megatron-core (`engine_only`:
 #   the SGLang engine's own distributed tests; `balanced_unit`: the math grader, the engine's
-#   CPU kernels) run once, in the second run instead of the first, so that the two runs side
-#   by side end together (the suite's wall time, 2 cores).
+#   CPU kernels, the launch scripts, the code sandbox, the warm start) run once, in the second
+#   run instead of the first, so that the two runs side by side end closer together (the
+#   suite's wall time on 2 cores; the cores' total work bounds it).
 # Extra arguments go to pytest, in both runs (e.g. -x, -k EXPR), and leave the first run the
 # whole suite; HIGH_END=0 skips the second run.
 # pytest's exit code 5 (no test collected) fails like any error.
@@ -48,7 +49,8 @@ high_tests=(
 )
 # Run once, in the second run, when no extra argument is given (see the top).
 balanced_unit=(tests/unit/test_math_grade.py tests/unit/test_kernel_free.py
-               tests/unit/test_batched_attention.py)
+               tests/unit/test_batched_attention.py tests/unit/test_launch_scripts.py
+               tests/unit/test_sandbox.py tests/unit/test_warm_start.py)
 low_args=("$@")
 if (($# == 0)); then  # the second run's tests/distributed holds the engine-only files then
     low_args=("${engine_only[@]/#/--ignore=}" "${balanced_unit[@]/#/--ignore=}")
