@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -174,7 +175,8 @@ def trl_worker(spec: dict) -> None:
 
 def run_trl(name, model, data, out, steps, tokens, forced, trl_site, threads, seed=1234):
     run_dir = out / f"trl-{name}"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(run_dir, ignore_errors=True)  # nothing of an earlier sitting
+    run_dir.mkdir(parents=True)
     spec = {"model": str(model), "data": str(data), "steps": steps, "tokens": tokens,
             "forced": forced, "seed": seed, "threads": threads,
             "run_dir": str(run_dir), "out": str(run_dir / "steps.jsonl")}  # fmt: skip
@@ -194,6 +196,9 @@ def run_trl(name, model, data, out, steps, tokens, forced, trl_site, threads, se
 def run_ours(name, loop, model, data, out, steps, tokens, forced, placement, threads=1,
              seed=1234, label=None):
     run_dir = out / f"ours-{name}-{label or loop}"
+    # A run directory keeps its checkpoints, and a launch into it resumes from the newest: into
+    # an earlier sitting's, a run of as many steps would run none and leave that sitting's rows.
+    shutil.rmtree(run_dir, ignore_errors=True)
     sets = [f"model.hf_path={model}", f"data.path={data}", f"trainer.num_steps={steps}",
             "scheduler.validation_every=0", "checkpoint.every_steps=0", f"seed={seed}",
             f"rollout.max_new_tokens={tokens}", f"megatron.seq_length={tokens + 16}"]  # fmt: skip
