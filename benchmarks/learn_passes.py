@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -73,6 +74,7 @@ def _megatron_rank_rss(stop: threading.Event, peak: list[int]) -> None:
 
 def _run(name: str, model: Path, data: Path, out: Path, steps: int, tokens: int, loop: str):
     run_dir = out / f"{loop}-{name}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resumed one
     sets = [f"model.hf_path={model}", f"data.path={data}", f"trainer.num_steps={steps}",
             "scheduler.validation_every=0",
             f"rollout.max_new_tokens={tokens}", f"megatron.seq_length={tokens + 16}",

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,7 @@ def _prepare(out: Path, task: str) -> tuple[Path, Path]:
 def _run(name: str, out: Path, warm: Path, data: Path, port: int, *sets: str,
          recipe: str = "tiny-tools-cpu.yaml") -> list[dict]:  # fmt: skip
     run_dir = out / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resumed one
     cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), str(REPO / "yaml_configs" / recipe),
            "--run-dir", str(run_dir)]  # fmt: skip
     for item in (f"model.hf_path={warm}", f"data.path={data}", *sets):
