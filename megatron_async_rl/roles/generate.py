@@ -65,9 +65,9 @@ class GenerateSide:
         """Injected faults (`jobs.faults.RankFaults`: `reward_fault(step)`, `take_metrics()`),
         set by the job when the recipe asks for some."""
         self._cut_lock = threading.Lock()
-        self._generating = self._cut = False
+        self._cut = False
         self._generating_step: int | None = None
-        """The step of the generation in progress (read by `cut`)."""
+        """The step of the generation in progress, None when none is (read by `cut`)."""
         self.trace = None
         """The rank's `TraceRecorder`, set by the job: multi-turn environment spans go there."""
         if rounds is None and num_engines == 1:
@@ -107,7 +107,7 @@ class GenerateSide:
         kept = self._prefixes(work, oldest)
         for attempt in range(1, 4):
             with self._cut_lock:
-                self._generating, self._cut, self._generating_step = True, False, work.step
+                self._generating_step, self._cut = work.step, False
             try:
                 work.samples = generate_samples(
                     self.engine, self.tokenizer, records, ids, mine,
@@ -116,7 +116,7 @@ class GenerateSide:
                 )  # fmt: skip
             finally:
                 with self._cut_lock:
-                    self._generating, cut = False, self._cut
+                    self._generating_step, cut = None, self._cut
             cut_short = [s for s in work.samples if s.finish_reason not in prefixes.FINISHED]
             work.partial = bool(cut_short)
             if not cut_short or cut:
@@ -142,7 +142,7 @@ class GenerateSide:
         if isinstance(self.engine, ManagedEngine):
             self.engine.set_step(work.step, max(0, work.step - cfg.scheduler.generate_ahead_steps))
         with self._cut_lock:
-            self._generating, self._cut, self._generating_step = True, False, work.step
+            self._generating_step, self._cut = work.step, False
 
         def cut_asked() -> bool:
             with self._cut_lock:
@@ -160,7 +160,7 @@ class GenerateSide:
             return work
         finally:
             with self._cut_lock:
-                self._generating = False
+                self._generating_step = None
         work.partial = False
         work.report.add_sums(sums)
         return work
@@ -258,7 +258,7 @@ class GenerateSide:
         bits from the uncut generation's, where at N = 0 the asynchronous loop must equal the
         synchronous one."""
         with self._cut_lock:
-            if not self._generating or self._generating_step == unless_step:
+            if self._generating_step is None or self._generating_step == unless_step:
                 return False
             self._cut = True
             # Under the lock: no next generation starts before the abort has gone out.

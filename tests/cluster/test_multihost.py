@@ -17,10 +17,10 @@ Contracts checked:
   transport equals the one-host synchronous run's (`sync_run` in tests/conftest.py, 4 optimizer
   mini-batch steps per RL step under an lr schedule) at every step, validation of versions 0
   and 2 included, and the save of version 2 (it waits for step 2's generation, never cuts it:
-  tests/unit/test_async_checkpoint.py). This is the suite's end-to-end run of the asynchronous loop at N = 0 being
-  the synchronous one (in one process with the fake engine: tests/unit/test_async_pipeline.py;
-  with refill: tests/unit/test_refill_pipeline.py; with a critic and a reward model:
-  tests/e2e/test_ppo_job.py).
+  tests/unit/test_async_checkpoint.py). This is the suite's end-to-end run of the asynchronous
+  loop at N = 0 being the synchronous one (in one process with the fake engine:
+  tests/unit/test_async_pipeline.py; with refill: tests/unit/test_refill_pipeline.py; with a
+  critic and a reward model: tests/e2e/test_ppo_job.py).
 Nothing is faked: real namespaces, torchrun, gloo over the veth pair, megatron-core, SGLang.
 """
 

@@ -185,6 +185,11 @@ def test_a_restart_without_a_complete_checkpoint_drops_what_it_logged(tmp_path):
     assert [r["step"] for r in read_ledger(tmp_path / "ledger.jsonl")] == [0]
 
 
+def _stages(saved: dict) -> dict[int, str]:
+    """Step -> the stage it had reached, in an engine host's save (`SyncCheckpoints.saved[v]`)."""
+    return {entry["work"]["step"]: entry["stage"] for entry in saved["gen"]["pending"]["steps"]}
+
+
 @pytest.mark.parametrize("mode", ["wait", "in_flight"])
 def test_at_n0_a_save_waits_for_the_step_the_learner_trains_next(tmp_path, mode):
     """N = 0, a save at every boundary, the learner 0.1 s late to each: by then the engine host
@@ -206,15 +211,13 @@ def test_at_n0_a_save_waits_for_the_step_the_learner_trains_next(tmp_path, mode)
     assert [stable(m) for m in learner.logged] == [stable(m) for m in reference.logged]
     assert not any("rollout/prefix_tokens_kept" in m for m in learner.logged)
     for version in (1, 2, 3):
-        kept = {entry["work"]["step"]: entry["stage"]
-                for entry in checkpoints.saved[version]["gen"]["pending"]["steps"]}  # fmt: skip
+        kept = _stages(checkpoints.saved[version])
         assert kept[version] == GENERATED and PARTIAL not in kept.values(), (version, kept)
 
     stopped = SyncCheckpoints(steps, stop_at=2, learner_late_s=0.1)
     errors = _run(cfg, LedgerLearner(), engine(), stopped)
     assert all(isinstance(e, Preempted) for e in errors.values()) and len(errors) == 2, errors
-    kept = {entry["work"]["step"]: entry["stage"]
-            for entry in stopped.saved[2]["gen"]["pending"]["steps"]}  # fmt: skip
+    kept = _stages(stopped.saved[2])
     assert kept[2] == PARTIAL, kept
 
 
@@ -244,8 +247,7 @@ def test_a_save_cuts_the_generation_in_progress_and_the_prefixes_are_continued(t
     ]  # fmt: skip
     assert partial, "no save found a generation in progress"
     for version in (1, 2):  # cut: step v + 1; not cut: step v, the learner's next
-        kept = {entry["work"]["step"]: entry["stage"]
-                for entry in checkpoints.saved[version]["gen"]["pending"]["steps"]}  # fmt: skip
+        kept = _stages(checkpoints.saved[version])
         assert kept[version + 1] == PARTIAL and kept[version] != PARTIAL, (version, kept)
     for entry in partial:
         samples = entry["work"]["samples"]
