@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/vs_trl.py [--sizes quickstart,h384,h768] [--out runs/bench-vs-trl]
                                           [--trl-site ~/.cache/megatron_async_rl/trl-site]
+                                          [--rounds N]
 
 TRL is an optional extra for this script only, never a dependency of the package; install it
 beside the environment, without touching its packages:
@@ -28,6 +29,11 @@ size (`yaml_configs/tiny-grpo-cpu.yaml`, synchronous) and both loops at the larg
 process with both cores (`torch.set_num_threads(2)`); ours is 2 ranks of one core each
 (Megatron | one SGLang engine). Medians are over steps 1+ (step 0 warms up).
 
+Rounds: a shared machine's speed drifts by tens of percent from one minute to the next, so a
+size's two sides run in rounds, TRL then ours and ours then TRL in turn (`--rounds`; by default
+5 at the quick start, whose runs take seconds, and 1 at the larger sizes), each round's ratio
+from its own two sides, and a size's figure is the median of its rounds' ratios (each printed).
+
 Then the learning curves: the quick start as it ships (its own placement, natural lengths)
 and TRL, `--curve-steps` steps each, reward per step and its 10-step mean side by side in
 `<out>/curves.png` and `<out>/curves.jsonl`.
@@ -39,7 +45,8 @@ window-mate waits should use its core).
 
 Last line: `RESULT vs_trl_quickstart=<r> vs_trl_h384=<r> vs_trl_h768=<r>
 learn_side_h768_s=<s> ...`, each r = TRL's seconds per step / ours (the quick start's own
-loop at the first size, one step ahead at the larger two), and the learn side = the Megatron
+loop at the first size, one step ahead at the larger two; the median over rounds, and the
+`<size>_*_s` seconds the medians of the rounds'), and the learn side = the Megatron
 rank's busy seconds per step one step ahead at h768 (`learn_side_h768_cut`: 1 - that / the
 baseline's).
 """
@@ -68,10 +75,10 @@ from benchmarks.learn_passes import (  # noqa: E402
 )
 from tests.harness.recipes import launch_command, launch_env  # noqa: E402
 
-SIZES = {  # name: (hidden, layers, new tokens, timed steps); hidden None: the quick start's
-    "quickstart": (None, None, 4, 30),
-    "h384": (384, 6, 48, 5),
-    "h768": (768, 12, 48, 4),
+SIZES = {  # name: (hidden, layers, new tokens, timed steps, rounds); hidden None: the quick
+    "quickstart": (None, None, 4, 30, 5),  # start's
+    "h384": (384, 6, 48, 5, 1),
+    "h768": (768, 12, 48, 4, 1),
 }
 DEFAULT_TRL_SITE = Path.home() / ".cache" / "megatron_async_rl" / "trl-site"
 UNMATCHED = """Settings that cannot be matched:
@@ -223,6 +230,25 @@ def run_ours(name, loop, model, data, out, steps, tokens, forced, placement, thr
 # -- the comparison -----------------------------------------------------------------------------
 
 
+def one_round(name, model, data, steps, tokens, loops, args, trl_threads, trl_first: bool):
+    """Both sides at one size, in the order given: (TRL's fastest rows, ours by loop)."""
+
+    def trl_side():
+        return fastest([run_trl(f"{name}-t{threads}", model, data, args.out, steps, tokens, True,
+                                args.trl_site, threads) for threads in trl_threads])  # fmt: skip
+
+    def our_side():
+        return {loop: run_ours(name, loop, model, data, args.out, steps, tokens, True,
+                               args.placement, args.threads_per_rank)
+                for loop in loops}  # fmt: skip
+
+    if trl_first:
+        trl = trl_side()
+        return trl, our_side()
+    ours = our_side()
+    return trl_side(), ours
+
+
 def fastest(runs: list[list[dict]]) -> list[dict]:
     """The run of the lowest median step time; each run's figure printed."""
     for rows in runs:
@@ -290,6 +316,9 @@ def main(argv=None) -> int:
                         help="roles of the Megatron group in the timed runs ('' keeps the "
                         "recipe's)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps at every size")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds of both sides at every size (default: 5 at the quick "
+                        "start, 1 at the larger sizes); a size's ratio is their median")
     parser.add_argument("--curve-steps", type=int, default=60,
                         help="steps of the learning-curve runs (0: none)")
     parser.add_argument("--trl-threads", default=f"1,{os.cpu_count() or 1}",
@@ -320,33 +349,42 @@ def main(argv=None) -> int:
     print(UNMATCHED)
     result, checks = {}, []
     for name in sizes:
-        hidden, layers, tokens, steps = SIZES[name]
-        steps = args.steps or steps
+        hidden, layers, tokens, steps, rounds = SIZES[name]
+        steps, rounds = args.steps or steps, args.rounds or rounds
         model = quick_model if hidden is None else llama_model(args.out, hidden, layers)
         data = quick_data if hidden is None else arith_data(args.out)
-        trl = fastest([run_trl(f"{name}-t{threads}", model, data, args.out, steps, tokens, True,
-                               args.trl_site, threads) for threads in trl_threads])  # fmt: skip
         loops = ["sync"] if name == "quickstart" else ["sync", "ahead"]
-        ours = {loop: run_ours(name, loop, model, data, args.out, steps, tokens, True,
-                               args.placement, args.threads_per_rank)
-                for loop in loops}  # fmt: skip
+        mine = "sync" if name == "quickstart" else "ahead"
         what = "quick start model" if hidden is None else f"hidden {hidden} x {layers}"
-        print(f"\n{name}: {what}"
-              f", {tokens} new tokens forced, {steps} steps; medians over steps 1+:")
-        print(show("TRL", trl))
-        for loop, rows in ours.items():
-            print(show(f"ours {loop}", rows))
-        for side, rows in [("TRL", trl)] + [(f"ours {k}", v) for k, v in ours.items()]:
-            low, high = lengths(rows)
-            checks.append(low == high == tokens)
-            if not checks[-1]:
-                print(f"  ! {side}: response lengths {low:g}..{high:g}, not all {tokens}")
-        mine = ours["sync" if name == "quickstart" else "ahead"]
-        result[f"vs_trl_{name}"] = median(trl, "step_s") / median(mine, "step_s")
-        for loop, rows in ours.items():
-            result[f"{name}_{loop}_s"] = median(rows, "step_s")
-        result[f"{name}_trl_s"] = median(trl, "step_s")
+        print(f"\n{name}: {what}, {tokens} new tokens forced, {steps} steps, {rounds} "
+              "round(s); medians over steps 1+:")
+        figures = []  # per round: (ratio, TRL s/step, ours s/step of each loop)
+        for index in range(rounds):
+            # TRL first, then ours first: a drift of the machine's speed favours neither side
+            trl, ours = one_round(name, model, data, steps, tokens, loops, args, trl_threads,
+                                  trl_first=index % 2 == 0)  # fmt: skip
+            label = f"round {index + 1}" if rounds > 1 else ""
+            print(show(f"TRL {label}".strip(), trl))
+            for loop, rows in ours.items():
+                print(show(f"ours {loop} {label}".strip(), rows))
+            for side, rows in [("TRL", trl)] + [(f"ours {k}", v) for k, v in ours.items()]:
+                low, high = lengths(rows)
+                checks.append(low == high == tokens)
+                if not checks[-1]:
+                    print(f"  ! {side}: response lengths {low:g}..{high:g}, not all {tokens}")
+            steps_s = {loop: median(rows, "step_s") for loop, rows in ours.items()}
+            figures.append((median(trl, "step_s") / steps_s[mine], median(trl, "step_s"),
+                            steps_s))  # fmt: skip
+        ratios = [ratio for ratio, _, _ in figures]
+        if rounds > 1:
+            print(f"  TRL / ours {mine} by round: " + ", ".join(f"{r:.3f}" for r in ratios)
+                  + f"; median {statistics.median(ratios):.3f}")  # fmt: skip
+        result[f"vs_trl_{name}"] = statistics.median(ratios)
+        for loop in loops:
+            result[f"{name}_{loop}_s"] = statistics.median(f[2][loop] for f in figures)
+        result[f"{name}_trl_s"] = statistics.median(f[1] for f in figures)
         if name == "h768":
+            # the last round's, and the baseline run once after it
             result["learn_side_h768_s"] = median(ours["ahead"], "learn_busy_s")
             if args.baseline_placement:
                 base = run_ours(name, "ahead", model, data, args.out, steps, tokens, True,
