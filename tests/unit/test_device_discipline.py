@@ -5,8 +5,9 @@ Contracts checked:
   torch's object collectives only inside `distributed/devices.py`, whose wrappers move every
   tensor to the CPU first (a pickled CUDA tensor comes back on the sender's device index);
 - `devices.to_device` moves every tensor of nested dicts, lists, tuples and namedtuples;
-  `host_copy` leaves CPU tensors as they are and brings others to the CPU; the wrappers send
-  only CPU tensors, whatever they are given;
+  `host_bytes` pickles them with every tensor on the CPU (CPU tensors' values as they are);
+  the wrappers send only such bytes, whatever they are given, and hand back what they
+  unpickle;
 - `Platform.device()` is the LOCAL_RANK device from any thread; a buffer pool refuses a CUDA
   device without an index instead of guessing the thread's;
 - `MegatronRole.logprobs` and `train_step` put every input on the role's device before the
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import pickle
 import subprocess
 import sys
 import threading
@@ -71,30 +73,42 @@ def test_the_scan_sees_a_violation(tmp_path):
 Pair = collections.namedtuple("Pair", "a b")
 
 
-def test_to_device_and_host_copy_walk_nested_containers():
+def test_to_device_and_host_bytes_walk_nested_containers():
     cpu = torch.ones(2)
     obj = {"x": [cpu, (cpu, Pair(cpu, 3))], "n": "text"}
     moved = devices.to_device(obj, META)
     assert moved["x"][0].device == META and moved["x"][1][0].device == META
     assert isinstance(moved["x"][1][1], Pair) and moved["x"][1][1].a.device == META
     assert moved["x"][1][1].b == 3 and moved["n"] == "text"
-    back = devices.host_copy(moved)
+    back = pickle.loads(devices.host_bytes(moved))
     assert back["x"][0].device.type == "cpu" and back["x"][1][1].a.shape == (2,)
-    assert devices.host_copy(obj)["x"][0] is cpu  # already on the host: not copied
+    assert isinstance(back["x"][1][1], Pair) and back["n"] == "text"
+    again = pickle.loads(devices.host_bytes(obj))  # already on the host: the same values
+    assert torch.equal(again["x"][1][1].a, cpu) and again["x"][1][1].b == 3
 
 
 def test_object_collective_wrappers_send_only_host_tensors(monkeypatch):
     sent = []
 
-    def record(*args, **kwargs):
-        sent.append((args, kwargs))
+    def all_gather_object(out, obj, group):
+        sent.append((obj, group))
+        out[:] = [obj] * len(out)
 
-    for name in ("all_gather_object", "gather_object", "broadcast_object_list"):
-        monkeypatch.setattr(devices.dist, name, record)
+    def gather_object(obj, out, dst, group):
+        sent.append((obj, group))
+        out[:] = [obj] * len(out)
+
+    def broadcast_object_list(box, src, group):
+        sent.extend((item, group) for item in box)
+
+    for fake in (all_gather_object, gather_object, broadcast_object_list):
+        monkeypatch.setattr(devices.dist, fake.__name__, fake)
     monkeypatch.setattr(devices.dist, "get_rank", lambda: 0)
     on_device = {"logp": torch.empty(2, 3, device=META)}
-    devices.all_gather_object([None], on_device, group="g")
-    devices.gather_object(on_device, [None], dst=0, group="g")
+    parts = [None, None]
+    devices.all_gather_object(parts, on_device, group="g")
+    gathered = [None]
+    devices.gather_object(on_device, gathered, dst=0, group="g")
     box = [on_device]
     devices.broadcast_object_list(box, src=0, group="g")
 
@@ -108,9 +122,11 @@ def test_object_collective_wrappers_send_only_host_tensors(monkeypatch):
             for item in obj.values():
                 yield from tensors(item)
 
-    seen = [t for args, kwargs in sent for t in tensors([args, kwargs])]
-    assert len(seen) == 3 and all(t.device.type == "cpu" for t in seen)
-    assert all(kwargs["group"] == "g" for _, kwargs in sent)
+    assert len(sent) == 3 and all(isinstance(obj, bytes) for obj, _ in sent)
+    assert all(group == "g" for _, group in sent)
+    seen = [t for obj, _ in sent for t in tensors(pickle.loads(obj))]
+    seen += [t for t in tensors([parts, gathered, box])]  # what the callers get back
+    assert len(seen) == 7 and all(t.device.type == "cpu" and t.shape == (2, 3) for t in seen)
 
 
 def test_platform_device_is_the_local_rank_from_any_thread():
