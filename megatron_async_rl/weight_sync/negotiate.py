@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.distributed as dist
 
 from megatron_async_rl.distributed import devices
@@ -51,23 +52,28 @@ def negotiate(plan, rank, sender_groups, sender_state, receiver, transport, stat
             except OSError as exc:
                 problem = f"receiver global rank {rank} cannot map them: {exc}"
         holds = proposal is not None and bases is not None and bases.held(sender.rank) == proposal
-        flags = [None] * dist.get_world_size(group)
-        devices.all_gather_object(flags, (problem, holds), group=group)
-        problems = [p for p, _ in flags if p]
-        if not problems:
+        # (members with a problem, members without the base): one all_reduce, not an object
+        # gather (two collectives and pickling, every sync); the problems' text only when one
+        # keeps shared memory from a sender that offered it, for the sender's log
+        counts = torch.tensor([problem is not None, not holds], dtype=torch.int64)
+        dist.all_reduce(counts, group=group)
+        if not counts[0]:
             if sender.rank == rank:
                 sender_state.use_shared_memory()
             stats.shared_memory_senders += 1
             continue
         if receiver is not None:
             receiver.shared_memory.detach(sender.rank)
-        if transport == "auto" and handles is not None and rank == sender.rank:
-            logger.info(
-                "weight sync: sender global rank %d broadcasts whole messages: %s",
-                sender.rank, problems[0],
-            )  # fmt: skip
+        if transport == "auto" and handles is not None:  # the same on every member
+            problems = [None] * dist.get_world_size(group)
+            devices.all_gather_object(problems, problem, group=group)
+            if rank == sender.rank:
+                logger.info(
+                    "weight sync: sender global rank %d broadcasts whole messages: %s",
+                    sender.rank, next(p for p in problems if p),
+                )  # fmt: skip
         if encoded:
-            deltas = all(held for _, held in flags)
+            deltas = not counts[1]
             width = buffers.torch_dtype(plan.dtype).itemsize
             codec = DeltaCodec(bases, sender.rank, deltas, width, stats)
             if sender.rank == rank:
