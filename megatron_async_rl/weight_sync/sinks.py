@@ -112,7 +112,9 @@ class EngineSink:
     ):
         self.engine, self.version, self.rank, self.in_place = engine, version, rank, in_place
         self.assembler = buffers.Assembler(dtype, counter, shared=True, pool=pool)
-        self.old_label = ""
+        self.old_label: str | None = None
+        """The engine's label before this version, asked for at the first call that keeps it
+        (one round trip to the engine, saved where every tensor goes in the last call)."""
         self.opened = False
 
     @property
@@ -124,7 +126,6 @@ class EngineSink:
     def begin(self) -> None:
         if self.in_place:
             self.engine.pause("in_place")
-        self.old_label = self.engine.weight_version()
         self.engine.begin_weight_update()
         self.opened = True
 
@@ -156,6 +157,8 @@ class EngineSink:
 
     def _load(self, call: list, sender: int, seq: int, final: bool) -> None:
         named = [(piece.hf_name, tensor) for piece, tensor in call]
+        if not final and self.old_label is None:  # before any call of this version stamps
+            self.old_label = self.engine.weight_version()
         try:
             self.engine.update_weights(
                 named,
@@ -210,7 +213,8 @@ def load_tensors(
     if pause is not None:
         engine.pause(pause)
     try:
-        old_label = engine.weight_version()
+        # the label the calls before the last keep (none: no round trip to the engine)
+        old_label = engine.weight_version() if len(chunks) > 1 else None
         engine.begin_weight_update()
         complete = False
         try:
