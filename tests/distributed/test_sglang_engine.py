@@ -5,7 +5,9 @@ those log-probs match an independent `transformers` forward pass over the same s
 (mean abs diff <= 1e-3); a weight update through begin/update/end is bit-exact as read back by
 `get_weights_by_name` and stamps its version on later tokens; an in-place or retracting pause
 around an update switches the version mid-sequence; timeouts, misuse, a killed scheduler and a
-failed start are reported as errors naming the rank, and the test process survives; shutdown
+failed start are reported as errors naming the rank, and the test process survives; without
+SGLang's tokenizer and detokenizer (the default) it gives the tokens, log-probs and finish
+reasons an engine with them gives (greedy, with and without a stop token); shutdown
 leaves no process and no file in /dev/shm behind (SGLang never removes its load-snapshot
 file). A TP=2 engine reads back the full tensors it was sent, generates like the TP=1 engine
 with the same weights, and reports its killed scheduler (one engine for the three contracts);
@@ -374,6 +376,38 @@ def test_ignore_eos_on_the_real_engine(served):
     assert all(len(r.output_ids) == len(r.output_logprobs) == 24 for r in forced)
     assert {r.finish_reason for r in forced} == {"length"}
     assert any(eos in r.output_ids[:-1] for r in forced)
+
+
+def test_no_tokenizer_in_the_engine_changes_no_token(served):
+    """The engine runs without SGLang's tokenizer and detokenizer (`skip_tokenizer_init`, the
+    default of `host.engine_kwargs`): the same greedy requests, streamed as an engine with
+    restarts streams them, then with a stop token that ends some of them early, give the same
+    token ids, log-probs and finish reasons as an engine with SGLang's tokenizer on, at the
+    same weights. (Greedy: SGLang draws samples from its process's generator, whose state
+    depends on what the engine sampled before, unless its deterministic inference is on.)"""
+    assert served.engine.config.server_args.get("skip_tokenizer_init") is None  # the default's
+    config = engine_config(served.model_dir, progress_every_tokens=8,
+                           server_args={"skip_tokenizer_init": False})  # fmt: skip
+    with_tokenizer = SGLangEngine(config, rank_in_role=0, global_rank=6)
+    engines = (served.engine, with_tokenizer)
+    try:
+        _update(served, "v-tokens")  # the same new weights into both, both caches flushed
+        with_tokenizer.begin_weight_update()
+        with_tokenizer.update_weights(list(served.state.items()), served.version)
+        with_tokenizer.end_weight_update()
+        ours, theirs = (engine.generate(greedy(16, "tok")) for engine in engines)
+        stop = ours[0].output_ids[len(ours[0].output_ids) // 2]  # ends that one half-way
+        requests = [GenerateRequest(r.input_ids, dataclasses.replace(
+            r.sampling, stop_token_ids=(stop,)), f"tok-stop-{i}")
+            for i, r in enumerate(greedy(16, "tok"))]  # fmt: skip
+        stopped = [engine.generate(requests) for engine in engines]
+    finally:
+        with_tokenizer.shutdown()
+    assert "stop" in {r.finish_reason for r in stopped[0]}
+    for mine, other in ((ours, theirs), tuple(stopped)):
+        assert [(r.output_ids, r.finish_reason, r.token_versions) for r in mine] == [
+            (r.output_ids, r.finish_reason, r.token_versions) for r in other]
+        assert [r.output_logprobs for r in mine] == [r.output_logprobs for r in other]
 
 
 def test_shutdown_leaves_no_processes(served):
