@@ -15,6 +15,7 @@ rank waiting for the weight sync to start (an engine host while rank 0 trains) i
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -100,23 +101,33 @@ def run_steps(gen, learn, exchange, clock: RankClock, cfg, checkpoints=None, sta
         with running(update, step, f"sending v{step + 1}"):
             metrics = exchange.sync_weights(step + 1, gen.engine if gen is not None else None)
         timings = clock.timings(step)
+        row = None
         if learn is not None:
             learn.weights_synced(step + 1)
             learned.report.add_measured(metrics)
             learned.report.add_maxima(timings)
             learned.report.add_means(clock.utilization())
             now = time.perf_counter()
-            learn.log(learned, now - last)
+            row = functools.partial(learn.log, learned, now - last)
             last = now
         if checkpoints is not None:
-            boundary(checkpoints, step + 1, gen, learn)
+            boundary(checkpoints, step + 1, gen, learn, row)
+        elif row is not None:
+            row()
 
 
-def boundary(checkpoints, version: int, gen, learn) -> None:
+def boundary(checkpoints, version: int, gen, learn, row=None) -> None:
     """At the boundary after version `version` (collective): save if due, at the end, or on
     a signal (then raise `Preempted`); the HF export when due. The asynchronous loop's Megatron
-    ranks and engine followers call it too (its engine hosts: `jobs/async_checkpoint.py`)."""
+    ranks and engine followers call it too (its engine hosts: `jobs/async_checkpoint.py`).
+
+    `row`: writes the step's metrics (the synchronous loop's Megatron ranks): called once the
+    ranks have agreed, before a save, so that an engine host that has nothing to save goes on
+    to the next step's generation while the row is written (a step's logging, ~4 ms on the
+    quick start, was on its critical path), and a saved version's rows are all written first."""
     save, preempted = checkpoints.boundary(version)
+    if row is not None:
+        row()
     metrics = {}
     if save:
         metrics = checkpoints.save(version, gen, learn)
