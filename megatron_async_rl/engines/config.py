@@ -45,7 +45,9 @@ class EngineConfig:
     generate_timeout_s: float = 3600.0
     """Seconds one generate call may take."""
     server_args: dict[str, Any] = field(default_factory=dict)
-    """Extra `sglang.Engine` keyword arguments, passed through as given."""
+    """Extra `sglang.Engine` keyword arguments, passed through as given; they win over the
+    engine's defaults (`engines/sglang/host.engine_kwargs`: e.g. `skip_tokenizer_init: true`,
+    no tokenizer or detokenizer in the engine, since the ranks tokenize and decode)."""
     max_restarts: int = 3
     """Restarts in place an engine may take within `restart_window_steps` steps when it dies,
     stops answering or hangs (`engines.recovery.restarting`); one more stops the run with every
@@ -153,7 +155,8 @@ class SGLangEngineConfig:
     """SGLang's log level in the engine processes."""
     server_args: dict[str, Any] = field(default_factory=dict)
     """Further `sglang.ServerArgs` fields, passed through unchanged (they win over ours, e.g.
-    `sleep_on_idle`, which is on by default on CPU: an idle scheduler otherwise spins a core)."""
+    `sleep_on_idle`, which is on by default on CPU: an idle scheduler otherwise spins a core,
+    and `skip_tokenizer_init`, on by default: the ranks tokenize and decode themselves)."""
     startup_timeout_s: float = 600.0
     """Limit on engine start (imports, weight load, KV-cache allocation)."""
     call_timeout_s: float = 300.0
