@@ -86,7 +86,7 @@ def engine_kwargs(config: SGLangEngineConfig, has_sgl_kernel: bool | None = None
         # Requests come as token ids and results are read as token ids: the ranks tokenize and
         # decode themselves (with the run's tokenizer, stop tokens passed explicitly), so the
         # engine's detokenizer, which decodes every request's new tokens at every step, is
-        # work nobody reads. Measured on the quick start's batch on CPU: a generate call 15-25%
+        # work nobody reads. Measured on the quick start's batch on CPU: a generate call 13-25%
         # faster, token ids and log-probs identical (`tests/distributed/test_sglang_engine.py`).
         "skip_tokenizer_init": True,
     }
