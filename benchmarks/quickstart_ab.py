@@ -44,21 +44,15 @@ def main(argv=None) -> int:
     model, data = vs_trl.quickstart_inputs()
     tokens = vs_trl.SIZES["quickstart"][2]
     runs: list[list[dict]] = [[] for _ in variants]
-    launch = vs_trl.launch_command
-    try:
-        for index in range(args.rounds):
-            order = range(len(variants)) if index % 2 == 0 else reversed(range(len(variants)))
-            for v in order:
-                # run_ours builds the timed run's --set list; the variant's items go last
-                vs_trl.launch_command = lambda recipe, run_dir, *sets, _extra=variants[v]: (
-                    launch(recipe, run_dir, *sets, *_extra))  # fmt: skip
-                rows = vs_trl.run_ours("quickstart", "sync", model, data, args.out, args.steps,
-                                       tokens, True, "[train]", label=f"v{v}")  # fmt: skip
-                runs[v].append({k: vs_trl.median(rows, k) for k in KEYS})
-                print(f"round {index + 1} v{v}: " + "  ".join(
-                    f"{k[:-2]} {runs[v][-1][k]:.4f}" for k in KEYS), flush=True)  # fmt: skip
-    finally:
-        vs_trl.launch_command = launch
+    for index in range(args.rounds):
+        order = range(len(variants)) if index % 2 == 0 else reversed(range(len(variants)))
+        for v in order:
+            rows = vs_trl.run_ours("quickstart", "sync", model, data, args.out, args.steps,
+                                   tokens, True, "[train]", label=f"v{v}",
+                                   extra_sets=variants[v])  # fmt: skip
+            runs[v].append({k: vs_trl.median(rows, k) for k in KEYS})
+            print(f"round {index + 1} v{v}: " + "  ".join(
+                f"{k[:-2]} {runs[v][-1][k]:.4f}" for k in KEYS), flush=True)  # fmt: skip
     result = {}
     for v, items in enumerate(variants):
         medians = {k: statistics.median(run[k] for run in runs[v]) for k in KEYS}

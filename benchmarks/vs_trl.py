@@ -75,8 +75,9 @@ from benchmarks.learn_passes import (  # noqa: E402
 )
 from tests.harness.recipes import launch_command, launch_env  # noqa: E402
 
-SIZES = {  # name: (hidden, layers, new tokens, timed steps, rounds); hidden None: the quick
-    "quickstart": (None, None, 4, 30, 5),  # start's
+# name: (hidden, layers, new tokens, timed steps, rounds); hidden None: the quick start's model
+SIZES = {
+    "quickstart": (None, None, 4, 30, 5),
     "h384": (384, 6, 48, 5, 1),
     "h768": (768, 12, 48, 4, 1),
 }
@@ -201,7 +202,8 @@ def run_trl(name, model, data, out, steps, tokens, forced, trl_site, threads, se
 
 
 def run_ours(name, loop, model, data, out, steps, tokens, forced, placement, threads=1,
-             seed=1234, label=None):
+             seed=1234, label=None, extra_sets=()):
+    """Our side as `vs_trl` times it; `extra_sets`: more `--set` items, applied last."""
     run_dir = out / f"ours-{name}-{label or loop}"
     # A run directory keeps its checkpoints, and a launch into it resumes from the newest: into
     # an earlier sitting's, a run of as many steps would run none and leave that sitting's rows.
@@ -213,6 +215,7 @@ def run_ours(name, loop, model, data, out, steps, tokens, forced, placement, thr
         sets.append("rollout.ignore_eos=true")
     if placement:
         sets.append(f"roles.groups[0].roles={placement}")
+    sets.extend(extra_sets)
     env = dict(launch_env(), OMP_NUM_THREADS=str(threads))
     done = subprocess.run(launch_command(RECIPES[loop], run_dir, *sets), env=env,
                           cwd=REPO, capture_output=True, text=True, timeout=7200)  # fmt: skip
