@@ -273,5 +273,14 @@ def test_a_save_cuts_the_generation_in_progress_and_the_prefixes_are_continued(t
         assert all(step - 1 <= v <= step for v in trained[step][1]), (step, trained[step][1])
         assert len(trained[step][1]) == 2 * 2 * 12  # every response whole (12 tokens)
     assert second.logged[0]["resume/partial_tokens_restored"] == restored
-    if restored:
-        assert second.logged[0]["rollout/prefix_tokens_kept"] == restored
+    # A step saved partial continues from its prefixes in the resumed run: its row counts them,
+    # on top of what an earlier cut of the same step counted before the save. (The first
+    # resumed row is step `stop`, which a save before the stop may have cut and continued.)
+    partial_at_stop = [e["work"] for e in saved["pending"]["steps"] if e["stage"] == PARTIAL]
+    assert sum(len(s["response_ids"]) for w in partial_at_stop for s in w["samples"]) == restored
+    rows = {row["step"]: row for row in second.logged}
+    for work in partial_at_stop:
+        before = work["report"]["sums"].get("rollout/prefix_tokens_kept", 0.0)
+        tokens = sum(len(s["response_ids"]) for s in work["samples"])
+        row = rows[work["step"]]
+        assert row["rollout/prefix_tokens_kept"] == before + tokens, (work["step"], row)
