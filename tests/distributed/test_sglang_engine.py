@@ -48,6 +48,7 @@ from megatron_async_rl.engines.protocol import (
 )
 from megatron_async_rl.engines.sglang.engine import HostLaunch, SGLangEngine
 from megatron_async_rl.engines.sglang.host import CPU_ATTENTION_BACKEND, CPU_SHIMS_DIR
+from megatron_async_rl.engines.sglang.shm_sweep import load_snapshot_files
 from megatron_async_rl.roles.generate import EngineHeadStart
 from tests.harness.engine import (
     CHECKED_WEIGHTS,
@@ -425,7 +426,8 @@ def test_shutdown_leaves_no_processes(served):
 
 def test_a_launch_nobody_adopts_is_killed_with_what_it_started(model_dir):
     """A run that stops before its early-launched engine is adopted (a checkpoint of another
-    recipe, a bad data file) kills the launch: the host and any SGLang process it started."""
+    recipe, a bad data file) kills the launch: the host and any SGLang process it started, and
+    the load-snapshot file in /dev/shm its scheduler made before the engine served."""
     launch = HostLaunch(engine_config(model_dir), rank_in_role=0, global_rank=5)
     host = psutil.Process(launch.proc.pid)
     deadline = time.monotonic() + 120
@@ -433,10 +435,15 @@ def test_a_launch_nobody_adopts_is_killed_with_what_it_started(model_dir):
     while not (sglang := _sglang_processes(host)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert sglang, "the host started no SGLang process within 120 s"
+    # and its scheduler made its load-snapshot file, which SGLang never removes
+    while not (files := load_snapshot_files(host.pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert files, "the scheduler made no load-snapshot file within 120 s"
     started = [host.pid, *(p.pid for p in host.children(recursive=True))]
     EngineHeadStart(launch).close()
     assert not launch.proc.is_alive()
     assert not any(_alive(pid) for pid in started), started
+    assert not any(os.path.exists(f) for f in files), files
 
 
 def test_failed_start_raises_engine_died_error(tmp_path):

@@ -6,7 +6,11 @@ import os
 import subprocess
 import sys
 
-from megatron_async_rl.engines.sglang.shm_sweep import remove_stale_segments
+from megatron_async_rl.engines.sglang.shm_sweep import (
+    load_snapshot_files,
+    remove_files,
+    remove_stale_segments,
+)
 
 
 def _dead_pid() -> int:
@@ -34,3 +38,26 @@ def test_only_segments_of_dead_creators_are_removed(tmp_path):
 
 def test_a_missing_directory_is_nothing_to_do(tmp_path):
     assert remove_stale_segments(tmp_path / "absent") == []
+
+
+def test_the_load_snapshot_files_a_process_tree_holds_are_found_and_removed(tmp_path):
+    """A child of a child holding `sglang_loads_*` open (as SGLang's scheduler under an engine
+    host does) is found from the top pid; a file of another name is not."""
+    held, other = tmp_path / "sglang_loads_0a1b2c3d4e5f_01234567.shm", tmp_path / "other.shm"
+    script = (f"import subprocess, sys; subprocess.run([sys.executable, '-c', "
+              f"\"a = open({str(held)!r}, 'w'); b = open({str(other)!r}, 'w'); "
+              f"print('open', flush=True); import time; time.sleep(60)\"])")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "open"
+        assert load_snapshot_files(proc.pid) == [str(held)]
+    finally:
+        import psutil
+
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+        proc.wait()
+    remove_files([held, tmp_path / "absent"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.shm"]
+    assert load_snapshot_files(proc.pid) == []  # gone: nothing to find

@@ -59,7 +59,6 @@ import contextlib
 import itertools
 import logging
 import multiprocessing as mp
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -88,7 +87,11 @@ from megatron_async_rl.engines.sglang.host import (  # noqa: F401 - CPU_SHIMS_DI
     kill_tree,
     processes,
 )
-from megatron_async_rl.engines.sglang.shm_sweep import remove_stale_segments
+from megatron_async_rl.engines.sglang.shm_sweep import (
+    load_snapshot_files,
+    remove_files,
+    remove_stale_segments,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -129,10 +132,13 @@ class HostLaunch:
         host_conn.close()
 
     def kill(self) -> None:
-        """End the host and the engine processes it started so far."""
+        """End the host and the engine processes it started so far, and remove the
+        load-snapshot file its scheduler made, if it got that far (read just before the kill)."""
+        files = load_snapshot_files(self.proc.pid)
         kill_tree(self.proc.pid)
         self.proc.join(timeout=10)
         self.conn.close()
+        remove_files(files)
 
 
 class SGLangEngine:
@@ -317,14 +323,9 @@ class SGLangEngine:
         # Whatever is left, e.g. after a timed-out shutdown or a host that was killed.
         kill_tree(self._proc.pid, also=self._engine_procs)
         self._proc.join(timeout=10)
-        self._remove_engine_files()
+        remove_files(self._engine_files)  # what SGLang left in /dev/shm (the host has exited)
         self._conn.close()
 
-    def _remove_engine_files(self) -> None:
-        """Remove what SGLang left in /dev/shm for this engine (the host has exited)."""
-        for path in self._engine_files:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
 
     # -- RPC plumbing -------------------------------------------------------------------------
 
@@ -373,7 +374,7 @@ class SGLangEngine:
                 pending.resolve(kind, payload)
         self._proc.join(timeout=10)
         kill_tree(None, also=self._engine_procs)  # orphans, if the host was killed outright
-        self._remove_engine_files()
+        remove_files(self._engine_files)  # what SGLang left in /dev/shm (the host has exited)
         if not self._closed:
             cause = self._death_notice or "the engine host process exited"
             self._death = f"{cause}; host pid {self._proc.pid} exit code {self._proc.exitcode}"

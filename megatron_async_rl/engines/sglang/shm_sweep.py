@@ -1,11 +1,15 @@
-"""Shared-memory segments that killed SGLang engines left in /dev/shm, removed at the next start.
+"""Shared-memory segments that killed SGLang engines left in /dev/shm, removed at the next start;
+the load-snapshot file of an engine killed before it served.
 
-Owned here: `remove_stale_segments`. Called by `engines/sglang/engine.py` before an engine
-starts. SGLang names its message-queue segments `sgl_shm_<kind>_<pid>_<random>` after the
-process that made them and unlinks them only on a clean exit; an engine killed with its rank
-(SIGKILL, a restart under `--max-restarts`) leaves them, 24 MiB each on CPU, until /dev/shm is
-full. A segment whose creator is no longer alive is removed; nothing of a live process is
-touched, so engines of other runs on the node are safe. (SGLang's own sweep,
+Owned here: `remove_stale_segments`, `load_snapshot_files`, `remove_files`. Called by
+`engines/sglang/engine.py`: the sweep before an engine starts, the other two when an engine
+or a launch nobody adopted ends.
+
+SGLang names its message-queue segments `sgl_shm_<kind>_<pid>_<random>` after the process
+that made them and unlinks them only on a clean exit; an engine killed with its rank (SIGKILL,
+a restart under `--max-restarts`) leaves them, 24 MiB each on CPU, until /dev/shm is full. A
+segment whose creator is no longer alive is removed; nothing of a live process is touched, so
+engines of other runs on the node are safe. (SGLang's own sweep,
 `sglang.srt.utils.stale_shm_cleanup`, also removes whole families unconditionally and only in
 its CI; its pid rule is the one followed here.)
 """
@@ -17,6 +21,9 @@ import os
 from pathlib import Path
 
 PREFIX = "sgl_shm_"
+LOAD_SNAPSHOT_PREFIX = "sglang_loads_"
+"""SGLang's load-snapshot slot files, `sglang_loads_<instance id>_<digest>.shm`: no pid in the
+name, and SGLang never removes them."""
 
 
 def _creator(name: str) -> int | None:
@@ -48,3 +55,29 @@ def remove_stale_segments(directory: str | Path = "/dev/shm") -> list[str]:
                     entry.unlink()
                     removed.append(entry.name)
     return removed
+
+
+def load_snapshot_files(pid: int) -> list[str]:
+    """The load-snapshot files that process `pid` and its descendants hold open. The scheduler
+    makes its file early in its start, before the engine reports ready (and with it the file's
+    name), so a launch killed before that report finds its file only here."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    found = set()
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            found.update(f.path for f in proc.open_files()
+                         if Path(f.path).name.startswith(LOAD_SNAPSHOT_PREFIX))  # fmt: skip
+    return sorted(found)
+
+
+def remove_files(paths) -> None:
+    """Unlink `paths`, those already gone skipped."""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
