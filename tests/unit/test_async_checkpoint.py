@@ -277,10 +277,10 @@ def test_a_save_cuts_the_generation_in_progress_and_the_prefixes_are_continued(t
     # on top of what an earlier cut of the same step counted before the save. (The first
     # resumed row is step `stop`, which a save before the stop may have cut and continued.)
     partial_at_stop = [e["work"] for e in saved["pending"]["steps"] if e["stage"] == PARTIAL]
-    assert sum(len(s["response_ids"]) for w in partial_at_stop for s in w["samples"]) == restored
+    tokens = [sum(len(s["response_ids"]) for s in w["samples"]) for w in partial_at_stop]
+    assert sum(tokens) == restored
     rows = {row["step"]: row for row in second.logged}
-    for work in partial_at_stop:
+    for work, kept in zip(partial_at_stop, tokens, strict=True):
         before = work["report"]["sums"].get("rollout/prefix_tokens_kept", 0.0)
-        tokens = sum(len(s["response_ids"]) for s in work["samples"])
         row = rows[work["step"]]
-        assert row["rollout/prefix_tokens_kept"] == before + tokens, (work["step"], row)
+        assert row["rollout/prefix_tokens_kept"] == before + kept, (work["step"], row)
